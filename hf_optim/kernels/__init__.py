@@ -1,0 +1,1 @@
+"""State quantization and update kernels: PyTorch reference paths, their compiled and Triton twins."""

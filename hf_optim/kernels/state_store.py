@@ -1,0 +1,101 @@
+"""Optimizer state precision, in one place: every algorithm reads and writes fp32 state through this module.
+
+A state slot is stored either as fp32 (32-bit optimizers, and tensors below ``min_8bit_size``) or as
+bitsandbytes' 8-bit blockwise format. The slot names and layout follow bitsandbytes exactly:
+
+=========  ==========================  ==========================================================
+key        32-bit                      8-bit
+=========  ==========================  ==========================================================
+state1     fp32, shape (rows, *shape)   uint8 codes, same shape; ``qmap1`` signed map; ``absmax1``
+state2     fp32                         uint8 codes; ``qmap2`` map; ``absmax2``
+=========  ==========================  ==========================================================
+
+``rows`` is 1 for every state except AdEMAMix's ``state1``, which stacks its two EMAs as ``(2, *shape)`` and
+keeps the absmax of the second in row 1 of ``absmax1``. With ``rows == 1`` the leading dimension is dropped,
+so a 1-row state has exactly the parameter's shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_optim.kernels.blockwise import num_blocks
+from hf_optim.kernels.dynamic_map import dynamic_map, encoder_tables
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One state slot of an algorithm.
+
+    Args:
+        key: bitsandbytes slot name, ``"state1"`` or ``"state2"``.
+        signed: whether the state can be negative (signed dynamic map) or not (unsigned map).
+        rows: how many same-shaped tensors the slot stacks (2 for AdEMAMix's fast and slow EMAs).
+    """
+
+    key: str
+    signed: bool
+    rows: int = 1
+
+    @property
+    def qmap_key(self) -> str:
+        return "qmap" + self.key[-1]
+
+    @property
+    def absmax_key(self) -> str:
+        return "absmax" + self.key[-1]
+
+
+QUANT_KEYS = ("state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2", "unorm_vec", "gnorm_vec")
+"""Keys bitsandbytes nests under ``__bnb_optimizer_quant_state__`` in ``state_dict()``."""
+
+
+def slot_shape(spec: StateSpec, param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(param.shape) if spec.rows == 1 else (spec.rows, *param.shape)
+
+
+def init_slot(
+    state: dict, spec: StateSpec, param: torch.Tensor, eight_bit: bool, allocate=torch.zeros
+) -> None:
+    """Create one zeroed slot in ``state`` for ``param`` (its local tensor, for sharded parameters).
+
+    ``allocate(shape, dtype=, device=)`` makes the big buffers, so paged memory can be plugged in.
+    """
+    shape = slot_shape(spec, param)
+    if not eight_bit:
+        state[spec.key] = allocate(shape, dtype=torch.float32, device=param.device)
+        return
+    blocks = num_blocks(param.numel())
+    state[spec.key] = allocate(shape, dtype=torch.uint8, device=param.device)
+    state[spec.qmap_key] = dynamic_map(spec.signed, param.device)
+    absmax_shape = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
+    state[spec.absmax_key] = torch.zeros(absmax_shape, dtype=torch.float32, device=param.device)
+
+
+def is_8bit(state: dict, spec: StateSpec) -> bool:
+    return state[spec.key].dtype == torch.uint8
+
+
+def slot_tensors(state: dict, spec: StateSpec) -> list[torch.Tensor]:
+    """The raw tensors of a slot as 2-D ``(rows, n)`` views, in the order the kernels take them.
+
+    fp32: ``[values]``; 8-bit: ``[codes, absmax, qmap, encoder table, encoder thresholds]``.
+    """
+    main = state[spec.key].view(spec.rows, -1)
+    if not is_8bit(state, spec):
+        return [main]
+    absmax = state[spec.absmax_key].view(spec.rows, -1)
+    table, thresholds = encoder_tables(spec.signed, main.device)
+    return [main, absmax, state[spec.qmap_key], table, thresholds]
+
+
+def slot_kinds(state: dict, specs: tuple[StateSpec, ...]) -> tuple[bool | None, ...]:
+    """Static description of the slots for kernels: None for fp32, else the map's signedness."""
+    return tuple(spec.signed if is_8bit(state, spec) else None for spec in specs)
+
+
+def slot_bytes(state: dict) -> int:
+    """Bytes held by the tensors of one parameter's state."""
+    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))

@@ -1,0 +1,73 @@
+"""Hyperparameter checks shared by every optimizer; each error names the bad value and what is valid."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_real(name: str, value, *, low: float = -math.inf, low_open: bool = False, high: float = math.inf,
+               high_open: bool = False) -> float:
+    """Return ``float(value)`` if it is a finite real number in the interval, else raise a clear error."""
+    if not _is_real(value):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    below = value <= low if low_open else value < low
+    above = value >= high if high_open else value > high
+    if math.isnan(value) or below or above:
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        raise ValueError(f"Invalid {name}: {value!r}; expected a value in {left}{low}, {high}{right}")
+    return value
+
+
+def check_lr(lr) -> float:
+    return check_real("lr", lr, low=0.0, high=math.inf, high_open=True)
+
+
+def check_eps(eps, name: str = "eps") -> float:
+    return check_real(name, eps, low=0.0, low_open=True, high=math.inf, high_open=True)
+
+
+def check_weight_decay(weight_decay) -> float:
+    return check_real("weight_decay", weight_decay, low=0.0, high=math.inf, high_open=True)
+
+
+def check_beta(name: str, beta) -> float:
+    return check_real(name, beta, low=0.0, high=1.0, high_open=True)
+
+
+def check_betas(betas, count: int) -> tuple[float, ...]:
+    if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != count:
+        raise ValueError(f"betas must be a tuple of {count} floats, got {betas!r}")
+    return tuple(check_beta(f"beta{i + 1}", b) for i, b in enumerate(betas))
+
+
+def check_optional_steps(name: str, value) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"Invalid {name}: {value!r}; expected None or a positive integer number of steps")
+    return value
+
+
+def check_optim_bits(optim_bits) -> int:
+    if optim_bits not in (8, 32) or isinstance(optim_bits, bool):
+        raise ValueError(f"Invalid optim_bits: {optim_bits!r}; expected 8 or 32")
+    return int(optim_bits)
+
+
+def check_min_8bit_size(value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"Invalid min_8bit_size: {value!r}; expected a non-negative integer")
+    return value
+
+
+def check_unsupported(name: str, value, supported, why: str) -> None:
+    """Reject bitsandbytes arguments hf_optim accepts for compatibility but does not implement."""
+    if value != supported:
+        raise ValueError(f"{name}={value!r} is not supported by hf_optim (only {supported!r}): {why}")

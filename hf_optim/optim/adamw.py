@@ -1,0 +1,101 @@
+"""AdamW (Loshchilov & Hutter), with torch.optim.AdamW semantics, in 32-bit, 8-bit and paged forms."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from hf_optim.kernels.state_store import StateSpec
+from hf_optim.optim._validation import check_betas, check_eps, check_lr, check_unsupported, check_weight_decay
+from hf_optim.optim.base import HfOptimizer
+from hf_optim.optim.variants import family
+
+
+def adamw_rule(param, grad, states, h):
+    """One AdamW step on fp32 tensors, written as torch.optim.AdamW computes it (decay before the step).
+
+    ``h``: decay = 1 - lr*wd, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, step_size.
+    """
+    exp_avg, exp_avg_sq = states
+    param = param * h["decay"]
+    exp_avg = torch.lerp(exp_avg, grad, h["one_minus_beta1"])
+    exp_avg_sq = exp_avg_sq * h["beta2"] + h["one_minus_beta2"] * grad * grad
+    denom = exp_avg_sq.sqrt() / h["bias_correction2_sqrt"] + h["eps"]
+    param = param - h["step_size"] * (exp_avg / denom)
+    return param, [exp_avg, exp_avg_sq]
+
+
+def adamw_hyper(group: dict, step: int) -> dict[str, float]:
+    """Host-side scalars of :func:`adamw_rule` at ``step`` (>= 1)."""
+    lr, (beta1, beta2) = group["lr"], group["betas"]
+    return {
+        "decay": 1.0 - lr * group["weight_decay"],
+        "one_minus_beta1": 1.0 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1.0 - beta2,
+        "bias_correction2_sqrt": math.sqrt(1.0 - beta2**step),
+        "eps": group["eps"],
+        "step_size": lr / (1.0 - beta1**step),
+    }
+
+
+class AdamW(HfOptimizer):
+    """AdamW with decoupled weight decay, the same math as ``torch.optim.AdamW``; 32-bit or 8-bit state.
+
+    Drop-in for ``bitsandbytes.optim.AdamW`` (same arguments). State follows bitsandbytes' layout: ``state1``
+    (first moment, signed map when 8-bit) and ``state2`` (second moment, unsigned map).
+
+    Args:
+        params: iterable of parameters or parameter groups.
+        lr (float, default 1e-3): learning rate.
+        betas (tuple[float, float], default (0.9, 0.999)): EMA coefficients of the first and second moment.
+        eps (float, default 1e-8): added to the denominator.
+        weight_decay (float, default 1e-2): decoupled weight decay, applied as ``p *= 1 - lr * weight_decay``
+            before the update (torch semantics).
+        amsgrad (bool, default False): not supported; True raises ValueError (bitsandbytes ignores it).
+        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state.
+        args (default None): bitsandbytes' config object; only None is accepted.
+        min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
+        is_paged (bool, default False): paged state (see ``hf_optim.paging``).
+    """
+
+    algorithm = "adamw"
+    state_specs = (StateSpec("state1", signed=True), StateSpec("state2", signed=False))
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        optim_bits: int = 32,
+        args=None,
+        min_8bit_size: int = 4096,
+        is_paged: bool = False,
+    ) -> None:
+        check_unsupported("amsgrad", amsgrad, False, "AMSGrad needs a third state; use amsgrad=False")
+        check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged)
+
+    def _check_group(self, group: dict) -> None:
+        super()._check_group(group)
+        check_lr(group["lr"])
+        check_betas(group["betas"], 2)
+        check_eps(group["eps"])
+        check_weight_decay(group["weight_decay"])
+
+    rule = staticmethod(adamw_rule)
+    _hyper = staticmethod(adamw_hyper)
+
+
+_twins = family(AdamW, "AdamW")
+AdamW8bit = _twins["AdamW8bit"]
+AdamW32bit = _twins["AdamW32bit"]
+PagedAdamW = _twins["PagedAdamW"]
+PagedAdamW8bit = _twins["PagedAdamW8bit"]
+PagedAdamW32bit = _twins["PagedAdamW32bit"]

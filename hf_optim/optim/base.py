@@ -1,0 +1,279 @@
+"""The base class of every hf_optim optimizer: lazy state creation, dispatch, and bitsandbytes-format state dicts.
+
+Subclasses declare their state slots (``state_specs``) and an elementwise ``rule`` (see
+``hf_optim.kernels.elementwise``), or override ``_init_state`` / ``_update`` when the algorithm is not
+elementwise (LAMB's trust ratio, Adafactor's factored statistics). Precision is never handled here: the state
+store decides 32-bit or 8-bit per tensor, the kernels dequantize and requantize.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+
+from hf_optim.kernels import elementwise
+from hf_optim.kernels.blockwise import num_blocks
+from hf_optim.kernels.dynamic_map import BLOCK_SIZE, dynamic_map
+from hf_optim.kernels.state_store import (
+    QUANT_KEYS,
+    StateSpec,
+    init_slot,
+    slot_kinds,
+    slot_shape,
+    slot_tensors,
+)
+from hf_optim.optim._validation import check_min_8bit_size, check_optim_bits
+from hf_optim.paging import state_allocator
+
+QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
+ALGORITHM_KEY = "hf_optim_algorithm"
+"""Param-group key recording which algorithm wrote a state dict (ignored by bitsandbytes)."""
+
+
+class StateDictError(ValueError):
+    """A state dict that cannot be loaded into this optimizer (another algorithm, layout or block size)."""
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor to compute on: a DTensor's local shard, or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+class HfOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses set ``algorithm``, ``state_specs`` and ``rule`` (or override the hooks)."""
+
+    algorithm: ClassVar[str] = ""
+    state_specs: ClassVar[tuple[StateSpec, ...]] = ()
+    group_keys: ClassVar[tuple[str, ...]] = ()
+    """Param-group keys the algorithm reads (filled from defaults when a foreign state dict lacks them)."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict[str, Any],
+        *,
+        optim_bits: int = 32,
+        min_8bit_size: int = 4096,
+        is_paged: bool = False,
+    ) -> None:
+        defaults = dict(defaults)
+        defaults["optim_bits"] = check_optim_bits(optim_bits)
+        defaults["min_8bit_size"] = check_min_8bit_size(min_8bit_size)
+        super().__init__(params, defaults)
+        self.is_paged = bool(is_paged)
+        self._allocate = state_allocator(self.is_paged)
+        for group in self.param_groups:
+            self._check_group(group)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Hooks for subclasses
+    def _check_group(self, group: dict) -> None:
+        """Validate a param group's hyperparameters (called for every group, including added ones)."""
+        check_optim_bits(group["optim_bits"])
+        check_min_8bit_size(group["min_8bit_size"])
+
+    def rule(self, param, grad, states, hyper):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _hyper(self, group: dict, step: int) -> dict[str, float]:  # pragma: no cover - abstract
+        """Scalars for the rule at ``step`` (host math: bias corrections, schedules)."""
+        raise NotImplementedError
+
+    def _use_8bit(self, param: torch.Tensor, group: dict) -> bool:
+        return group["optim_bits"] == 8 and param.numel() >= group["min_8bit_size"]
+
+    def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
+        state["step"] = 0
+        eight_bit = self._use_8bit(param, group)
+        for spec in self.state_specs:
+            init_slot(state, spec, param, eight_bit, self._allocate)
+
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        hyper = self._hyper(group, state["step"])
+        self._run_rule(self.rule, param, grad, state, hyper)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Dispatch
+    @property
+    def backend(self) -> str:
+        """The kernel path large CPU tensors take: ``torch-compile`` or ``torch`` (eager)."""
+        return "torch-compile" if elementwise.compile_enabled() else "torch"
+
+    def _run_rule(self, rule, param, grad, state, hyper, out: torch.Tensor | None = None) -> None:
+        """Apply an elementwise rule to one parameter, in place, on its device."""
+        flat_param = param.view(-1) if param.is_contiguous() else param.contiguous().view(-1)
+        flat_grad = grad.reshape(-1)
+        kinds = slot_kinds(state, self.state_specs)
+        tensors = [t for spec in self.state_specs for t in slot_tensors(state, spec)]
+        runner = elementwise.update
+        if (
+            flat_param.device.type == "cpu"
+            and flat_param.numel() >= elementwise.COMPILE_MIN_NUMEL
+            and elementwise.compile_enabled()
+        ):
+            runner = elementwise.update_chunked
+        runner(rule, kinds, flat_param, flat_grad, out, tensors, hyper)
+        if not param.is_contiguous():
+            param.copy_(flat_param.view_as(param))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                param, grad = local_tensor(p), local_tensor(p.grad)
+                if grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if param.is_complex():
+                    raise RuntimeError(f"{type(self).__name__} does not support complex parameters")
+                state = self.state[p]
+                if not state:
+                    self._init_state(param, group, state)
+                state["step"] += 1
+                if param.numel() == 0:
+                    continue
+                self._update(param, grad, state, group)
+        return loss
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_allocate"):  # torch calls this from __init__ before our attributes exist
+            self._check_group(self.param_groups[-1])
+
+    def __repr__(self) -> str:
+        paged = ", paged" if self.is_paged else ""
+        return f"{super().__repr__()}\n(hf_optim: backend={self.backend}{paged})"
+
+    # ----------------------------------------------------------------------------------------------------
+    # State dicts in bitsandbytes' format
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, with every quantization tensor nested under ``__bnb_optimizer_quant_state__``."""
+        state_dict = super().state_dict()
+        nested = {}
+        for index, param_state in state_dict["state"].items():
+            param_state = dict(param_state)
+            quant = {k: param_state.pop(k) for k in list(param_state) if k in QUANT_KEYS}
+            if quant:
+                param_state[QUANT_STATE_KEY] = quant
+            nested[index] = param_state
+        state_dict["state"] = nested
+        for group in state_dict["param_groups"]:
+            group[ALGORITHM_KEY] = self.algorithm
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by hf_optim or bitsandbytes (nested or flat form).
+
+        Tensors keep their dtype (uint8 codes stay uint8, fp32 state is never cast to the parameter dtype) and
+        move to their parameter's device. A state dict of another algorithm, of another parameter layout or
+        of the old 2048-element block size raises :class:`StateDictError`.
+        """
+        groups = self.param_groups
+        saved_groups = state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise StateDictError(
+                f"state dict has {len(saved_groups)} parameter groups, this optimizer has {len(groups)}"
+            )
+        for index, (group, saved) in enumerate(zip(groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise StateDictError(
+                    f"parameter group {index} has {len(group['params'])} parameters, "
+                    f"the state dict's has {len(saved['params'])}"
+                )
+            saved_algorithm = saved.get(ALGORITHM_KEY)
+            if saved_algorithm not in (None, self.algorithm):
+                raise StateDictError(
+                    f"state dict was saved by hf_optim's {saved_algorithm!r} optimizer; "
+                    f"{type(self).__name__} runs {self.algorithm!r}"
+                )
+        id_map = {
+            saved_id: p
+            for saved_group, group in zip(saved_groups, groups)
+            for saved_id, p in zip(saved_group["params"], group["params"])
+        }
+        new_state: dict = {}
+        for saved_id, param_state in state_dict["state"].items():
+            if saved_id not in id_map:
+                continue
+            p = id_map[saved_id]
+            flat = dict(param_state)
+            flat.update(flat.pop(QUANT_STATE_KEY, {}))
+            self._check_loaded_state(local_tensor(p), flat, saved_id)
+            new_state[p] = {
+                k: (v.to(local_tensor(p).device) if isinstance(v, torch.Tensor) else v) for k, v in flat.items()
+            }
+            if isinstance(new_state[p].get("step"), torch.Tensor):
+                new_state[p]["step"] = int(new_state[p]["step"].item())
+
+        new_groups = []
+        for group, saved in zip(groups, saved_groups):
+            merged = {k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", ALGORITHM_KEY)}
+            for key, value in self.defaults.items():
+                merged.setdefault(key, value)
+            merged["params"] = group["params"]
+            self._check_group(merged)
+            new_groups.append(merged)
+
+        self.state.clear()
+        self.state.update(new_state)
+        self.param_groups = new_groups
+
+    def _check_loaded_state(self, param: torch.Tensor, state: dict, index) -> None:
+        """Refuse state of another algorithm, shape or block size before it can corrupt training."""
+        where = f"state of parameter {index} (shape {tuple(param.shape)})"
+        expected = {spec.key for spec in self.state_specs}
+        present = {k for k in state if k.startswith("state")}
+        if present != expected:
+            raise StateDictError(
+                f"{where} has slots {sorted(present)}, but {type(self).__name__} ({self.algorithm}) keeps "
+                f"{sorted(expected)}: the state dict was saved by another algorithm"
+            )
+        for spec in self.state_specs:
+            values = state[spec.key]
+            shape = slot_shape(spec, param)
+            if tuple(values.shape) != shape:
+                hint = ""
+                if spec.rows == 1 and values.dim() == param.dim() + 1 and tuple(values.shape[1:]) == tuple(
+                    param.shape
+                ):
+                    hint = " (a stacked AdEMAMix state: the state dict was saved by AdEMAMix)"
+                raise StateDictError(
+                    f"{where}: {spec.key} has shape {tuple(values.shape)}, expected {shape}{hint}"
+                )
+            if values.dtype == torch.uint8:
+                self._check_quant_slot(param, state, spec, where)
+            elif values.dtype != torch.float32:
+                raise StateDictError(f"{where}: {spec.key} has dtype {values.dtype}, expected float32 or uint8")
+
+    @staticmethod
+    def _check_quant_slot(param: torch.Tensor, state: dict, spec: StateSpec, where: str) -> None:
+        for key in (spec.qmap_key, spec.absmax_key):
+            if key not in state:
+                raise StateDictError(f"{where}: 8-bit {spec.key} has no {key}")
+        blocks = num_blocks(param.numel())
+        absmax = state[spec.absmax_key]
+        expected = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
+        if tuple(absmax.shape) != expected:
+            old_blocks = -(-param.numel() // 2048)
+            per_row = absmax.shape[-1] if absmax.dim() else 0
+            if per_row == old_blocks and old_blocks != blocks:
+                raise StateDictError(
+                    f"{where}: {spec.absmax_key} has {per_row} blocks per row, which matches the 2048-element "
+                    f"blocks of bitsandbytes <= 0.43; hf_optim and bitsandbytes >= 0.44 use {BLOCK_SIZE}-element "
+                    "blocks. Re-save the checkpoint with a newer bitsandbytes or restart the optimizer state."
+                )
+            raise StateDictError(f"{where}: {spec.absmax_key} has shape {tuple(absmax.shape)}, expected {expected}")
+        qmap = state[spec.qmap_key]
+        if not torch.equal(qmap.detach().cpu().float(), dynamic_map(spec.signed)):
+            kind = "signed" if spec.signed else "unsigned"
+            raise StateDictError(f"{where}: {spec.qmap_key} is not the {kind} dynamic map this algorithm uses")

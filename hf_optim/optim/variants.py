@@ -1,0 +1,53 @@
+"""The fixed-precision and paged twins of each algorithm (``AdamW8bit``, ``PagedAdamW32bit``, ...).
+
+bitsandbytes ships each algorithm as a family of classes that differ only in ``optim_bits`` and ``is_paged``.
+Here each twin is derived from its algorithm class, so the math lives in one place; the twin's signature and
+docstring are the algorithm's minus the arguments it fixes.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+
+def precision_variant(base: type, name: str, *, optim_bits: int | None = None, is_paged: bool = False) -> type:
+    """Subclass of ``base`` with ``optim_bits`` (if given) and ``is_paged`` fixed."""
+    fixed = {"is_paged": is_paged}
+    if optim_bits is not None:
+        fixed["optim_bits"] = optim_bits
+
+    def __init__(self, params, *args, **kwargs):
+        for key, value in fixed.items():
+            # bitsandbytes' twins silently ignore a conflicting value; here it is an error.
+            if key in kwargs and kwargs[key] != value:
+                raise ValueError(f"{name} fixes {key}={value!r}; got {key}={kwargs[key]!r}")
+            kwargs[key] = value
+        base.__init__(self, params, *args, **kwargs)
+
+    signature = inspect.signature(base.__init__)
+    __init__.__signature__ = signature.replace(
+        parameters=[p for p in signature.parameters.values() if p.name not in fixed]
+    )
+    settings = []
+    if optim_bits is not None:
+        settings.append(f"{optim_bits}-bit state")
+    if is_paged:
+        settings.append("paged state")
+    doc = (
+        f"{base.__name__} with {' and '.join(settings)}: ``{base.__name__}(..., "
+        + ", ".join(f"{k}={v!r}" for k, v in fixed.items())
+        + ")``.\n\n"
+        + (base.__doc__ or "")
+    )
+    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": base.__module__})
+
+
+def family(base: type, prefix: str) -> dict[str, type]:
+    """The bitsandbytes family of ``base``: {prefix}8bit, {prefix}32bit, Paged{prefix}, Paged{prefix}8bit/32bit."""
+    return {
+        f"{prefix}8bit": precision_variant(base, f"{prefix}8bit", optim_bits=8),
+        f"{prefix}32bit": precision_variant(base, f"{prefix}32bit", optim_bits=32),
+        f"Paged{prefix}": precision_variant(base, f"Paged{prefix}", is_paged=True),
+        f"Paged{prefix}8bit": precision_variant(base, f"Paged{prefix}8bit", optim_bits=8, is_paged=True),
+        f"Paged{prefix}32bit": precision_variant(base, f"Paged{prefix}32bit", optim_bits=32, is_paged=True),
+    }
