@@ -1,5 +1,31 @@
-"""hf_optim: memory-efficient optimizers for Hugging Face training, compatible with bitsandbytes' state format."""
+"""hf_optim: memory-efficient optimizers for Hugging Face training, compatible with bitsandbytes' state format.
 
+Every class is a ``torch.optim.Optimizer`` with the constructor arguments of its ``bitsandbytes.optim``
+namesake, so switching is a one-line import change.
+"""
+
+from hf_optim.optim.adafactor import Adafactor
 from hf_optim.optim.adamw import AdamW, AdamW8bit, AdamW32bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit
+from hf_optim.optim.ademamix import (
+    AdEMAMix,
+    AdEMAMix8bit,
+    AdEMAMix32bit,
+    PagedAdEMAMix,
+    PagedAdEMAMix8bit,
+    PagedAdEMAMix32bit,
+)
+from hf_optim.optim.base import HfOptimizer, StateDictError
+from hf_optim.optim.lamb import LAMB, LAMB8bit, LAMB32bit, PagedLAMB, PagedLAMB8bit, PagedLAMB32bit
+from hf_optim.optim.lion import Lion, Lion8bit, Lion32bit, PagedLion, PagedLion8bit, PagedLion32bit
+from hf_optim.optim.rmsprop import RMSprop, RMSprop8bit, RMSprop32bit
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "AdamW", "AdamW8bit", "AdamW32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit",
+    "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit",
+    "LAMB", "LAMB8bit", "LAMB32bit", "PagedLAMB", "PagedLAMB8bit", "PagedLAMB32bit",
+    "Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
+    "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adafactor",
+    "HfOptimizer", "StateDictError",
+]

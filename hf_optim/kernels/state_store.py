@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_optim.kernels import blockwise
 from hf_optim.kernels.blockwise import num_blocks
 from hf_optim.kernels.dynamic_map import dynamic_map, encoder_tables
 
@@ -41,11 +42,12 @@ class StateSpec:
 
     @property
     def qmap_key(self) -> str:
-        return "qmap" + self.key[-1]
+        """``qmap1`` for ``state1`` (bitsandbytes' names); ``<key>_qmap`` for other slots."""
+        return "qmap" + self.key[-1] if self.key.startswith("state") else self.key + "_qmap"
 
     @property
     def absmax_key(self) -> str:
-        return "absmax" + self.key[-1]
+        return "absmax" + self.key[-1] if self.key.startswith("state") else self.key + "_absmax"
 
 
 QUANT_KEYS = ("state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2", "unorm_vec", "gnorm_vec")
@@ -89,6 +91,27 @@ def slot_tensors(state: dict, spec: StateSpec) -> list[torch.Tensor]:
     absmax = state[spec.absmax_key].view(spec.rows, -1)
     table, thresholds = encoder_tables(spec.signed, main.device)
     return [main, absmax, state[spec.qmap_key], table, thresholds]
+
+
+def read_slot(state: dict, spec: StateSpec) -> torch.Tensor:
+    """The slot's values as fp32 ``(rows, n)`` (a view for fp32 slots, a dequantized copy for 8-bit ones)."""
+    tensors = slot_tensors(state, spec)
+    if len(tensors) == 1:
+        return tensors[0]
+    codes, absmax, qmap = tensors[:3]
+    return blockwise.dequantize(codes, absmax, qmap)
+
+
+def write_slot(state: dict, spec: StateSpec, values: torch.Tensor) -> None:
+    """Store fp32 ``values`` (rows, n) into the slot, re-quantizing an 8-bit slot."""
+    tensors = slot_tensors(state, spec)
+    if len(tensors) == 1:
+        tensors[0].copy_(values)
+        return
+    codes, absmax, _, table, thresholds = tensors
+    new_codes, new_absmax = blockwise.quantize(values, table, thresholds, spec.signed)
+    codes.copy_(new_codes)
+    absmax.copy_(new_absmax)
 
 
 def slot_kinds(state: dict, specs: tuple[StateSpec, ...]) -> tuple[bool | None, ...]:

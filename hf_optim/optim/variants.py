@@ -12,7 +12,9 @@ import inspect
 
 def precision_variant(base: type, name: str, *, optim_bits: int | None = None, is_paged: bool = False) -> type:
     """Subclass of ``base`` with ``optim_bits`` (if given) and ``is_paged`` fixed."""
-    fixed = {"is_paged": is_paged}
+    fixed = {}
+    if is_paged or "is_paged" in inspect.signature(base.__init__).parameters:
+        fixed["is_paged"] = is_paged
     if optim_bits is not None:
         fixed["optim_bits"] = optim_bits
 

@@ -1,0 +1,174 @@
+"""Adafactor (Shazeer & Stern 2018) with the semantics of ``transformers.optimization.Adafactor``.
+
+This is what ``optim="adafactor"`` runs in the Trainer today (not ``torch.optim.Adafactor``, a different
+variant that always uses a relative step and has no first moment). State keys match transformers, so its
+checkpoints load here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from hf_optim.kernels.state_store import StateSpec, init_slot, read_slot, write_slot
+from hf_optim.optim._validation import check_beta, check_eps, check_lr, check_real, check_weight_decay
+from hf_optim.optim.base import HfOptimizer, StateDictError
+
+FIRST_MOMENT = StateSpec("exp_avg", signed=True)
+
+
+def rms(tensor: torch.Tensor) -> torch.Tensor:
+    """Root mean square of all elements."""
+    return tensor.norm(2) / math.sqrt(tensor.numel())
+
+
+def factored_inverse_sqrt(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """``1/sqrt(V)`` of the rank-1 factored second moment ``V = row col^T / mean(row)``."""
+    row_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+    col_factor = col.unsqueeze(-2).rsqrt()
+    return row_factor * col_factor
+
+
+class Adafactor(HfOptimizer):
+    """Adafactor with factored second moments for tensors of 2 or more dimensions (transformers semantics).
+
+    ``lr_t = (relative_step ? min(warmup_init ? 1e-6*t : 1e-2, 1/sqrt(t)) : lr) *
+    (scale_parameter ? max(eps[1], RMS(p)) : 1)``; the second-moment decay is ``1 - t**decay_rate``; the update
+    ``g / sqrt(V)`` is clipped to RMS ``clip_threshold`` and scaled by ``lr_t``; with ``beta1`` it is smoothed
+    by a first moment ``exp_avg``; weight decay subtracts ``weight_decay * lr_t * p``.
+
+    8-bit: with ``optim_bits=8`` and ``beta1`` set, the first moment ``exp_avg`` of tensors with at least
+    ``min_8bit_size`` elements is kept in bitsandbytes' 8-bit blockwise format (keys ``exp_avg``,
+    ``exp_avg_qmap``, ``exp_avg_absmax``). The factored statistics are tiny and stay fp32; without
+    ``beta1`` there is no per-element state to quantize, so ``optim_bits`` changes nothing.
+
+    Args:
+        params: iterable of parameters or parameter groups.
+        lr (float | None, default None): external learning rate; must be None when ``relative_step``.
+        eps (tuple[float, float], default (1e-30, 1e-3)): regularizer added to the squared gradient, and the
+            floor of the parameter scale.
+        clip_threshold (float, default 1.0): threshold of the root-mean-square of the final update.
+        decay_rate (float, default -0.8): exponent of the second-moment decay ``1 - t**decay_rate``.
+        beta1 (float | None, default None): first-moment coefficient; None keeps no first moment.
+        weight_decay (float, default 0.0): weight decay, scaled by the step's learning rate.
+        scale_parameter (bool, default True): scale the learning rate by the parameter's RMS.
+        relative_step (bool, default True): use the time-dependent relative step instead of ``lr``.
+        warmup_init (bool, default False): warm the relative step up from 1e-6 (needs ``relative_step``).
+        optim_bits (int, default 32): 8 keeps the first moment in 8-bit (see above).
+        min_8bit_size (int, default 4096): tensors with fewer elements keep an fp32 first moment.
+    """
+
+    algorithm = "adafactor"
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | None = None,
+        eps: tuple[float, float] = (1e-30, 1e-3),
+        clip_threshold: float = 1.0,
+        decay_rate: float = -0.8,
+        beta1: float | None = None,
+        weight_decay: float = 0.0,
+        scale_parameter: bool = True,
+        relative_step: bool = True,
+        warmup_init: bool = False,
+        optim_bits: int = 32,
+        min_8bit_size: int = 4096,
+    ) -> None:
+        if lr is not None and relative_step:
+            raise ValueError("Cannot combine a manual lr with relative_step=True; pass relative_step=False or lr=None")
+        if warmup_init and not relative_step:
+            raise ValueError("warmup_init=True requires relative_step=True")
+        if lr is None and not relative_step:
+            raise ValueError("relative_step=False needs an explicit lr")
+        defaults = dict(
+            lr=lr, eps=tuple(eps), clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
+            weight_decay=weight_decay, scale_parameter=bool(scale_parameter), relative_step=bool(relative_step),
+            warmup_init=bool(warmup_init),
+        )
+        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size)
+
+    def _check_group(self, group: dict) -> None:
+        super()._check_group(group)
+        if group["lr"] is not None:
+            check_lr(group["lr"])
+        eps = group["eps"]
+        if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+            raise ValueError(f"eps must be a tuple of two floats (eps1, eps2), got {eps!r}")
+        check_eps(eps[0], "eps[0]")
+        check_eps(eps[1], "eps[1]")
+        check_real("clip_threshold", group["clip_threshold"], low=0.0, low_open=True)
+        check_real("decay_rate", group["decay_rate"], high=0.0, high_open=True)
+        if group["beta1"] is not None:
+            check_beta("beta1", group["beta1"])
+        check_weight_decay(group["weight_decay"])
+
+    def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
+        state["step"] = 0
+        state["RMS"] = torch.zeros((), dtype=torch.float32, device=param.device)
+        if param.dim() >= 2:
+            shape = param.shape
+            state["exp_avg_sq_row"] = torch.zeros(shape[:-1], dtype=torch.float32, device=param.device)
+            state["exp_avg_sq_col"] = torch.zeros(shape[:-2] + shape[-1:], dtype=torch.float32, device=param.device)
+        else:
+            state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        if group["beta1"] is not None:
+            init_slot(state, FIRST_MOMENT, param, self._use_8bit(param, group), self._allocate)
+
+    def _learning_rate(self, group: dict, step: int, param_rms: torch.Tensor) -> torch.Tensor:
+        step_size = group["lr"]
+        if group["relative_step"]:
+            floor = 1e-6 * step if group["warmup_init"] else 1e-2
+            step_size = min(floor, 1.0 / math.sqrt(step))
+        if group["scale_parameter"]:
+            return param_rms.clamp(min=group["eps"][1]) * step_size
+        return torch.tensor(step_size, dtype=torch.float32, device=param_rms.device)
+
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        step = state["step"]
+        p32 = param.float()
+        grad = grad.float()
+        finite = torch.isfinite(grad)
+        grad = torch.where(finite, grad, torch.zeros_like(grad))  # skipped elements count as zero gradient
+
+        state["RMS"] = rms(p32)
+        lr = self._learning_rate(group, step, state["RMS"])
+        beta2t = 1.0 - math.pow(step, group["decay_rate"])
+        squared = grad * grad + group["eps"][0]
+        if "exp_avg_sq_row" in state:
+            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+            row.mul_(beta2t).add_(squared.mean(dim=-1), alpha=1.0 - beta2t)
+            col.mul_(beta2t).add_(squared.mean(dim=-2), alpha=1.0 - beta2t)
+            update = factored_inverse_sqrt(row, col) * grad
+        else:
+            sq = state["exp_avg_sq"]
+            sq.mul_(beta2t).add_(squared, alpha=1.0 - beta2t)
+            update = sq.rsqrt() * grad
+        update = update / (rms(update) / group["clip_threshold"]).clamp(min=1.0)
+        update = update * lr
+
+        if group["beta1"] is not None:
+            old = read_slot(state, FIRST_MOMENT).view_as(update)
+            exp_avg = old * group["beta1"] + update * (1.0 - group["beta1"])
+            exp_avg = torch.where(finite, exp_avg, old)
+            write_slot(state, FIRST_MOMENT, exp_avg.view(1, -1))
+            update = exp_avg
+        new = p32
+        if group["weight_decay"] != 0:
+            new = new + new * (-group["weight_decay"] * lr)
+        new = new - update
+        param.copy_(torch.where(finite, new, p32))
+
+    def _check_loaded_state(self, param: torch.Tensor, state: dict, index) -> None:
+        factored = param.dim() >= 2
+        needed = {"exp_avg_sq_row", "exp_avg_sq_col"} if factored else {"exp_avg_sq"}
+        missing = needed - set(state)
+        if missing:
+            raise StateDictError(
+                f"state of parameter {index} (shape {tuple(param.shape)}) lacks {sorted(missing)}: "
+                "the state dict was not saved by Adafactor"
+            )
+        if "exp_avg" in state and state["exp_avg"].dtype == torch.uint8:
+            self._check_quant_slot(param, state, FIRST_MOMENT, f"state of parameter {index}")

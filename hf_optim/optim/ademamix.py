@@ -1,0 +1,136 @@
+"""AdEMAMix (Pagliardini et al. 2024, arXiv 2409.03137): Adam plus a slow EMA, with alpha and beta3 warm-ups."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from hf_optim.kernels.state_store import StateSpec
+from hf_optim.optim._validation import (
+    check_betas,
+    check_eps,
+    check_lr,
+    check_optional_steps,
+    check_real,
+    check_weight_decay,
+)
+from hf_optim.optim.base import HfOptimizer
+from hf_optim.optim.variants import family
+
+
+def ademamix_rule(param, grad, states, h):
+    """One AdEMAMix step on fp32 tensors. ``states[0]`` stacks (fast EMA m1, slow EMA m2); ``states[1]`` is nu.
+
+    ``h``: decay, beta1, beta2, beta3 (the scheduled beta3_t), alpha (the scheduled alpha_t),
+    bias_correction1, bias_correction2_sqrt, eps, lr.
+    """
+    stacked, nu = states
+    m1, m2 = stacked[0:1], stacked[1:2]
+    param = param * h["decay"]
+    m1 = h["beta1"] * m1 + (1.0 - h["beta1"]) * grad
+    m2 = h["beta3"] * m2 + (1.0 - h["beta3"]) * grad
+    nu = h["beta2"] * nu + (1.0 - h["beta2"]) * grad * grad
+    denom = nu.sqrt() / h["bias_correction2_sqrt"] + h["eps"]
+    param = param - h["lr"] * (m1 / h["bias_correction1"] + h["alpha"] * m2) / denom
+    return param, [torch.cat([m1, m2], dim=0), nu]
+
+
+def alpha_schedule(alpha: float, step: int, t_alpha: int | None) -> float:
+    """Linear warm-up of alpha from 0 over ``t_alpha`` steps (constant alpha when ``t_alpha`` is None)."""
+    return alpha if not t_alpha else alpha * min(1.0, step / t_alpha)
+
+
+def beta3_schedule(beta1: float, beta3: float, step: int, t_beta3: int | None) -> float:
+    """Warm-up of beta3 from beta1 to beta3, linear in half-life space, over ``t_beta3`` steps."""
+    if not t_beta3:
+        return beta3
+    s = step / t_beta3
+    log1, log3 = math.log(beta1), math.log(beta3)
+    return min(math.exp(log1 * log3 / ((1.0 - s) * log3 + s * log1)), beta3)
+
+
+def ademamix_hyper(group: dict, step: int) -> dict[str, float]:
+    beta1, beta2, beta3 = group["betas"]
+    lr = group["lr"]
+    return {
+        "decay": 1.0 - lr * group["weight_decay"],
+        "beta1": beta1,
+        "beta2": beta2,
+        "beta3": beta3_schedule(beta1, beta3, step, group["t_beta3"]),
+        "alpha": alpha_schedule(group["alpha"], step, group["t_alpha"]),
+        "bias_correction1": 1.0 - beta1**step,
+        "bias_correction2_sqrt": math.sqrt(1.0 - beta2**step),
+        "eps": group["eps"],
+        "lr": lr,
+    }
+
+
+class AdEMAMix(HfOptimizer):
+    """AdEMAMix: AdamW whose numerator mixes a fast EMA with ``alpha`` times a slow EMA (no bias correction).
+
+    Drop-in for ``bitsandbytes.optim.AdEMAMix``. State layout as bitsandbytes: ``state1`` stacks the fast and
+    slow EMAs as ``(2, *p.shape)`` (both signed maps when 8-bit; the slow EMA's absmax is row 1 of
+    ``absmax1``), ``state2`` holds the second moment. bitsandbytes' CUDA kernels index the slow EMA's absmax
+    differently when ``p.numel() % 256 != 0``, so such 8-bit states from bitsandbytes' GPU path are not portable.
+
+    Args:
+        params: iterable of parameters or parameter groups.
+        lr (float, default 1e-3): learning rate.
+        betas (tuple[float, float, float], default (0.9, 0.999, 0.9999)): fast EMA, second moment, slow EMA.
+        alpha (float, default 5.0): weight of the slow EMA.
+        t_alpha (int | None, default None): steps of linear alpha warm-up (None: no warm-up).
+        t_beta3 (int | None, default None): steps of beta3 warm-up from beta1 (None: no warm-up).
+        eps (float, default 1e-8): added to the denominator.
+        weight_decay (float, default 1e-2): decoupled weight decay, applied before the update.
+        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state.
+        min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
+        is_paged (bool, default False): paged state (see ``hf_optim.paging``).
+    """
+
+    algorithm = "ademamix"
+    state_specs = (StateSpec("state1", signed=True, rows=2), StateSpec("state2", signed=False))
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
+        alpha: float = 5.0,
+        t_alpha: int | None = None,
+        t_beta3: int | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        optim_bits: int = 32,
+        min_8bit_size: int = 4096,
+        is_paged: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
+            weight_decay=weight_decay,
+        )
+        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged)
+
+    def _check_group(self, group: dict) -> None:
+        super()._check_group(group)
+        check_lr(group["lr"])
+        check_betas(group["betas"], 3)
+        check_real("alpha", group["alpha"], low=0.0)
+        check_optional_steps("t_alpha", group["t_alpha"])
+        check_optional_steps("t_beta3", group["t_beta3"])
+        check_eps(group["eps"])
+        check_weight_decay(group["weight_decay"])
+        if group["t_beta3"] and min(group["betas"][0], group["betas"][2]) == 0.0:
+            raise ValueError("t_beta3 needs beta1 > 0 and beta3 > 0 (the warm-up works on their logarithms)")
+
+    rule = staticmethod(ademamix_rule)
+    _hyper = staticmethod(ademamix_hyper)
+
+
+_twins = family(AdEMAMix, "AdEMAMix")
+AdEMAMix8bit = _twins["AdEMAMix8bit"]
+AdEMAMix32bit = _twins["AdEMAMix32bit"]
+PagedAdEMAMix = _twins["PagedAdEMAMix"]
+PagedAdEMAMix8bit = _twins["PagedAdEMAMix8bit"]
+PagedAdEMAMix32bit = _twins["PagedAdEMAMix32bit"]

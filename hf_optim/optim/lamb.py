@@ -1,0 +1,159 @@
+"""LAMB (You et al. 2019, arXiv 1904.00962) with NVIDIA apex FusedLAMB semantics: a real layer-wise trust ratio.
+
+bitsandbytes' ``LAMB`` is Adam with update-norm clipping and its ``LAMB8bit`` has no clipping at all; this is
+the algorithm users mean by LAMB, in 32-bit and 8-bit state alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from hf_optim.kernels.state_store import StateSpec
+from hf_optim.optim._validation import (
+    check_betas,
+    check_eps,
+    check_lr,
+    check_real,
+    check_unsupported,
+    check_weight_decay,
+)
+from hf_optim.optim.base import HfOptimizer
+from hf_optim.optim.variants import family
+
+
+def lamb_rule(param, grad, states, h):
+    """First LAMB pass on fp32 tensors: update the moments and return the Adam direction ``u``.
+
+    ``h``: l2 (weight decay added to the gradient, Adam mode off), beta1, beta2, bias_correction1,
+    bias_correction2, eps, decoupled (weight decay added to ``u``, Adam-W mode on).
+    """
+    exp_avg, exp_avg_sq = states
+    grad = grad + h["l2"] * param
+    exp_avg = h["beta1"] * exp_avg + (1.0 - h["beta1"]) * grad
+    exp_avg_sq = h["beta2"] * exp_avg_sq + (1.0 - h["beta2"]) * grad * grad
+    direction = (exp_avg / h["bias_correction1"]) / ((exp_avg_sq / h["bias_correction2"]).sqrt() + h["eps"])
+    direction = direction + h["decoupled"] * param
+    return direction, [exp_avg, exp_avg_sq]
+
+
+def lamb_hyper(group: dict, step: int) -> dict[str, float]:
+    beta1, beta2 = group["betas"]
+    corrected = group["bias_correction"]
+    wd = group["weight_decay"]
+    return {
+        "l2": 0.0 if group["adam_w_mode"] else wd,
+        "decoupled": wd if group["adam_w_mode"] else 0.0,
+        "beta1": beta1,
+        "beta2": beta2,
+        "bias_correction1": 1.0 - beta1**step if corrected else 1.0,
+        "bias_correction2": 1.0 - beta2**step if corrected else 1.0,
+        "eps": group["eps"],
+    }
+
+
+def trust_ratio(
+    weight_norm: torch.Tensor,
+    update_norm: torch.Tensor,
+    *,
+    adapt: bool,
+    max_trust_ratio: float | None,
+) -> torch.Tensor:
+    """``||w|| / ||u||`` where both are positive and ``adapt`` holds, else 1; optionally clamped."""
+    one = torch.ones_like(weight_norm)
+    if not adapt:
+        return one
+    valid = (weight_norm > 0) & (update_norm > 0)
+    ratio = torch.where(valid, weight_norm / torch.where(valid, update_norm, one), one)
+    if max_trust_ratio is not None:
+        ratio = ratio.clamp(max=max_trust_ratio)
+    return ratio
+
+
+class LAMB(HfOptimizer):
+    """LAMB: Adam direction ``u`` (+ decoupled weight decay), scaled per tensor by ``||p|| / ||u||``.
+
+    ``p -= lr * ratio * u`` with ``ratio = ||p|| / ||u||`` over the whole tensor (1 if either norm is 0), as
+    NVIDIA apex's FusedLAMB. apex applies the ratio only to groups with weight decay unless ``use_nvlamb``.
+    The global gradient-norm clipping apex folds in is left to the Trainer (``max_grad_norm``).
+    Arguments shared with ``bitsandbytes.optim.LAMB`` keep their names.
+
+    Args:
+        params: iterable of parameters or parameter groups.
+        lr (float, default 1e-3): learning rate.
+        bias_correction (bool, default True): bias-correct the moments.
+        betas (tuple[float, float], default (0.9, 0.999)): EMA coefficients of the moments.
+        eps (float, default 1e-6): added to the denominator.
+        weight_decay (float, default 0.01): weight decay (in ``u`` when ``adam_w_mode``, else L2 on the gradient).
+        amsgrad (bool, default False): not supported; True raises ValueError.
+        adam_w_mode (bool, default True): decoupled weight decay (apex ``adam_w_mode``).
+        use_nvlamb (bool, default False): apply the trust ratio also to groups with ``weight_decay == 0``.
+        max_trust_ratio (float | None, default None): clamp the trust ratio (e.g. 10); None leaves it free.
+        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state.
+        args (default None): bitsandbytes' config object; only None is accepted.
+        min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
+        is_paged (bool, default False): paged state (see ``hf_optim.paging``).
+    """
+
+    algorithm = "lamb"
+    state_specs = (StateSpec("state1", signed=True), StateSpec("state2", signed=False))
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        use_nvlamb: bool = False,
+        max_trust_ratio: float | None = None,
+        optim_bits: int = 32,
+        args=None,
+        min_8bit_size: int = 4096,
+        is_paged: bool = False,
+    ) -> None:
+        check_unsupported("amsgrad", amsgrad, False, "AMSGrad needs a third state; use amsgrad=False")
+        check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
+        defaults = dict(
+            lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            adam_w_mode=bool(adam_w_mode), use_nvlamb=bool(use_nvlamb), max_trust_ratio=max_trust_ratio,
+        )
+        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged)
+
+    def _check_group(self, group: dict) -> None:
+        super()._check_group(group)
+        check_lr(group["lr"])
+        check_betas(group["betas"], 2)
+        check_eps(group["eps"])
+        check_weight_decay(group["weight_decay"])
+        if group["max_trust_ratio"] is not None:
+            check_real("max_trust_ratio", group["max_trust_ratio"], low=0.0, low_open=True)
+
+    rule = staticmethod(lamb_rule)
+    _hyper = staticmethod(lamb_hyper)
+
+    def _norms(self, weight: torch.Tensor, direction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norms of the whole tensor. A sharded subclass reduces the squared sums across the shard group."""
+        return weight.float().norm(), direction.norm()
+
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        # Pass 1 writes the direction to scratch and leaves the parameter untouched, so its norm is "before".
+        direction = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        self._run_rule(self.rule, param, grad, state, self._hyper(group, state["step"]), out=direction.view(-1))
+        weight_norm, update_norm = self._norms(param, direction)
+        adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
+        ratio = trust_ratio(weight_norm, update_norm, adapt=adapt, max_trust_ratio=group["max_trust_ratio"])
+        updated = param.float() - (group["lr"] * ratio) * direction
+        param.copy_(updated)
+
+
+_twins = family(LAMB, "LAMB")
+LAMB8bit = _twins["LAMB8bit"]
+LAMB32bit = _twins["LAMB32bit"]
+PagedLAMB = _twins["PagedLAMB"]
+PagedLAMB8bit = _twins["PagedLAMB8bit"]
+PagedLAMB32bit = _twins["PagedLAMB32bit"]

@@ -1,0 +1,79 @@
+"""Lion (Chen et al. 2023, arXiv 2302.06675): sign of an interpolated momentum; one state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from hf_optim.kernels.state_store import StateSpec
+from hf_optim.optim._validation import check_betas, check_lr, check_unsupported, check_weight_decay
+from hf_optim.optim.base import HfOptimizer
+from hf_optim.optim.variants import family
+
+
+def lion_rule(param, grad, states, h):
+    """One Lion step on fp32 tensors. ``h``: decay = 1 - lr*wd, lr, beta1, beta2."""
+    (exp_avg,) = states
+    param = param * h["decay"]
+    direction = torch.sign(h["beta1"] * exp_avg + (1.0 - h["beta1"]) * grad)
+    param = param - h["lr"] * direction
+    exp_avg = h["beta2"] * exp_avg + (1.0 - h["beta2"]) * grad
+    return param, [exp_avg]
+
+
+def lion_hyper(group: dict, step: int) -> dict[str, float]:
+    beta1, beta2 = group["betas"]
+    return {"decay": 1.0 - group["lr"] * group["weight_decay"], "lr": group["lr"], "beta1": beta1, "beta2": beta2}
+
+
+class Lion(HfOptimizer):
+    """Lion: ``p -= lr * sign(beta1*m + (1-beta1)*g)`` then ``m = beta2*m + (1-beta2)*g``; 32-bit or 8-bit.
+
+    Drop-in for ``bitsandbytes.optim.Lion`` (same arguments). One state, ``state1`` (signed map when 8-bit).
+
+    Args:
+        params: iterable of parameters or parameter groups.
+        lr (float, default 1e-4): learning rate.
+        betas (tuple[float, float], default (0.9, 0.99)): interpolation and EMA coefficients.
+        weight_decay (float, default 0): decoupled weight decay, applied before the update.
+        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state.
+        args (default None): bitsandbytes' config object; only None is accepted.
+        min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
+        is_paged (bool, default False): paged state (see ``hf_optim.paging``).
+    """
+
+    algorithm = "lion"
+    state_specs = (StateSpec("state1", signed=True),)
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        optim_bits: int = 32,
+        args=None,
+        min_8bit_size: int = 4096,
+        is_paged: bool = False,
+    ) -> None:
+        check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged)
+
+    def _check_group(self, group: dict) -> None:
+        super()._check_group(group)
+        check_lr(group["lr"])
+        check_betas(group["betas"], 2)
+        check_weight_decay(group["weight_decay"])
+
+    rule = staticmethod(lion_rule)
+    _hyper = staticmethod(lion_hyper)
+
+
+_twins = family(Lion, "Lion")
+Lion8bit = _twins["Lion8bit"]
+Lion32bit = _twins["Lion32bit"]
+PagedLion = _twins["PagedLion"]
+PagedLion8bit = _twins["PagedLion8bit"]
+PagedLion32bit = _twins["PagedLion32bit"]

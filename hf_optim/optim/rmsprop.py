@@ -1,0 +1,87 @@
+"""RMSprop with bitsandbytes semantics (no momentum, not centered, L2 weight decay); one state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hf_optim.kernels.state_store import StateSpec
+from hf_optim.optim._validation import check_beta, check_eps, check_lr, check_unsupported, check_weight_decay
+from hf_optim.optim.base import HfOptimizer
+from hf_optim.optim.variants import precision_variant
+
+
+def rmsprop_rule(param, grad, states, h):
+    """One RMSprop step on fp32 tensors. ``h``: weight_decay (L2, added to the gradient), alpha, eps, lr."""
+    (square_avg,) = states
+    grad = grad + h["weight_decay"] * param
+    square_avg = h["alpha"] * square_avg + (1.0 - h["alpha"]) * grad * grad
+    param = param - h["lr"] * grad / (square_avg.sqrt() + h["eps"])
+    return param, [square_avg]
+
+
+def rmsprop_hyper(group: dict, step: int) -> dict[str, float]:
+    return {"weight_decay": group["weight_decay"], "alpha": group["alpha"], "eps": group["eps"], "lr": group["lr"]}
+
+
+class RMSprop(HfOptimizer):
+    """RMSprop: ``v = alpha*v + (1-alpha)*g*g; p -= lr * g / (sqrt(v) + eps)``; 32-bit or 8-bit state.
+
+    Drop-in for ``bitsandbytes.optim.RMSprop``. Weight decay is L2 (added to the gradient), as in
+    bitsandbytes. The 8-bit ``state1`` uses the signed dynamic map, as bitsandbytes' 1-state optimizers do,
+    so checkpoints move both ways.
+
+    Args:
+        params: iterable of parameters or parameter groups.
+        lr (float, default 1e-2): learning rate.
+        alpha (float, default 0.99): EMA coefficient of the squared gradient.
+        eps (float, default 1e-8): added to the denominator.
+        weight_decay (float, default 0): L2 penalty added to the gradient.
+        momentum (float, default 0): only 0 is supported (as in bitsandbytes).
+        centered (bool, default False): only False is supported (as in bitsandbytes).
+        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state.
+        args (default None): bitsandbytes' config object; only None is accepted.
+        min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
+        percentile_clipping (int, default 100): only 100 (off) is supported; clip with the Trainer's
+            ``max_grad_norm`` instead.
+        block_wise (bool, default True): only blockwise quantization is supported.
+    """
+
+    algorithm = "rmsprop"
+    state_specs = (StateSpec("state1", signed=True),)
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-2,
+        alpha: float = 0.99,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        centered: bool = False,
+        optim_bits: int = 32,
+        args=None,
+        min_8bit_size: int = 4096,
+        percentile_clipping: int = 100,
+        block_wise: bool = True,
+    ) -> None:
+        check_unsupported("momentum", momentum, 0.0, "RMSprop with momentum is not implemented (nor in bitsandbytes)")
+        check_unsupported("centered", centered, False, "centered RMSprop is not implemented (nor in bitsandbytes)")
+        check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
+        check_unsupported("percentile_clipping", percentile_clipping, 100, "use the Trainer's max_grad_norm")
+        check_unsupported("block_wise", block_wise, True, "hf_optim stores 8-bit state blockwise only")
+        defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size)
+
+    def _check_group(self, group: dict) -> None:
+        super()._check_group(group)
+        check_lr(group["lr"])
+        check_beta("alpha", group["alpha"])
+        check_eps(group["eps"])
+        check_weight_decay(group["weight_decay"])
+
+    rule = staticmethod(rmsprop_rule)
+    _hyper = staticmethod(rmsprop_hyper)
+
+
+RMSprop8bit = precision_variant(RMSprop, "RMSprop8bit", optim_bits=8)
+RMSprop32bit = precision_variant(RMSprop, "RMSprop32bit", optim_bits=32)
