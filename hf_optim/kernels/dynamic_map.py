@@ -10,7 +10,9 @@ Encoding (value -> nearest code) uses a lookup table keyed by the top bits of th
 normalized value: sign, exponent and ``MANTISSA_BITS`` mantissa bits. Each key covers a range of relative width
 2**-MANTISSA_BITS, narrower than the closest pair of midpoints, so a key's range contains at most one midpoint:
 the table gives the code for the low end of the range, and one comparison against that code's "next" threshold
-decides whether to move one code further from zero. The result is exact round-to-nearest.
+decides whether to move one code further from zero. The result is exact round-to-nearest, with exact ties
+going to the code nearer zero. Signed maps apply bitsandbytes' sign fix: a value with the sign bit set (negative
+values and -0.0, as CUDA's ``signbit``) never encodes as the 0.0 code but as the smallest negative one.
 """
 
 from __future__ import annotations
@@ -71,9 +73,12 @@ def encoder_tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, to
 
 
 def _nearest_codes(values: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
-    """Reference encoder: number of fp32 midpoints strictly below each value (ties go to the lower code)."""
+    """Reference encoder: the code whose value is nearest; an exact tie (a value equal to an fp32 midpoint
+    ``(qmap[i] + qmap[i+1]) * 0.5``) goes to the code nearer zero, so encoding is symmetric in sign."""
     mids = (qmap[1:] + qmap[:-1]) * 0.5
-    return torch.bucketize(values, mids, right=False)
+    toward_zero_up = torch.bucketize(values, mids, right=True)  # negative ties: the upper (nearer-zero) code
+    toward_zero_down = torch.bucketize(values, mids, right=False)  # positive ties: the lower code
+    return torch.where(values < 0, toward_zero_up, toward_zero_down)
 
 
 def _build_encoder(qmap: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,27 @@
+"""Test setup: offline, deterministic, eager kernels unless a test opts into the compiled path."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The compiled CPU path is exercised by tests that ask for it (test_compiled_path.py); everything else runs the
+# eager PyTorch reference, which starts instantly.
+os.environ.setdefault("HF_OPTIM_COMPILE", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine (pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

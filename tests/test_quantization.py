@@ -1,0 +1,91 @@
+"""The 8-bit format itself: dynamic maps equal bitsandbytes' bit for bit, and the encoder is exact nearest."""
+
+import bitsandbytes.functional as bnbF
+import pytest
+import torch
+
+from hf_optim.kernels import blockwise
+from hf_optim.kernels.dynamic_map import dynamic_map, encoder_tables
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_map_equals_bitsandbytes_bit_for_bit(signed):
+    ours = dynamic_map(signed)
+    theirs = bnbF.create_dynamic_map(signed=signed)
+    assert ours.dtype == torch.float32 and ours.shape == (256,)
+    assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
+
+
+def test_dynamic_map_landmarks():
+    signed, unsigned = dynamic_map(True), dynamic_map(False)
+    assert signed[127] == 0 and signed[255] == 1 and abs(signed[0].item() + 0.99297) < 1e-5
+    assert unsigned[0] == 0 and unsigned[255] == 1
+    assert len(set(signed.tolist())) == 256 and len(set(unsigned.tolist())) == 256
+
+
+def reference_codes(values: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Brute force: nearest map value to value/absmax (exact ties to the code nearer zero), then the sign fix."""
+    qmap = dynamic_map(signed).double()
+    blocks = blockwise._blocked(values.view(1, -1))
+    absmax = blocks.abs().amax(-1, keepdim=True)
+    y = (blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))).double().flatten()[: values.numel()]
+    mids = ((qmap[1:].float() + qmap[:-1].float()) * 0.5).double()
+    above = torch.where(y.unsqueeze(-1) < 0, y.unsqueeze(-1) >= mids, y.unsqueeze(-1) > mids)
+    codes = above.sum(-1)
+    if signed:
+        codes = torch.where(torch.signbit(y) & (codes == 127), 126, codes)
+    return codes.to(torch.uint8)
+
+
+def awkward_values(n: int, signed: bool) -> torch.Tensor:
+    """Wide dynamic range, exact zeros, a zero block, and values sitting exactly on midpoints."""
+    x = torch.randn(n) * 10 ** torch.empty(n).uniform_(-8, 0)
+    x[::7] = 0.0
+    x[256:512] = 0.0
+    qmap = dynamic_map(signed)
+    mids = (qmap[1:] + qmap[:-1]) * 0.5
+    x[1024:1024 + 255] = mids  # block 4: absmax will be the largest midpoint, so y != mids exactly; still exercised
+    x[768] = 1.0  # block 3 has absmax exactly 1, so these land exactly on midpoints:
+    x[769:769 + 200] = mids[-200:]
+    return x if signed else x.abs()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("n", [4096, 5000, 256 * 7 + 1])
+def test_quantize_is_exact_nearest_with_sign_fix(signed, n):
+    values = awkward_values(max(n, 1300), signed)[:n] if n >= 1300 else awkward_values(1300, signed)[:n]
+    table, thresholds = encoder_tables(signed, torch.device("cpu"))
+    codes, absmax = blockwise.quantize(values.view(1, -1), table, thresholds, signed)
+    assert codes.dtype == torch.uint8 and absmax.shape == (1, blockwise.num_blocks(n))
+    assert torch.equal(codes.view(-1), reference_codes(values, signed))
+    expected_absmax = blockwise._blocked(values.view(1, -1)).abs().amax(-1)
+    assert torch.equal(absmax, expected_absmax)
+
+
+def test_sign_fix_keeps_tiny_negatives_negative():
+    table, thresholds = encoder_tables(True, torch.device("cpu"))
+    values = torch.tensor([[1.0, -1e-9, 1e-9, -0.0, 0.0]])
+    codes, _ = blockwise.quantize(values, table, thresholds, True)
+    # -0.0 has its sign bit set and takes the smallest negative code, as bitsandbytes' CUDA signbit test does.
+    assert codes.tolist()[0] == [255, 126, 127, 126, 127]
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_dequantize_matches_bitsandbytes(signed):
+    n = 3000
+    codes = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    absmax = torch.rand(blockwise.num_blocks(n)) * 3
+    qmap = dynamic_map(signed)
+    ours = blockwise.dequantize(codes.view(1, -1), absmax.view(1, -1), qmap).view(-1)
+    theirs = bnbF.dequantize_blockwise(codes, absmax=absmax, code=qmap, blocksize=256)
+    assert torch.equal(ours, theirs)
+
+
+def test_quantize_roundtrip_error_is_within_half_a_gap():
+    values = torch.randn(1, 10_000)
+    table, thresholds = encoder_tables(True, torch.device("cpu"))
+    codes, absmax = blockwise.quantize(values, table, thresholds, True)
+    back = blockwise.dequantize(codes, absmax, dynamic_map(True))
+    largest_gap = (dynamic_map(True)[1:] - dynamic_map(True)[:-1]).max()
+    per_block_bound = (largest_gap / 2 * absmax).repeat_interleave(256, dim=1)[:, : values.shape[1]]
+    assert ((back - values).abs() <= per_block_bound * (1 + 1e-6)).all()
