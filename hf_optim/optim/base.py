@@ -83,6 +83,14 @@ class HfOptimizer(torch.optim.Optimizer):
         """Scalars for the rule at ``step`` (host math: bias corrections, schedules)."""
         raise NotImplementedError
 
+    def _to_bnb_group(self, group: dict) -> dict:
+        """Add the param-group keys bitsandbytes' namesake reads, so a saved state dict loads there too."""
+        return group
+
+    def _from_bnb_group(self, saved: dict) -> dict:
+        """Map a bitsandbytes param group's keys to this optimizer's (inverse of :meth:`_to_bnb_group`)."""
+        return saved
+
     def _use_8bit(self, param: torch.Tensor, group: dict) -> bool:
         return group["optim_bits"] == 8 and param.numel() >= group["min_8bit_size"]
 
@@ -167,8 +175,9 @@ class HfOptimizer(torch.optim.Optimizer):
                 param_state[QUANT_STATE_KEY] = quant
             nested[index] = param_state
         state_dict["state"] = nested
-        for group in state_dict["param_groups"]:
-            group[ALGORITHM_KEY] = self.algorithm
+        state_dict["param_groups"] = [
+            {**self._to_bnb_group(group), ALGORITHM_KEY: self.algorithm} for group in state_dict["param_groups"]
+        ]
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -217,7 +226,9 @@ class HfOptimizer(torch.optim.Optimizer):
 
         new_groups = []
         for group, saved in zip(groups, saved_groups):
-            merged = {k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", ALGORITHM_KEY)}
+            merged = {
+                k: copy.deepcopy(v) for k, v in self._from_bnb_group(saved).items() if k not in ("params", ALGORITHM_KEY)
+            }
             for key, value in self.defaults.items():
                 merged.setdefault(key, value)
             merged["params"] = group["params"]

@@ -67,6 +67,9 @@ class Lion(HfOptimizer):
         check_betas(group["betas"], 2)
         check_weight_decay(group["weight_decay"])
 
+    def _to_bnb_group(self, group: dict) -> dict:
+        return {**group, "eps": group.get("eps", 0.0)}  # bitsandbytes' Lion carries an unused eps
+
     rule = staticmethod(lion_rule)
     _hyper = staticmethod(lion_hyper)
 

@@ -79,6 +79,14 @@ class RMSprop(HfOptimizer):
         check_eps(group["eps"])
         check_weight_decay(group["weight_decay"])
 
+    def _to_bnb_group(self, group: dict) -> dict:
+        return {**group, "betas": (group["alpha"], 0.0)}  # bitsandbytes keeps alpha as betas[0]
+
+    def _from_bnb_group(self, saved: dict) -> dict:
+        if "alpha" in saved or "betas" not in saved:
+            return saved
+        return {**saved, "alpha": saved["betas"][0]}
+
     rule = staticmethod(rmsprop_rule)
     _hyper = staticmethod(rmsprop_hyper)
 
