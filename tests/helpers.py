@@ -1,0 +1,25 @@
+"""Shared test helpers: the class list and small deterministic problems."""
+
+import torch
+
+import hf_optim
+
+ALL_CLASSES = [getattr(hf_optim, name) for name in hf_optim.__all__ if name not in ("HfOptimizer", "StateDictError")]
+EIGHT_BIT = [cls for cls in ALL_CLASSES if "8bit" in cls.__name__]
+
+
+def make_params(shapes, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+
+def set_grads(params, step, scale=1.0):
+    gen = torch.Generator().manual_seed(10_000 + step)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen) * scale).to(p.dtype)
+
+
+def run_steps(opt, params, steps, start=0):
+    for step in range(start, start + steps):
+        set_grads(params, step)
+        opt.step()

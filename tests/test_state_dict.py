@@ -1,0 +1,171 @@
+"""State dicts: round trips through torch.save/torch.load(weights_only=True), dtypes kept, bad dicts refused."""
+
+import io
+import warnings
+
+import pytest
+import torch
+from helpers import ALL_CLASSES, make_params, run_steps
+
+import hf_optim
+from hf_optim import StateDictError
+from hf_optim.optim.base import QUANT_STATE_KEY
+
+SHAPES = [(80, 70), (300,), (7,), ()]  # 8-bit sized, not a multiple of 256, below min_8bit_size, scalar
+
+
+def build(cls, params):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the paged-on-CPU notice
+        return cls(params)
+
+
+def save_and_load(state_dict):
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
+def test_resume_from_saved_state_is_bit_exact(cls):
+    """Train 3 steps, save with torch.save, load with weights_only=True into a new optimizer, train 3 more:
+    identical to 6 uninterrupted steps."""
+    straight = make_params(SHAPES)
+    straight_opt = build(cls, straight)
+    run_steps(straight_opt, straight, 6)
+
+    first = make_params(SHAPES)
+    first_opt = build(cls, first)
+    run_steps(first_opt, first, 3)
+    loaded = save_and_load(first_opt.state_dict())
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in first]
+    resumed_opt = build(cls, resumed)
+    resumed_opt.load_state_dict(loaded)
+    run_steps(resumed_opt, resumed, 3, start=3)
+
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+    for a, b in zip(straight, resumed):
+        for key, value in straight_opt.state[a].items():
+            other = resumed_opt.state[b][key]
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == other.dtype and torch.equal(value, other), key
+            else:
+                assert value == other, key
+
+
+@pytest.mark.parametrize("cls", [hf_optim.AdamW8bit, hf_optim.AdEMAMix8bit, hf_optim.Lion8bit, hf_optim.LAMB8bit])
+def test_state_dict_nests_quant_state_like_bitsandbytes(cls):
+    params = make_params([(80, 70)])
+    opt = cls(params)
+    run_steps(opt, params, 1)
+    saved = opt.state_dict()["state"][0]
+    assert set(saved) == {"step", QUANT_STATE_KEY}
+    assert {"state1", "qmap1", "absmax1"} <= set(saved[QUANT_STATE_KEY])
+    assert saved["step"] == 1 and isinstance(saved["step"], int)
+
+
+def test_flat_form_is_accepted():
+    params = make_params([(80, 70)])
+    opt = hf_optim.AdamW8bit(params)
+    run_steps(opt, params, 2)
+    state_dict = opt.state_dict()
+    flat = {0: {"step": 2, **state_dict["state"][0][QUANT_STATE_KEY]}}
+    other = hf_optim.AdamW8bit([torch.nn.Parameter(params[0].detach().clone())])
+    other.load_state_dict({"state": flat, "param_groups": state_dict["param_groups"]})
+    assert torch.equal(other.state[other.param_groups[0]["params"][0]]["state1"], opt.state[params[0]]["state1"])
+
+
+def test_load_never_casts_state_to_the_parameter_dtype():
+    params = make_params([(80, 70), (10,)], dtype=torch.bfloat16)
+    opt = hf_optim.AdamW8bit(params)
+    run_steps(opt, params, 2)
+    loaded = save_and_load(opt.state_dict())
+    fresh = hf_optim.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in params])
+    fresh.load_state_dict(loaded)
+    big, small = (fresh.state[p] for p in fresh.param_groups[0]["params"])
+    assert big["state1"].dtype == torch.uint8 and big["state2"].dtype == torch.uint8
+    assert big["absmax1"].dtype == torch.float32 and big["qmap1"].dtype == torch.float32
+    assert small["state1"].dtype == torch.float32  # fp32 state under min_8bit_size, not bf16
+
+
+def trained_state_dict(cls, shapes=((80, 70),), **kwargs):
+    params = make_params(shapes)
+    opt = cls(params, **kwargs)
+    run_steps(opt, params, 2)
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize(
+    "saved_by,loaded_by,message",
+    [
+        (hf_optim.Lion8bit, hf_optim.AdamW8bit, "saved by hf_optim's 'lion'"),
+        (hf_optim.AdamW8bit, hf_optim.Lion8bit, "saved by hf_optim's 'adamw'"),
+        (hf_optim.AdEMAMix8bit, hf_optim.AdamW8bit, "saved by hf_optim's 'ademamix'"),
+        (hf_optim.AdamW8bit, hf_optim.AdEMAMix8bit, "saved by hf_optim's 'adamw'"),
+        (hf_optim.LAMB8bit, hf_optim.AdamW8bit, "saved by hf_optim's 'lamb'"),
+        (hf_optim.AdamW, hf_optim.Adafactor, "saved by hf_optim's 'adamw'"),
+    ],
+)
+def test_state_dict_of_another_algorithm_is_refused(saved_by, loaded_by, message):
+    saved = trained_state_dict(saved_by)
+    target = loaded_by(make_params([(80, 70)]))
+    with pytest.raises(StateDictError, match=message):
+        target.load_state_dict(saved)
+
+
+@pytest.mark.parametrize(
+    "saved_by,loaded_by,message",
+    [
+        (hf_optim.AdEMAMix8bit, hf_optim.AdamW8bit, "saved by AdEMAMix"),
+        (hf_optim.Lion8bit, hf_optim.AdamW8bit, "saved by another algorithm"),
+        (hf_optim.AdamW8bit, hf_optim.RMSprop8bit, "saved by another algorithm"),
+        (hf_optim.AdamW, hf_optim.AdEMAMix, "expected \\(2, 80, 70\\)"),
+    ],
+)
+def test_foreign_state_without_algorithm_tag_is_checked_by_layout(saved_by, loaded_by, message):
+    """bitsandbytes' state dicts carry no algorithm name: the layout itself must give the mismatch away."""
+    saved = trained_state_dict(saved_by)
+    for group in saved["param_groups"]:
+        group.pop("hf_optim_algorithm")
+    with pytest.raises(StateDictError, match=message):
+        loaded_by(make_params([(80, 70)])).load_state_dict(saved)
+
+
+def test_old_2048_block_size_is_refused_with_a_clear_error():
+    saved = trained_state_dict(hf_optim.AdamW8bit)
+    quant = saved["state"][0][QUANT_STATE_KEY]
+    n = 80 * 70
+    quant["absmax1"] = torch.ones(-(-n // 2048))
+    quant["absmax2"] = torch.ones(-(-n // 2048))
+    with pytest.raises(StateDictError, match="2048-element blocks of bitsandbytes <= 0.43"):
+        hf_optim.AdamW8bit(make_params([(80, 70)])).load_state_dict(saved)
+
+
+def test_other_parameter_layout_is_refused():
+    saved = trained_state_dict(hf_optim.AdamW8bit)
+    with pytest.raises(StateDictError, match="expected \\(70, 80\\)"):
+        hf_optim.AdamW8bit(make_params([(70, 80)])).load_state_dict(saved)
+    with pytest.raises(StateDictError, match="has 2 parameters, the state dict's has 1"):
+        hf_optim.AdamW8bit(make_params([(80, 70), (3,)])).load_state_dict(saved)
+
+
+def test_wrong_quantization_map_is_refused():
+    saved = trained_state_dict(hf_optim.AdamW8bit)
+    quant = saved["state"][0][QUANT_STATE_KEY]
+    quant["qmap1"], quant["qmap2"] = quant["qmap2"], quant["qmap1"]
+    with pytest.raises(StateDictError, match="not the signed dynamic map"):
+        hf_optim.AdamW8bit(make_params([(80, 70)])).load_state_dict(saved)
+
+
+def test_loaded_hyperparameters_are_validated_and_missing_ones_filled():
+    saved = trained_state_dict(hf_optim.LAMB8bit)
+    group = saved["param_groups"][0]
+    del group["use_nvlamb"]  # e.g. a state dict from an older release
+    opt = hf_optim.LAMB8bit(make_params([(80, 70)]))
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["use_nvlamb"] is False
+    saved["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid lr: -1.0"):
+        opt.load_state_dict(saved)
