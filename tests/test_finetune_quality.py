@@ -1,0 +1,29 @@
+"""A small full fine-tune: 8-bit optimizers reach the loss of their 32-bit twins (within 1%)."""
+
+import pytest
+
+import hf_optim
+from hf_optim.tiny import train_tiny
+
+STEPS = 120
+
+
+def final_loss(losses):
+    """Mean of the last 10 steps: less noisy than the last step alone."""
+    return sum(losses[-10:]) / 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "eight,thirty_two,kwargs",
+    [
+        (hf_optim.AdamW8bit, hf_optim.AdamW32bit, dict(lr=3e-3)),
+        (hf_optim.AdEMAMix8bit, hf_optim.AdEMAMix32bit, dict(lr=3e-3)),
+    ],
+    ids=["AdamW", "AdEMAMix"],
+)
+def test_8bit_final_loss_within_one_percent_of_32bit(eight, thirty_two, kwargs):
+    losses32 = train_tiny(lambda params: thirty_two(params, **kwargs), steps=STEPS, seq_len=32)
+    losses8 = train_tiny(lambda params: eight(params, **kwargs), steps=STEPS, seq_len=32)
+    assert final_loss(losses32) < 0.6 * losses32[0], "the run must actually learn for the comparison to mean much"
+    assert abs(final_loss(losses8) - final_loss(losses32)) <= 0.01 * final_loss(losses32)
