@@ -226,9 +226,8 @@ class HfOptimizer(torch.optim.Optimizer):
 
         new_groups = []
         for group, saved in zip(groups, saved_groups):
-            merged = {
-                k: copy.deepcopy(v) for k, v in self._from_bnb_group(saved).items() if k not in ("params", ALGORITHM_KEY)
-            }
+            saved = self._from_bnb_group(saved)
+            merged = {k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", ALGORITHM_KEY)}
             for key, value in self.defaults.items():
                 merged.setdefault(key, value)
             merged["params"] = group["params"]
