@@ -27,8 +27,11 @@ GRAD_SCALES = (1.0, 0.05, 3.0)
 STEPS = 12
 DTYPES = [torch.float32, torch.bfloat16]
 
-# Tolerances, measured (see the final assertions' messages): fp32 differences are a few fp32 ulps of the values;
-# bf16 results differ by at most one bf16 ulp in the rare elements where fp32 rounding tips the bf16 rounding.
+# Tolerances. Measured on x86 CPU after 12 steps: fp32 results differ from torch / transformers / the references
+# below by at most 2.4e-7 absolute (1-2 fp32 ulps, rounding order only; at most 0.32 of FP32_TOL's allowance,
+# many cases are bit-exact), and from bitsandbytes by at most 4.8e-7 (0.05 of BNB_FP32_TOL's). bf16 results were
+# bit-identical in every case; one bf16 ulp is allowed for elements where an fp32 rounding difference tips the
+# bf16 rounding (another CPU's vectorization can do that).
 FP32_TOL = dict(rtol=1e-6, atol=1e-7)
 BF16_TOL = dict(rtol=2**-7, atol=1e-6)  # rtol 2**-7 is between one and two bf16 ulps of the value
 BNB_FP32_TOL = dict(rtol=1e-5, atol=1e-6)  # bnb reorders the arithmetic (eps * sqrt(bc2), step-size folding)
@@ -49,9 +52,9 @@ def tolerance(dtype: torch.dtype, fp32: dict = FP32_TOL) -> dict:
 
 # --------------------------------------------------------------------------------------------------------------
 # Problem driver
-def initial_values(dtype: torch.dtype, scale: float = 1.0) -> list[torch.Tensor]:
+def initial_values(dtype: torch.dtype) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1234)
-    return [(torch.randn(shape, generator=gen) * scale).to(dtype) for shape in SHAPES]
+    return [torch.randn(shape, generator=gen).to(dtype) for shape in SHAPES]
 
 
 def gradient(step: int, index: int, dtype: torch.dtype) -> torch.Tensor:
@@ -66,9 +69,9 @@ def param_groups(params: list, group2: dict | None) -> list[dict]:
     return [{"params": params[:-1]}, {"params": params[-1:], **group2}]
 
 
-def run(factory, dtype: torch.dtype, group2: dict | None = None, *, init_scale: float = 1.0, steps: int = STEPS):
+def run(factory, dtype: torch.dtype, group2: dict | None = None, *, steps: int = STEPS):
     """Run ``factory(param_groups)`` for ``steps`` steps on parameters of ``dtype``; return the final values."""
-    params = [torch.nn.Parameter(v.clone()) for v in initial_values(dtype, init_scale)]
+    params = [torch.nn.Parameter(v.clone()) for v in initial_values(dtype)]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "hf_optim: paged optimizers", UserWarning)  # Paged* on CPU are unpaged
         optimizer = factory(param_groups(params, group2))
@@ -127,7 +130,7 @@ def assert_results_differ(actual: list[torch.Tensor], wrong: list[torch.Tensor],
 # --------------------------------------------------------------------------------------------------------------
 # Straightforward references, written from the spec (fp32 state, fp32 math, one tensor at a time)
 class Reference(torch.optim.Optimizer):
-    """Per-tensor loop: ``p`` and ``g`` are loaded as fp32, ``update`` returns the new fp32 ``p``, stored in p's dtype."""
+    """Per-tensor loop: ``p`` and ``g`` loaded as fp32; ``update`` returns the new fp32 ``p``, stored in p's dtype."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -247,12 +250,14 @@ ADEMAMIX_CASES = [
     ("warmup", dict(lr=1e-2, t_alpha=5, t_beta3=5), None),
     ("warmup-two-groups", dict(lr=1e-2, t_alpha=8), dict(alpha=8.0, t_beta3=4, weight_decay=0.0)),
 ]
+LAMB_CLAMP = dict(lr=1e-2, weight_decay=0.05, max_trust_ratio=1.2)
+"""Binds in 33 of the 36 (step, tensor) updates: see test_lamb_max_trust_ratio_binds."""
 LAMB_CASES = [
     ("defaults", {}, None),
     ("wd", dict(lr=1e-2, weight_decay=0.1), None),
     ("no-wd", dict(lr=1e-2, weight_decay=0.0), None),
     ("no-wd-nvlamb", dict(lr=1e-2, weight_decay=0.0, use_nvlamb=True), None),
-    ("max-trust-ratio", dict(lr=1e-2, weight_decay=0.05, max_trust_ratio=1.2), None),
+    ("max-trust-ratio", LAMB_CLAMP, None),
     ("l2-mode", dict(lr=1e-2, weight_decay=0.1, adam_w_mode=False), None),
     (
         "no-bias-correction-two-groups",
@@ -367,7 +372,7 @@ def test_ademamix_wrong_variants_differ(wrong_kwargs, dtype):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# LAMB
+# LAMB. No bitsandbytes reference: its LAMB32bit is Adam with update-norm clipping, not apex's trust ratio.
 @dtypes
 @pytest.mark.parametrize("kwargs, group2", cases(LAMB_CASES))
 @classes("LAMB", "LAMB32bit", "PagedLAMB32bit")
@@ -381,8 +386,7 @@ def test_lamb_matches_reference(cls, kwargs, group2, dtype):
 @dtypes
 def test_lamb_max_trust_ratio_binds(dtype):
     """The max_trust_ratio case really clamps (so its comparison covers the clamp) and changes the result."""
-    kwargs = dict(LAMB_CASES[4][1])
-    assert kwargs["max_trust_ratio"] is not None
+    kwargs = LAMB_CLAMP
     optimizers = []
 
     def make(groups):
@@ -398,17 +402,16 @@ def test_lamb_max_trust_ratio_binds(dtype):
 
 @dtypes
 def test_lamb_trust_ratio_changes_the_result(dtype):
-    """With weight decay the trust ratio makes LAMB differ from AdamW; without it (and no nvlamb) it is Adam."""
-    ours = run(lambda groups: hf_optim.LAMB32bit(groups, lr=1e-2, weight_decay=0.1, eps=1e-8), dtype)
-    # LAMB's u with decoupled decay and ratio 1 is AdamW's step up to lr^2 * wd terms and eps placement.
-    adamw = run_fp32_master(
-        lambda groups: torch.optim.AdamW(groups, foreach=False, lr=1e-2, weight_decay=0.1, eps=1e-8), dtype
-    )
-    assert_results_differ(ours, adamw, tolerance(dtype))
+    """Without weight decay (and no nvlamb) LAMB is exactly Adam; with it the trust ratio makes it differ from AdamW."""
     no_ratio = run(lambda groups: hf_optim.LAMB32bit(groups, lr=1e-2, weight_decay=0.0), dtype)
     adam = run_fp32_master(lambda groups: torch.optim.Adam(groups, foreach=False, lr=1e-2, eps=1e-6), dtype)
-    abs_diff, _ = max_diffs(no_ratio, adam)
-    assert abs_diff < 1e-3, abs_diff  # same algorithm, eps inside vs outside the bias correction
+    assert_results_close(no_ratio, adam, tolerance(dtype))
+    # With the ratio fixed at 1, LAMB's decoupled decay would be AdamW's up to an O(lr^2 * wd) term.
+    ours = run(lambda groups: hf_optim.LAMB32bit(groups, lr=1e-2, weight_decay=0.1), dtype)
+    adamw = run_fp32_master(
+        lambda groups: torch.optim.AdamW(groups, foreach=False, lr=1e-2, weight_decay=0.1, eps=1e-6), dtype
+    )
+    assert_results_differ(ours, adamw, tolerance(dtype))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -435,7 +438,7 @@ def test_lion_matches_bitsandbytes(kwargs, group2, dtype):
 @dtypes
 def test_lion_momentum_order_matters(dtype):
     """Updating the EMA before taking the sign (a classic Lion bug) gives a clearly different result."""
-    kwargs = dict(lr=1e-3, weight_decay=0.1)
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
     ours = run(lambda groups: hf_optim.Lion32bit(groups, **kwargs), dtype)
     wrong = run(lambda groups: ReferenceLion(groups, momentum_first=True, **kwargs), dtype)
     assert_results_differ(ours, wrong, tolerance(dtype))
@@ -475,7 +478,7 @@ def test_rmsprop_matches_bitsandbytes(kwargs, group2, dtype):
 @dtypes
 def test_rmsprop_weight_decay_is_l2(dtype):
     """Decoupled (AdamW-style) decay gives a clearly different result than the L2 decay RMSprop uses."""
-    kwargs = dict(lr=1e-3, alpha=0.9, weight_decay=0.1)
+    kwargs = dict(lr=1e-2, alpha=0.9, weight_decay=0.5)
     ours = run(lambda groups: hf_optim.RMSprop32bit(groups, **kwargs), dtype)
     wrong = run(lambda groups: ReferenceRMSprop(groups, decoupled=True, **kwargs), dtype)
     assert_results_differ(ours, wrong, tolerance(dtype))

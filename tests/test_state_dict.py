@@ -169,3 +169,17 @@ def test_loaded_hyperparameters_are_validated_and_missing_ones_filled():
     saved["param_groups"][0]["lr"] = -1.0
     with pytest.raises(ValueError, match="Invalid lr: -1.0"):
         opt.load_state_dict(saved)
+
+
+def test_loading_copies_so_two_optimizers_never_share_state():
+    params = make_params([(80, 70)])
+    opt = hf_optim.AdamW8bit(params)
+    run_steps(opt, params, 2)
+    saved = opt.state_dict()
+    codes_before = saved["state"][0][QUANT_STATE_KEY]["state1"].clone()
+    twin_params = [torch.nn.Parameter(params[0].detach().clone())]
+    twin = hf_optim.AdamW8bit(twin_params)
+    twin.load_state_dict(saved)
+    run_steps(twin, twin_params, 1, start=2)
+    assert torch.equal(saved["state"][0][QUANT_STATE_KEY]["state1"], codes_before)
+    assert torch.equal(opt.state[params[0]]["state1"], codes_before)

@@ -23,15 +23,16 @@ from hf_optim.optim.variants import family
 def ademamix_rule(param, grad, states, h):
     """One AdEMAMix step on fp32 tensors. ``states[0]`` stacks (fast EMA m1, slow EMA m2); ``states[1]`` is nu.
 
-    ``h``: decay, beta1, beta2, beta3 (the scheduled beta3_t), alpha (the scheduled alpha_t),
-    bias_correction1, bias_correction2_sqrt, eps, lr.
+    ``h``: decay, beta1..3 and one_minus_beta1..3 (beta3 is the scheduled beta3_t), alpha (the scheduled
+    alpha_t), bias_correction1, bias_correction2_sqrt, eps, lr. Every derived scalar comes from the host in
+    double precision: ``1 - beta3`` computed in fp32 would lose four digits.
     """
     stacked, nu = states
     m1, m2 = stacked[0:1], stacked[1:2]
     param = param * h["decay"]
-    m1 = h["beta1"] * m1 + (1.0 - h["beta1"]) * grad
-    m2 = h["beta3"] * m2 + (1.0 - h["beta3"]) * grad
-    nu = h["beta2"] * nu + (1.0 - h["beta2"]) * grad * grad
+    m1 = h["beta1"] * m1 + h["one_minus_beta1"] * grad
+    m2 = h["beta3"] * m2 + h["one_minus_beta3"] * grad
+    nu = h["beta2"] * nu + h["one_minus_beta2"] * grad * grad
     denom = nu.sqrt() / h["bias_correction2_sqrt"] + h["eps"]
     param = param - h["lr"] * (m1 / h["bias_correction1"] + h["alpha"] * m2) / denom
     return param, [torch.cat([m1, m2], dim=0), nu]
@@ -53,12 +54,16 @@ def beta3_schedule(beta1: float, beta3: float, step: int, t_beta3: int | None) -
 
 def ademamix_hyper(group: dict, step: int) -> dict[str, float]:
     beta1, beta2, beta3 = group["betas"]
+    beta3_t = beta3_schedule(beta1, beta3, step, group["t_beta3"])
     lr = group["lr"]
     return {
         "decay": 1.0 - lr * group["weight_decay"],
         "beta1": beta1,
         "beta2": beta2,
-        "beta3": beta3_schedule(beta1, beta3, step, group["t_beta3"]),
+        "beta3": beta3_t,
+        "one_minus_beta1": 1.0 - beta1,
+        "one_minus_beta2": 1.0 - beta2,
+        "one_minus_beta3": 1.0 - beta3_t,
         "alpha": alpha_schedule(group["alpha"], step, group["t_alpha"]),
         "bias_correction1": 1.0 - beta1**step,
         "bias_correction2_sqrt": math.sqrt(1.0 - beta2**step),

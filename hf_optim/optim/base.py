@@ -218,8 +218,11 @@ class HfOptimizer(torch.optim.Optimizer):
             flat = dict(param_state)
             flat.update(flat.pop(QUANT_STATE_KEY, {}))
             self._check_loaded_state(local_tensor(p), flat, saved_id)
+            # Copy: the loaded optimizer must never share (and mutate) the caller's tensors.
+            device = local_tensor(p).device
             new_state[p] = {
-                k: (v.to(local_tensor(p).device) if isinstance(v, torch.Tensor) else v) for k, v in flat.items()
+                k: (v.to(device, copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                for k, v in flat.items()
             }
             if isinstance(new_state[p].get("step"), torch.Tensor):
                 new_state[p]["step"] = int(new_state[p]["step"].item())

@@ -26,13 +26,13 @@ from hf_optim.optim.variants import family
 def lamb_rule(param, grad, states, h):
     """First LAMB pass on fp32 tensors: update the moments and return the Adam direction ``u``.
 
-    ``h``: l2 (weight decay added to the gradient, Adam mode off), beta1, beta2, bias_correction1,
+    ``h``: l2 (weight decay added to the gradient, Adam mode off), beta1, beta2, one_minus_beta1/2, bias_correction1,
     bias_correction2, eps, decoupled (weight decay added to ``u``, Adam-W mode on).
     """
     exp_avg, exp_avg_sq = states
     grad = grad + h["l2"] * param
-    exp_avg = h["beta1"] * exp_avg + (1.0 - h["beta1"]) * grad
-    exp_avg_sq = h["beta2"] * exp_avg_sq + (1.0 - h["beta2"]) * grad * grad
+    exp_avg = h["beta1"] * exp_avg + h["one_minus_beta1"] * grad
+    exp_avg_sq = h["beta2"] * exp_avg_sq + h["one_minus_beta2"] * grad * grad
     direction = (exp_avg / h["bias_correction1"]) / ((exp_avg_sq / h["bias_correction2"]).sqrt() + h["eps"])
     direction = direction + h["decoupled"] * param
     return direction, [exp_avg, exp_avg_sq]
@@ -47,6 +47,8 @@ def lamb_hyper(group: dict, step: int) -> dict[str, float]:
         "decoupled": wd if group["adam_w_mode"] else 0.0,
         "beta1": beta1,
         "beta2": beta2,
+        "one_minus_beta1": 1.0 - beta1,
+        "one_minus_beta2": 1.0 - beta2,
         "bias_correction1": 1.0 - beta1**step if corrected else 1.0,
         "bias_correction2": 1.0 - beta2**step if corrected else 1.0,
         "eps": group["eps"],

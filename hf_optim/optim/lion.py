@@ -13,18 +13,25 @@ from hf_optim.optim.variants import family
 
 
 def lion_rule(param, grad, states, h):
-    """One Lion step on fp32 tensors. ``h``: decay = 1 - lr*wd, lr, beta1, beta2."""
+    """One Lion step on fp32 tensors. ``h``: decay = 1 - lr*wd, lr, beta1, beta2, one_minus_beta1/2 (host math)."""
     (exp_avg,) = states
     param = param * h["decay"]
-    direction = torch.sign(h["beta1"] * exp_avg + (1.0 - h["beta1"]) * grad)
+    direction = torch.sign(h["beta1"] * exp_avg + h["one_minus_beta1"] * grad)
     param = param - h["lr"] * direction
-    exp_avg = h["beta2"] * exp_avg + (1.0 - h["beta2"]) * grad
+    exp_avg = h["beta2"] * exp_avg + h["one_minus_beta2"] * grad
     return param, [exp_avg]
 
 
 def lion_hyper(group: dict, step: int) -> dict[str, float]:
     beta1, beta2 = group["betas"]
-    return {"decay": 1.0 - group["lr"] * group["weight_decay"], "lr": group["lr"], "beta1": beta1, "beta2": beta2}
+    return {
+        "decay": 1.0 - group["lr"] * group["weight_decay"],
+        "lr": group["lr"],
+        "beta1": beta1,
+        "beta2": beta2,
+        "one_minus_beta1": 1.0 - beta1,
+        "one_minus_beta2": 1.0 - beta2,
+    }
 
 
 class Lion(HfOptimizer):

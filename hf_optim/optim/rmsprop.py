@@ -11,16 +11,23 @@ from hf_optim.optim.variants import precision_variant
 
 
 def rmsprop_rule(param, grad, states, h):
-    """One RMSprop step on fp32 tensors. ``h``: weight_decay (L2, added to the gradient), alpha, eps, lr."""
+    """One RMSprop step on fp32 tensors. ``h``: weight_decay (L2, added to the gradient), alpha, one_minus_alpha,
+    eps, lr."""
     (square_avg,) = states
     grad = grad + h["weight_decay"] * param
-    square_avg = h["alpha"] * square_avg + (1.0 - h["alpha"]) * grad * grad
+    square_avg = h["alpha"] * square_avg + h["one_minus_alpha"] * grad * grad
     param = param - h["lr"] * grad / (square_avg.sqrt() + h["eps"])
     return param, [square_avg]
 
 
 def rmsprop_hyper(group: dict, step: int) -> dict[str, float]:
-    return {"weight_decay": group["weight_decay"], "alpha": group["alpha"], "eps": group["eps"], "lr": group["lr"]}
+    return {
+        "weight_decay": group["weight_decay"],
+        "alpha": group["alpha"],
+        "one_minus_alpha": 1.0 - group["alpha"],
+        "eps": group["eps"],
+        "lr": group["lr"],
+    }
 
 
 class RMSprop(HfOptimizer):
