@@ -117,8 +117,3 @@ def write_slot(state: dict, spec: StateSpec, values: torch.Tensor) -> None:
 def slot_kinds(state: dict, specs: tuple[StateSpec, ...]) -> tuple[bool | None, ...]:
     """Static description of the slots for kernels: None for fp32, else the map's signedness."""
     return tuple(spec.signed if is_8bit(state, spec) else None for spec in specs)
-
-
-def slot_bytes(state: dict) -> int:
-    """Bytes held by the tensors of one parameter's state."""
-    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
