@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_optim.kernels import blockwise
-from hf_optim.kernels.dynamic_map import dynamic_map, encoder_tables
+from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -54,8 +54,8 @@ def awkward_values(n: int, signed: bool) -> torch.Tensor:
 @pytest.mark.parametrize("n", [4096, 5000, 256 * 7 + 1])
 def test_quantize_is_exact_nearest_with_sign_fix(signed, n):
     values = awkward_values(max(n, 1300), signed)[:n] if n >= 1300 else awkward_values(1300, signed)[:n]
-    table, thresholds = encoder_tables(signed, torch.device("cpu"))
-    codes, absmax = blockwise.quantize(values.view(1, -1), table, thresholds, signed)
+    table = encoder_table(signed, torch.device("cpu"))
+    codes, absmax = blockwise.quantize(values.view(1, -1), table, signed)
     assert codes.dtype == torch.uint8 and absmax.shape == (1, blockwise.num_blocks(n))
     assert torch.equal(codes.view(-1), reference_codes(values, signed))
     expected_absmax = blockwise._blocked(values.view(1, -1)).abs().amax(-1)
@@ -63,9 +63,9 @@ def test_quantize_is_exact_nearest_with_sign_fix(signed, n):
 
 
 def test_sign_fix_keeps_tiny_negatives_negative():
-    table, thresholds = encoder_tables(True, torch.device("cpu"))
+    table = encoder_table(True, torch.device("cpu"))
     values = torch.tensor([[1.0, -1e-9, 1e-9, -0.0, 0.0]])
-    codes, _ = blockwise.quantize(values, table, thresholds, True)
+    codes, _ = blockwise.quantize(values, table, True)
     # -0.0 has its sign bit set and takes the smallest negative code, as bitsandbytes' CUDA signbit test does.
     assert codes.tolist()[0] == [255, 126, 127, 126, 127]
 
@@ -84,8 +84,8 @@ def test_dequantize_matches_bitsandbytes(signed):
 def test_quantize_roundtrip_error_is_within_one_gap():
     """Half a gap for interior values; -absmax maps to -0.99297 (-1 is not representable), just over half."""
     values = torch.randn(1, 10_000)
-    table, thresholds = encoder_tables(True, torch.device("cpu"))
-    codes, absmax = blockwise.quantize(values, table, thresholds, True)
+    table = encoder_table(True, torch.device("cpu"))
+    codes, absmax = blockwise.quantize(values, table, True)
     back = blockwise.dequantize(codes, absmax, dynamic_map(True))
     largest_gap = (dynamic_map(True)[1:] - dynamic_map(True)[:-1]).max()
     per_block_bound = (largest_gap * absmax).repeat_interleave(256, dim=1)[:, : values.shape[1]]

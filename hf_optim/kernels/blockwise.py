@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_optim.kernels.dynamic_map import BLOCK_SIZE, KEY_MASK, KEY_SHIFT
+from hf_optim.kernels.dynamic_map import BLOCK_SIZE, KEY_SHIFT, LOW_MASK, encoder_keys
 
 
 def num_blocks(numel: int) -> int:
@@ -33,29 +33,28 @@ def _blocked(x: torch.Tensor) -> torch.Tensor:
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
     """fp32 values of ``codes`` (rows, n) under per-block ``absmax`` (rows, blocks)."""
     n = codes.shape[-1]
-    values = qmap[codes.int()]
+    values = torch.ops.aten._unsafe_index(qmap, [codes.int()])  # a uint8 code always indexes the 256-entry map
     scaled = _blocked(values) * absmax.unsqueeze(-1)
     return scaled.flatten(1)[:, :n]
 
 
-def encode(normalized: torch.Tensor, table: torch.Tensor, thresholds: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Nearest-code encoding of values in [-1, 1] through the lookup tables of :mod:`dynamic_map`."""
-    key = (normalized.view(torch.int32) >> KEY_SHIFT) & KEY_MASK
-    base = table[key].int()
-    further = (normalized.abs() > thresholds[base]).int()
+def encode(normalized: torch.Tensor, table: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Nearest-code encoding of values in [-1, 1] through the packed table of :mod:`dynamic_map`."""
+    bits = normalized.view(torch.int32)
+    # The key always indexes the table (it is clamped); _unsafe_index lets torch.compile skip bounds checks.
+    entry = torch.ops.aten._unsafe_index(table, [encoder_keys(bits)])
+    further = ((bits & LOW_MASK) > (entry & LOW_MASK)).int()
     if signed:
-        further = torch.where(normalized < 0, -further, further)
-    return (base + further).to(torch.uint8)
+        further = torch.where(bits < 0, -further, further)
+    return ((entry >> KEY_SHIFT) + further).to(torch.uint8)
 
 
-def quantize(
-    values: torch.Tensor, table: torch.Tensor, thresholds: torch.Tensor, signed: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(values: torch.Tensor, table: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (rows, n) uint8 and absmax (rows, blocks) fp32 for fp32 ``values`` (rows, n)."""
     n = values.shape[-1]
     blocks = _blocked(values)
     absmax = blocks.abs().amax(dim=-1)
     # An all-zero block has absmax 0: divide by 1 so it encodes as exact zeros, not NaN.
     divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax)).unsqueeze(-1)
-    codes = encode(blocks / divisor, table, thresholds, signed)
+    codes = encode(blocks / divisor, table, signed)
     return codes.flatten(1)[:, :n], absmax

@@ -36,7 +36,7 @@ COMPILE_MIN_NUMEL = CHUNK
 
 def slot_width(kind: bool | None) -> int:
     """How many raw tensors a slot of this kind passes (see ``state_store.slot_tensors``)."""
-    return 1 if kind is None else 5
+    return 1 if kind is None else 4
 
 
 def update(
@@ -75,8 +75,8 @@ def update(
         if kind is None:
             tensors[index].copy_(new)
         else:
-            codes, absmax, _, table, thresholds = tensors[index : index + 5]
-            new_codes, new_absmax = blockwise.quantize(new, table, thresholds, kind)
+            codes, absmax, _, table = tensors[index : index + 4]
+            new_codes, new_absmax = blockwise.quantize(new, table, kind)
             codes.copy_(new_codes)
             absmax.copy_(new_absmax)
         index += slot_width(kind)
@@ -96,13 +96,14 @@ def _chunk_tensors(
         if kind is None:
             chunk.append(tensors[index][:, start:stop])
         else:
-            codes, absmax, qmap, table, thresholds = tensors[index : index + 5]
-            chunk += [codes[:, start:stop], absmax[:, first_block:last_block], qmap, table, thresholds]
+            codes, absmax, qmap, table = tensors[index : index + 4]
+            chunk += [codes[:, start:stop], absmax[:, first_block:last_block], qmap, table]
         index += slot_width(kind)
     return chunk
 
 
 _compiled_update: Callable | None = None
+
 
 
 def compile_enabled() -> bool:
@@ -140,15 +141,9 @@ def update_chunked(
         with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
             for start in range(0, full, CHUNK):
                 stop = start + CHUNK
-                fn(
-                    rule,
-                    tuple(kinds),
-                    param[start:stop],
-                    grad[start:stop],
-                    None if out is None else out[start:stop],
-                    _chunk_tensors(kinds, tensors, start, stop),
-                    hyper_t,
-                )
+                args = (param[start:stop], grad[start:stop], None if out is None else out[start:stop])
+                chunk = _chunk_tensors(kinds, tensors, start, stop)
+                fn(rule, tuple(kinds), *args, chunk, hyper_t)
     if full < n:
         update(
             rule,

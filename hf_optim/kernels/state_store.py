@@ -23,7 +23,7 @@ import torch
 
 from hf_optim.kernels import blockwise
 from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.dynamic_map import dynamic_map, encoder_tables
+from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,13 @@ def is_8bit(state: dict, spec: StateSpec) -> bool:
 def slot_tensors(state: dict, spec: StateSpec) -> list[torch.Tensor]:
     """The raw tensors of a slot as 2-D ``(rows, n)`` views, in the order the kernels take them.
 
-    fp32: ``[values]``; 8-bit: ``[codes, absmax, qmap, encoder table, encoder thresholds]``.
+    fp32: ``[values]``; 8-bit: ``[codes, absmax, qmap, encoder table]``.
     """
     main = state[spec.key].view(spec.rows, -1)
     if not is_8bit(state, spec):
         return [main]
     absmax = state[spec.absmax_key].view(spec.rows, -1)
-    table, thresholds = encoder_tables(spec.signed, main.device)
-    return [main, absmax, state[spec.qmap_key], table, thresholds]
+    return [main, absmax, state[spec.qmap_key], encoder_table(spec.signed, main.device)]
 
 
 def read_slot(state: dict, spec: StateSpec) -> torch.Tensor:
@@ -108,8 +107,8 @@ def write_slot(state: dict, spec: StateSpec, values: torch.Tensor) -> None:
     if len(tensors) == 1:
         tensors[0].copy_(values)
         return
-    codes, absmax, _, table, thresholds = tensors
-    new_codes, new_absmax = blockwise.quantize(values, table, thresholds, spec.signed)
+    codes, absmax, _, table = tensors
+    new_codes, new_absmax = blockwise.quantize(values, table, spec.signed)
     codes.copy_(new_codes)
     absmax.copy_(new_absmax)
 
