@@ -4,6 +4,8 @@ Every class is a ``torch.optim.Optimizer`` with the constructor arguments of its
 namesake, so switching is a one-line import change.
 """
 
+from hf_optim.integrations import transformers as _transformers_integration
+from hf_optim.integrations.names import OptimizerName, available_optimizers
 from hf_optim.optim.adafactor import Adafactor
 from hf_optim.optim.adamw import AdamW, AdamW8bit, AdamW32bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit
 from hf_optim.optim.ademamix import (
@@ -21,11 +23,13 @@ from hf_optim.optim.rmsprop import RMSprop, RMSprop8bit, RMSprop32bit
 
 __version__ = "0.1.0"
 
+_transformers_integration.install()
+
 __all__ = [
     "AdamW", "AdamW8bit", "AdamW32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit",
     "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit",
     "LAMB", "LAMB8bit", "LAMB32bit", "PagedLAMB", "PagedLAMB8bit", "PagedLAMB32bit",
     "Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
     "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adafactor",
-    "HfOptimizer", "StateDictError",
+    "HfOptimizer", "StateDictError", "OptimizerName", "available_optimizers",
 ]

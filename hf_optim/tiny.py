@@ -61,3 +61,33 @@ def train_tiny(optimizer_factory, steps: int = 100, batch_size: int = 8, seq_len
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
     return losses
+
+
+BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>"
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer (256 byte tokens + Llama 3's special tokens) built locally, for offline runs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    tokenizer.model_max_length = 256
+    return tokenizer
+
+
+def tiny_texts(count: int, seed: int = 0) -> list[str]:
+    """Short sentences from a small fixed grammar: structure a tiny model learns within a few steps."""
+    import random
+
+    rng = random.Random(seed)
+    subjects = ["the cat", "a dog", "my friend", "the model", "our team", "the teacher"]
+    verbs = ["reads", "likes", "finds", "builds", "moves", "checks"]
+    objects = ["the book", "a red ball", "the small box", "a long list", "the old map", "a new plan"]
+    places = ["at home", "in the park", "at work", "on the train", "by the lake"]
+    return [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(places)}."
+            for _ in range(count)]

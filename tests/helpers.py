@@ -4,7 +4,10 @@ import torch
 
 import hf_optim
 
-ALL_CLASSES = [getattr(hf_optim, name) for name in hf_optim.__all__ if name not in ("HfOptimizer", "StateDictError")]
+ALL_CLASSES = [
+    obj for obj in (getattr(hf_optim, name) for name in hf_optim.__all__)
+    if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer) and obj is not hf_optim.HfOptimizer
+]
 EIGHT_BIT = [cls for cls in ALL_CLASSES if "8bit" in cls.__name__]
 
 

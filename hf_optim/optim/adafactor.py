@@ -172,3 +172,23 @@ class Adafactor(HfOptimizer):
             )
         if "exp_avg" in state and state["exp_avg"].dtype == torch.uint8:
             self._check_quant_slot(param, state, FIRST_MOMENT, f"state of parameter {index}")
+
+
+class RelativeStepSchedule(torch.optim.lr_scheduler.LRScheduler):
+    """The scheduler for ``Adafactor(relative_step=True)``, which computes its own step size.
+
+    It changes nothing; it reports the relative step ``min(warmup_init ? 1e-6*t : 1e-2, 1/sqrt(t))`` of the next
+    step (before ``scale_parameter``'s per-tensor RMS factor) as each group's ``lr``, so a Trainer can log it. The
+    optimizer ignores ``group["lr"]`` in this mode, so no scheduler can change its math.
+    """
+
+    def __init__(self, optimizer: Adafactor, last_epoch: int = -1) -> None:
+        for group in optimizer.param_groups:
+            if not group["relative_step"]:
+                raise ValueError("RelativeStepSchedule needs every param group to have relative_step=True")
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        step = self.last_epoch + 1  # the optimizer step the reported value applies to
+        groups = self.optimizer.param_groups
+        return [min(1e-6 * step if g["warmup_init"] else 1e-2, 1.0 / math.sqrt(step)) for g in groups]

@@ -37,6 +37,11 @@ class StateDictError(ValueError):
     """A state dict that cannot be loaded into this optimizer (another algorithm, layout or block size)."""
 
 
+PARAM_OVERRIDES_ATTR = "hf_optim_overrides"
+"""A parameter attribute holding per-parameter settings (e.g. ``{"optim_bits": 32}`` for embeddings) that
+override its group's when its state is created, like bitsandbytes' ``GlobalOptimManager`` overrides."""
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor to compute on: a DTensor's local shard, or the tensor itself."""
     to_local = getattr(tensor, "to_local", None)
@@ -146,7 +151,8 @@ class HfOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support complex parameters")
                 state = self.state[p]
                 if not state:
-                    self._init_state(param, group, state)
+                    overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
+                    self._init_state(param, {**group, **overrides} if overrides else group, state)
                 state["step"] += 1
                 if param.numel() == 0:
                     continue

@@ -1,0 +1,322 @@
+"""Make ``TrainingArguments(optim=...)`` (and TRL's configs, parsers and trainers) build hf_optim's optimizers.
+
+transformers has no optimizer registry, so ``import hf_optim`` does three small, reversible things (see
+``../shared/spec/integration.md`` for why each is needed):
+
+1. adds hf_optim's new names (``lamb_8bit``, ...) to ``transformers.training_args.OptimizerNames``, makes those
+   members pickle as plain strings (a ``training_args.bin`` then loads where hf_optim was never imported), and
+   makes an unknown name fail with the closest valid names from transformers and hf_optim;
+2. wraps ``Trainer.get_optimizer_cls_and_kwargs`` so hf_optim's names resolve to hf_optim classes (everything
+   else falls through unchanged), and ``Trainer.create_scheduler`` so ``Adafactor(relative_step=True)`` gets the
+   scheduler that reports its own step size;
+3. updates the ``--optim`` choices of argument parsers built before the import, and says so.
+
+Each step runs when the transformers module it patches is imported (or at once, if it already is), so importing
+hf_optim does not import transformers.
+
+Opt-outs: ``HF_OPTIM_TAKEOVER=0`` (or :func:`set_takeover`) leaves transformers' own bitsandbytes-backed names and
+``adafactor`` to transformers; hf_optim's added names still work. ``HF_OPTIM_PATCH=0`` patches nothing: use
+:class:`HfOptimTrainerMixin` or ``Trainer(optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(args, name=...))``.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import importlib.abc
+import logging
+import os
+import sys
+import warnings
+from typing import Any
+
+from torch import nn
+
+from hf_optim.integrations.names import OPTIMIZER_NAMES, OptimizerName, suggest
+from hf_optim.integrations.optim_args import parse_optim_args, typed_optim_args
+from hf_optim.kernels import elementwise
+from hf_optim.optim.adafactor import Adafactor, RelativeStepSchedule
+from hf_optim.optim.base import PARAM_OVERRIDES_ATTR
+
+logger = logging.getLogger("hf_optim")
+
+TAKEOVER_ENV = "HF_OPTIM_TAKEOVER"
+PATCH_ENV = "HF_OPTIM_PATCH"
+
+_state = {"takeover": os.environ.get(TAKEOVER_ENV, "1") != "0"}
+
+
+def set_takeover(enabled: bool) -> None:
+    """Whether hf_optim builds the optimizers for transformers' own bitsandbytes names and ``adafactor``."""
+    _state["takeover"] = bool(enabled)
+
+
+def takeover_enabled() -> bool:
+    return _state["takeover"]
+
+
+def handles(name: Any) -> bool:
+    """True if the Trainer's ``optim`` value ``name`` is built by hf_optim under the current settings."""
+    entry = OPTIMIZER_NAMES.get(_name_str(name))
+    return entry is not None and (not entry.takes_over or takeover_enabled())
+
+
+def _name_str(name: Any) -> str:
+    return str(getattr(name, "value", name))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Resolving a name into (class, kwargs)
+def optimizer_kwargs(entry: OptimizerName, args: Any) -> dict[str, Any]:
+    """Constructor kwargs for ``entry`` from ``TrainingArguments``: the Trainer's lr, betas and eps as it passes
+    them to bitsandbytes for the same name, then ``optim_args`` on top. Weight decay comes in the param groups."""
+    extra = typed_optim_args(entry, parse_optim_args(getattr(args, "optim_args", None)))
+    betas = [extra.pop(key, None) for key in ("beta1", "beta2", "beta3")]
+    kwargs: dict[str, Any] = {"lr": args.learning_rate}
+    beta1 = args.adam_beta1 if betas[0] is None else betas[0]
+    beta2 = args.adam_beta2 if betas[1] is None else betas[1]
+    if entry.family in ("adamw", "lamb"):
+        kwargs.update(betas=(beta1, beta2), eps=args.adam_epsilon)
+    elif entry.family == "ademamix":
+        kwargs.update(betas=(beta1, beta2, 0.9999 if betas[2] is None else betas[2]), alpha=5.0, eps=args.adam_epsilon)
+    elif entry.family == "lion":
+        kwargs.update(betas=(beta1, beta2))
+    elif entry.family == "adafactor":
+        # The Trainer's behaviour for optim="adafactor": an external lr, no relative step, no parameter scaling.
+        kwargs.update(scale_parameter=False, relative_step=False)
+        if entry.optim_bits == 8:
+            kwargs.update(optim_bits=8, beta1=beta1)  # the first moment is the state kept in 8-bit
+        if betas[0] is not None:
+            kwargs["beta1"] = betas[0]
+        if extra.get("relative_step") and "lr" not in extra:
+            kwargs["lr"] = None  # Adafactor's own time-dependent step replaces the Trainer's lr
+    # rmsprop: transformers passes only lr and optim_args for its rmsprop_bnb names; so does hf_optim.
+    if "betas" in extra:
+        kwargs["betas"] = extra.pop("betas")
+    kwargs.update(extra)
+    return kwargs
+
+
+def keep_embeddings_32bit(model: nn.Module) -> int:
+    """Mark every ``nn.Embedding`` weight to keep 32-bit state under an 8-bit optimizer (as the Trainer does for
+    bitsandbytes); returns the number of marked elements."""
+    marked = {}
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            setattr(module.weight, PARAM_OVERRIDES_ATTR, {"optim_bits": 32})
+            marked[id(module.weight)] = module.weight.numel()
+    return sum(marked.values())
+
+
+def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None, name: str | None = None) -> tuple[type, dict]:
+    """(class, kwargs) for hf_optim name ``name`` (default ``args.optim``), as the Trainer needs them.
+
+    Usable without any patching: ``Trainer(..., optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(args,
+    model, name="lamb_8bit"))``. With ``model``, embedding weights keep 32-bit state under 8-bit names.
+    """
+    name = _name_str(args.optim if name is None else name)
+    entry = OPTIMIZER_NAMES.get(name)
+    if entry is None:
+        raise ValueError(unknown_name_message(name))
+    kwargs = optimizer_kwargs(entry, args)
+    if model is not None and entry.optim_bits == 8:
+        skipped = keep_embeddings_32bit(model)
+        if skipped:
+            logger.info("hf_optim: %d embedding parameters keep 32-bit state", skipped)
+    backend = "torch-compile on CPU" if elementwise.compile_enabled() else "torch"
+    logger.info("optim=%r -> %s", name, entry.describe()[:-1] + f", backend={backend})")
+    return entry.cls, kwargs
+
+
+def unknown_name_message(name: str) -> str:
+    transformers_names = _transformers_names()
+    candidates = sorted(set(transformers_names) | set(OPTIMIZER_NAMES))
+    close = suggest(name, candidates)
+    hint = ", ".join(f"{n!r} ({_origin(n)})" for n in close) if close else "no close match"
+    return (
+        f"{name!r} is not a valid optimizer name. Did you mean: {hint}? "
+        "hf_optim.available_optimizers() lists hf_optim's names; transformers' are in "
+        "transformers.training_args.OptimizerNames. (Import hf_optim before building TrainingArguments, "
+        "SFTConfig or an argument parser, or its names are unknown.)"
+    )
+
+
+def _origin(name: str) -> str:
+    entry = OPTIMIZER_NAMES.get(name)
+    if entry is None:
+        return "transformers"
+    if not entry.takes_over:
+        return "hf_optim"
+    return "transformers name, built by hf_optim" if takeover_enabled() else "transformers name, bitsandbytes"
+
+
+def _transformers_names() -> list[str]:
+    module = sys.modules.get("transformers.training_args")
+    if module is None:
+        return []
+    return [member.value for member in module.OptimizerNames]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Patching transformers
+def _add_enum_members(enum_cls: type[enum.Enum]) -> None:
+    """Add hf_optim's new names to transformers' ``OptimizerNames``, pickling as plain strings."""
+    for entry in OPTIMIZER_NAMES.values():
+        if entry.name in enum_cls._value2member_map_:
+            continue
+        member = str.__new__(enum_cls, entry.name)
+        member._name_ = entry.name.upper()
+        member._value_ = entry.name
+        member.__objclass__ = enum_cls
+        # An added member must not need hf_optim to unpickle: reduce it to the plain string.
+        member.__reduce_ex__ = lambda protocol, value=entry.name: (str, (value,))
+        enum_cls._member_map_[member._name_] = member
+        enum_cls._value2member_map_[entry.name] = member
+        enum_cls._member_names_.append(member._name_)
+
+    def _missing_(cls, value):
+        raise ValueError(unknown_name_message(str(value)))
+
+    enum_cls._missing_ = classmethod(_missing_)
+
+
+def _patch_training_args(module) -> None:
+    _add_enum_members(module.OptimizerNames)
+    _update_existing_parsers()
+
+
+def _patch_trainer(module) -> None:
+    trainer_cls = module.Trainer
+    original = trainer_cls.__dict__["get_optimizer_cls_and_kwargs"]
+    if getattr(original, "__hf_optim__", False):
+        return
+    original_fn = original.__func__ if isinstance(original, staticmethod) else original
+
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        if handles(args.optim):
+            return optimizer_cls_and_kwargs(args, model)
+        return original_fn(args, model)
+
+    get_optimizer_cls_and_kwargs.__hf_optim__ = True
+    get_optimizer_cls_and_kwargs.__wrapped__ = original_fn
+    get_optimizer_cls_and_kwargs.__doc__ = original_fn.__doc__
+    trainer_cls.get_optimizer_cls_and_kwargs = staticmethod(get_optimizer_cls_and_kwargs)
+    _patch_create_scheduler(trainer_cls)
+
+
+def _patch_create_scheduler(trainer_cls) -> None:
+    """``Adafactor(relative_step=True)`` computes its own step size and holds no lr for the Trainer's schedulers
+    to scale: give it :class:`RelativeStepSchedule` (what transformers' ``AdafactorSchedule`` is for)."""
+    original = trainer_cls.create_scheduler
+    if getattr(original, "__hf_optim__", False):
+        return
+
+    def create_scheduler(self, num_training_steps, optimizer=None):
+        inner = optimizer if optimizer is not None else self.optimizer
+        inner = getattr(inner, "optimizer", inner)  # accelerate's wrapper
+        if self.lr_scheduler is None and isinstance(inner, Adafactor) and inner.param_groups[0]["relative_step"]:
+            logger.info("Adafactor(relative_step=True) sets its own step size: lr_scheduler_type=%r is not used",
+                        str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)))
+            self.lr_scheduler = RelativeStepSchedule(inner)
+            return self.lr_scheduler
+        return original(self, num_training_steps, optimizer)
+
+    create_scheduler.__hf_optim__ = True
+    create_scheduler.__wrapped__ = original
+    trainer_cls.create_scheduler = create_scheduler
+
+
+def _update_existing_parsers() -> None:
+    """Parsers built before ``import hf_optim`` froze the ``--optim`` choices: add hf_optim's names and warn."""
+    module = sys.modules.get("transformers.hf_argparser")
+    if module is None:
+        return
+    stale = 0
+    for obj in gc.get_objects():
+        if issubclass(type(obj), module.HfArgumentParser):  # type(): no __class__ property side effects
+            for action in obj._actions:
+                if "--optim" in action.option_strings and action.choices is not None:
+                    missing = [n for n in OPTIMIZER_NAMES if n not in action.choices]
+                    if missing:
+                        stale += 1
+                        # The parser's type function passes unknown strings through; only the choices need the names.
+                        action.choices = list(action.choices) + missing
+    if stale:
+        warnings.warn(
+            f"{stale} argument parser(s) were built before `import hf_optim`; their --optim choices were updated. "
+            "Import hf_optim before building TrainingArguments, SFTConfig or their parsers.",
+            stacklevel=3,
+        )
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Run a function on a module right after it is first imported (the module is not imported here)."""
+
+    def __init__(self, hooks: dict[str, Any]):
+        self.hooks = hooks
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.hooks:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        if spec is None or spec.loader is None:
+            return None
+        self._loaders = getattr(self, "_loaders", {})
+        self._loaders[fullname] = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._loaders[spec.name].create_module(spec)
+
+    def exec_module(self, module):
+        self._loaders[module.__name__].exec_module(module)
+        self.hooks.pop(module.__name__)(module)
+
+
+def _ensure_log_handler() -> None:
+    """Show hf_optim's INFO lines (the one line per optimizer creation) unless the user configured the logger."""
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[hf_optim] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def install() -> None:
+    """Patch transformers now (modules already imported) or when it is imported. Idempotent."""
+    if os.environ.get(PATCH_ENV, "1") == "0":
+        return
+    _ensure_log_handler()
+    hooks = {"transformers.training_args": _patch_training_args, "transformers.trainer": _patch_trainer}
+    pending = {}
+    for name, hook in hooks.items():
+        if name in sys.modules:
+            hook(sys.modules[name])
+        else:
+            pending[name] = hook
+    if pending and not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportHook(pending))
+
+
+class HfOptimTrainerMixin:
+    """Resolve hf_optim names in a Trainer without patching transformers (works with ``HF_OPTIM_PATCH=0``).
+
+    ``class MyTrainer(HfOptimTrainerMixin, SFTTrainer): hf_optim_name = "lamb_8bit"``. Without
+    ``hf_optim_name``, ``args.optim`` is used when it is one of hf_optim's names (e.g. ``paged_adamw_8bit``).
+    """
+
+    hf_optim_name: str | None = None
+
+    def create_optimizer(self, *args, **kwargs):
+        name = self.hf_optim_name or _name_str(self.args.optim)
+        if getattr(self, "optimizer", None) is None and name in OPTIMIZER_NAMES:
+            # An instance attribute shadows the Trainer's staticmethod, in every transformers version.
+            self.get_optimizer_cls_and_kwargs = lambda a, model=None: optimizer_cls_and_kwargs(a, model, name=name)
+        return super().create_optimizer(*args, **kwargs)

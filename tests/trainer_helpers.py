@@ -1,0 +1,55 @@
+"""Shared pieces of the Trainer / TRL integration tests: arguments, data, and state checks."""
+
+from __future__ import annotations
+
+import torch
+from datasets import Dataset
+
+from hf_optim.integrations.names import OPTIMIZER_NAMES
+from hf_optim.tiny import tiny_texts
+
+# Lion's sign update moves every weight by lr: it needs a smaller lr than the Adam family for the same model.
+LEARNING_RATES = {"lion": 3e-4, "rmsprop": 1e-3}
+
+
+def common_args(tmp_path, name: str, **overrides) -> dict:
+    """TrainingArguments / SFTConfig keywords for a short, deterministic CPU run with ``optim=name``."""
+    family = OPTIMIZER_NAMES[name].family if name in OPTIMIZER_NAMES else "adamw"
+    args = dict(
+        output_dir=str(tmp_path / "out"), optim=name, max_steps=8, per_device_train_batch_size=8,
+        learning_rate=LEARNING_RATES.get(family, 3e-3), logging_steps=1, report_to=[], save_strategy="no",
+        use_cpu=True, seed=0, disable_tqdm=True, lr_scheduler_type="constant", dataloader_num_workers=0,
+    )
+    args.update(overrides)
+    return args
+
+
+def text_dataset(count: int = 128) -> Dataset:
+    return Dataset.from_dict({"text": tiny_texts(count)})
+
+
+def token_dataset(tokenizer, count: int = 128) -> Dataset:
+    encoded = tokenizer(tiny_texts(count), truncation=True, max_length=64)
+    return Dataset.from_dict({"input_ids": encoded["input_ids"]})
+
+
+def inner_optimizer(trainer) -> torch.optim.Optimizer:
+    optimizer = trainer.optimizer
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+
+
+def losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def check_state(optimizer, model, name: str) -> None:
+    """8-bit names keep uint8 state for large non-embedding tensors, fp32 for embeddings and small tensors."""
+    entry = OPTIMIZER_NAMES[name]
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    saw_8bit = False
+    for param, state in optimizer.state.items():
+        dtypes = {v.dtype for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1}
+        expect_8bit = entry.optim_bits == 8 and param.numel() >= 4096 and id(param) not in embeddings
+        assert (torch.uint8 in dtypes) == expect_8bit, (name, tuple(param.shape), dtypes)
+        saw_8bit |= expect_8bit
+    assert saw_8bit == (entry.optim_bits == 8)
