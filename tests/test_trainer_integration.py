@@ -136,8 +136,10 @@ def test_adafactor_relative_step_runs_under_the_trainer(tmp_path):
                       data_collator=collator(tokenizer))
     trainer.train()
     assert isinstance(trainer.lr_scheduler, RelativeStepSchedule)
+    assert trainer.lr_scheduler.get_last_lr() == pytest.approx([4e-6, 4e-6])  # both groups: the next step's size
+    # transformers < 5 logs the lr after the scheduler step, newer versions the one used: either way 1e-6 apart.
     logged = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
-    assert logged == pytest.approx([1e-6, 2e-6, 3e-6])
+    assert logged in (pytest.approx([1e-6, 2e-6, 3e-6]), pytest.approx([2e-6, 3e-6, 4e-6]))
     assert all(torch.isfinite(torch.tensor(losses(trainer))))
 
 
