@@ -157,8 +157,7 @@ def test_takeover_can_be_turned_off(tmp_path):
         integration.set_takeover(True)
 
 
-@pytest.mark.skipif(not hasattr(Trainer, "get_optimizer_cls_and_kwargs") or
-                    "optimizer_cls_and_kwargs" not in inspect.signature(Trainer.__init__).parameters,
+@pytest.mark.skipif("optimizer_cls_and_kwargs" not in inspect.signature(Trainer.__init__).parameters,
                     reason="Trainer(optimizer_cls_and_kwargs=) exists since transformers 4.47")
 def test_optimizer_cls_and_kwargs_path_without_patching(tmp_path):
     """Trainer(optimizer_cls_and_kwargs=...), usable with HF_OPTIM_PATCH=0."""

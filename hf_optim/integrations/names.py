@@ -34,10 +34,10 @@ class OptimizerName:
     def precision(self) -> str:
         return "8-bit blockwise" if self.optim_bits == 8 else "32-bit"
 
-    def describe(self) -> str:
-        """``hf_optim.PagedAdamW8bit (8-bit blockwise, paged)``."""
-        paged = ", paged" if self.paged else ""
-        return f"hf_optim.{self.cls.__name__} ({self.precision}{paged})"
+    def describe(self, backend: str | None = None) -> str:
+        """``hf_optim.PagedAdamW8bit (8-bit blockwise, paged, backend=...)``."""
+        details = [self.precision] + (["paged"] if self.paged else []) + ([f"backend={backend}"] if backend else [])
+        return f"hf_optim.{self.cls.__name__} ({', '.join(details)})"
 
 
 def _entry(name: str, cls: type, family: str, takes_over: bool) -> OptimizerName:

@@ -124,7 +124,7 @@ def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None, name: st
         if skipped:
             logger.info("hf_optim: %d embedding parameters keep 32-bit state", skipped)
     backend = "torch-compile on CPU" if elementwise.compile_enabled() else "torch"
-    logger.info("optim=%r -> %s", name, entry.describe()[:-1] + f", backend={backend})")
+    logger.info("optim=%r -> %s", name, entry.describe(backend))
     return entry.cls, kwargs
 
 
@@ -254,6 +254,7 @@ class _PostImportHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def __init__(self, hooks: dict[str, Any]):
         self.hooks = hooks
+        self._loaders: dict[str, Any] = {}
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in self.hooks:
@@ -266,7 +267,6 @@ class _PostImportHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                     break
         if spec is None or spec.loader is None:
             return None
-        self._loaders = getattr(self, "_loaders", {})
         self._loaders[fullname] = spec.loader
         spec.loader = self
         return spec
