@@ -18,16 +18,11 @@ import hf_optim
 from hf_optim.tiny import train_tiny
 
 
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(
-        v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--optim", default="AdamW8bit", choices=[n for n in hf_optim.__all__ if n[0].isupper()
-                                                                   and n not in ("HfOptimizer", "StateDictError")])
+    classes = [cls.__name__ for cls in vars(hf_optim).values()
+               if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not hf_optim.HfOptimizer]
+    parser.add_argument("--optim", default="AdamW8bit", choices=classes)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
@@ -51,7 +46,8 @@ def main() -> None:
         print(f"== {name}")
         start = time.perf_counter()
         losses = train_tiny(factory, steps=args.steps, seq_len=32, log_every=20)
-        results[name] = (sum(losses[-10:]) / 10, state_bytes(built["opt"]), time.perf_counter() - start)
+        state_bytes = hf_optim.state_memory(built["opt"]).total_bytes
+        results[name] = (sum(losses[-10:]) / 10, state_bytes, time.perf_counter() - start)
 
     print(f"\n{'optimizer':<28}{'final loss (mean of last 10)':>30}{'state MiB':>11}{'seconds':>9}")
     for name, (loss, nbytes, seconds) in results.items():

@@ -6,6 +6,7 @@ namesake, so switching is a one-line import change.
 
 from hf_optim.integrations import transformers as _transformers_integration
 from hf_optim.integrations.names import OptimizerName, available_optimizers
+from hf_optim.memory import StateMemory, state_memory
 from hf_optim.optim.adafactor import Adafactor
 from hf_optim.optim.adamw import AdamW, AdamW8bit, AdamW32bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit
 from hf_optim.optim.ademamix import (
@@ -31,5 +32,5 @@ __all__ = [
     "LAMB", "LAMB8bit", "LAMB32bit", "PagedLAMB", "PagedLAMB8bit", "PagedLAMB32bit",
     "Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
     "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adafactor",
-    "HfOptimizer", "StateDictError", "OptimizerName", "available_optimizers",
+    "HfOptimizer", "StateDictError", "OptimizerName", "available_optimizers", "StateMemory", "state_memory",
 ]

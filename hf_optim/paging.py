@@ -35,6 +35,11 @@ def _warn_once(device_type: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=4)
 
 
+def is_paged_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives in CUDA managed (paged) memory. Nothing is paged until managed allocation lands."""
+    return False
+
+
 def state_allocator(is_paged: bool):
     """Return ``allocate(shape, dtype=, device=)`` for state buffers of a (possibly paged) optimizer."""
 

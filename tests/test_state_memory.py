@@ -1,0 +1,42 @@
+"""hf_optim.state_memory against bytes computed by hand from the state format (spec section 1)."""
+
+import math
+
+import torch
+
+import hf_optim
+from tests.helpers import make_params, run_steps
+
+
+def test_8bit_adamw_is_two_bytes_per_element_plus_absmax_and_maps():
+    shapes = [(64, 128), (300, 100), (10,)]  # two 8-bit tensors (one with a partial block), one small fp32 one
+    params = make_params(shapes)
+    opt = hf_optim.AdamW8bit(params)
+    run_steps(opt, params, 1)
+    expected_uint8 = 2 * (64 * 128 + 300 * 100)
+    blocks = math.ceil(64 * 128 / 256) + math.ceil(300 * 100 / 256)
+    expected_fp32 = 2 * 4 * blocks + 2 * 2 * 256 * 4 + 2 * 10 * 4  # absmax1/2, qmap1/2 per tensor, small tensor
+    memory = hf_optim.state_memory(opt)
+    assert memory.by_dtype == {"uint8": expected_uint8, "float32": expected_fp32}
+    assert memory.total_bytes == expected_uint8 + expected_fp32
+    assert memory.by_device == {"cpu": memory.total_bytes}
+    assert memory.paged_bytes == 0
+
+
+def test_32bit_and_torch_optimizers_count_every_state_tensor():
+    params = make_params([(64, 64)])
+    ours = hf_optim.AdamW32bit(params)
+    run_steps(ours, params, 1)
+    assert hf_optim.state_memory(ours).as_dict() == {
+        "total_bytes": 2 * 64 * 64 * 4, "by_dtype": {"float32": 2 * 64 * 64 * 4},
+        "by_device": {"cpu": 2 * 64 * 64 * 4}, "paged_bytes": 0,
+    }
+    theirs = torch.optim.AdamW(params)
+    run_steps(theirs, params, 1)
+    # torch keeps m and v (fp32) and a 0-d fp32 step tensor per parameter.
+    assert hf_optim.state_memory(theirs).total_bytes == 2 * 64 * 64 * 4 + 4
+
+
+def test_empty_before_the_first_step():
+    opt = hf_optim.Lion8bit(make_params([(64, 64)]))
+    assert hf_optim.state_memory(opt).total_bytes == 0
