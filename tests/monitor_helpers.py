@@ -24,12 +24,12 @@ def fixed_length_dataset(count: int, seq_len: int) -> Dataset:
 
 
 def sft_run(tmp_path: Path, name: str, run_dir: Path, *, steps: int, eval_steps: int | None = None,
-            callbacks=(), recipe=None) -> tuple[SFTTrainer, TrainingMonitor]:
+            callbacks=(), recipe=None, **monitor_kwargs) -> tuple[SFTTrainer, TrainingMonitor]:
     """A monitored SFTTrainer run of the tiny model (returns before ``train()``)."""
     evals = dict(eval_strategy="steps", eval_steps=eval_steps) if eval_steps else {}
     config = SFTConfig(**common_args(tmp_path, name, output_dir=str(run_dir), max_steps=steps, **FAST, **evals),
                        max_length=64)
-    monitor = TrainingMonitor(run_dir, recipe=recipe)
+    monitor = TrainingMonitor(run_dir, recipe=recipe, **monitor_kwargs)
     trainer = SFTTrainer(model=tiny_llama(), args=config, train_dataset=text_dataset(64),
                          eval_dataset=text_dataset(16) if eval_steps else None, processing_class=tiny_tokenizer(),
                          callbacks=[monitor, *callbacks])
@@ -44,13 +44,14 @@ def plain_trainer(tmp_path: Path, model, optimizer, monitor, *, steps: int, batc
 
 
 class RaiseOomAt(TrainerCallback):
-    """Raises torch.OutOfMemoryError at the end of a given step: an OOM without a GPU, for the OOM paths."""
+    """Raises torch.OutOfMemoryError in the middle of optimizer step ``step`` (after backward, at the optimizer
+    step, where real OOMs of optimizer state happen): an OOM without a GPU, for the OOM paths."""
 
     def __init__(self, step: int):
         self.step = step
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:  # global_step counts completed steps
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated in a test)")
 
 

@@ -17,6 +17,7 @@ from monitor_helpers import (
 
 from hf_optim.monitor import TrainingMonitor, load_run, plot_run
 from hf_optim.monitor.plots import dashboard_figure, loss_figure, memory_figure
+from hf_optim.monitor.series import auto_ema_beta, ema
 from hf_optim.tiny import tiny_llama
 
 CUDA_OR_NVML = ("cuda_", "nvml_")
@@ -88,7 +89,7 @@ def test_accounting_matches_known_tensors_and_cpu_fields_are_null(tmp_path):
 def test_run_writes_every_file_with_readable_plots(tmp_path):
     recipe = {"model": {"name": "tiny"}, "training": {"optim": "adamw_torch", "max_steps": 6}}
     run_dir = tmp_path / "run"
-    trainer, _ = sft_run(tmp_path, "adamw_torch", run_dir, steps=6, eval_steps=3, recipe=recipe)
+    trainer, _ = sft_run(tmp_path, "adamw_torch", run_dir, steps=6, eval_steps=3, recipe=recipe, ema_beta=0.5)
     result = trainer.train()
 
     names = {p.name for p in run_dir.iterdir()}
@@ -106,7 +107,7 @@ def test_run_writes_every_file_with_readable_plots(tmp_path):
     losses = [r["loss"] for r in train]
     assert summary["final_loss"] == losses[-1]
     beta = summary["ema_beta"]
-    assert beta == 0.0  # 6 points: the automatic beta (1 - 10/6, clipped) does not smooth
+    assert beta == 0.5
     smoothed, weight = 0.0, 0.0
     for loss in losses:  # bias-corrected EMA, written out
         smoothed, weight = beta * smoothed + (1 - beta) * loss, beta * weight + (1 - beta)
@@ -121,7 +122,7 @@ def test_run_writes_every_file_with_readable_plots(tmp_path):
         assert_png_drawn(run_dir / name)
     run = load_run(run_dir)
     loss_text = figure_texts(loss_figure(run))
-    assert "RUN MEAN" in loss_text and "eval_loss" in loss_text and "EMA" in loss_text
+    assert "RUN MEAN" in loss_text and "eval_loss" in loss_text and "loss (EMA, beta=0.5)" in loss_text
     memory_text = figure_texts(memory_figure(run))
     assert "host RSS" in memory_text and "after step 1" in memory_text and "GPU capacity" not in memory_text
     assert "too few" not in memory_text + loss_text
@@ -156,10 +157,11 @@ def test_record_oom_keeps_what_was_logged(tmp_path):
     assert summary["status"] == "oom" and summary["error"]["type"] == "OutOfMemoryError"
     assert "Tried to allocate 2.00 GiB" in summary["error"]["message"]
     assert summary["optimizer"]["name"] == "Lion8bit" and summary["optimizer_state"]["by_dtype"]["uint8"] > 0
+    assert summary["oom_step"] == 3 and summary["global_step"] == 2  # failed during step 3, after 2 complete
     assert summary["phases"]["oom"]["step"] == 3 and "end" not in summary["phases"]
-    assert [r["step"] for r in read_records(run_dir)] == [1, 2]  # step 3 raised before its log
+    assert [r["step"] for r in read_records(run_dir)] == [1, 2]
     assert (run_dir / "recipe.yaml").exists()
-    assert "OUT OF MEMORY" in figure_texts(loss_figure(load_run(run_dir)))
+    assert "OOM at step 3" in figure_texts(loss_figure(load_run(run_dir)))
     for name in ("loss.png", "memory.png", "dashboard.png"):
         assert_png_drawn(run_dir / name)
 
@@ -170,6 +172,12 @@ def test_record_oom_before_training_started(tmp_path):
     summary = read_summary(tmp_path / "early")
     assert summary["status"] == "oom" and summary["optimizer"] is None and summary["final_loss"] is None
     assert "no training loss logged" in figure_texts(loss_figure(load_run(tmp_path / "early")))
+
+
+def test_ema_and_its_automatic_beta():
+    assert ema([1.0, 2.0, 3.0], 0.5) == pytest.approx([1.0, 1.25 / 0.75, 2.125 / 0.875])  # debiased by 1 - 0.5^t
+    assert ema([4.0, 1.0], 0.0) == [4.0, 1.0]
+    assert [auto_ema_beta(n) for n in (1, 10, 20, 50, 100, 5000)] == [0.0, 0.0, 0.5, 0.8, 0.9, 0.9]
 
 
 def test_bad_arguments_and_missing_run_dir(tmp_path):

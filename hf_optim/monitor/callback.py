@@ -120,6 +120,8 @@ class TrainingMonitor(TrainerCallback):
         self._global_step = 0
         self._recipe_written = False
         self.error: dict | None = None
+        self._in_step = False
+        self._oom_step: int | None = None
 
     # ---- Trainer events ---------------------------------------------------------------------------------------
 
@@ -149,6 +151,7 @@ class TrainingMonitor(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._t_step = time.perf_counter()
+        self._in_step = True
 
     def on_optimizer_step(self, args, state, control, model=None, **kwargs):
         # Gradients are still held here (the Trainer zeroes them after the optimizer step).
@@ -158,6 +161,7 @@ class TrainingMonitor(TrainerCallback):
                 self.gradients = now
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self._in_step = False
         if self.synchronize and self.device is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self._t_step is not None:
@@ -209,7 +213,9 @@ class TrainingMonitor(TrainerCallback):
         if self.sampler is None:
             self.sampler = MemorySampler.for_device(self.device or torch.device("cpu"),
                                                     reset_peak_stats=self.reset_peak_stats)
-        self.phases["oom"] = self._snapshot(self._global_step)
+        # The step that failed: the one under way, or the last one if it failed after its end (in a callback).
+        self._oom_step = self._global_step + 1 if self._in_step else self._global_step
+        self.phases["oom"] = self._snapshot(self._oom_step)
         self.error = {"type": type(exc).__name__, "message": str(exc)[:4000]}
         if self.writer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -311,6 +317,7 @@ class TrainingMonitor(TrainerCallback):
             "started_at": self.started_at,
             "updated_at": _now(),
             "global_step": self._global_step,
+            "oom_step": self._oom_step,
             "final_loss": self.losses[-1] if self.losses else None,
             "ema_loss": smoothed[-1] if smoothed else None,
             "ema_beta": beta,

@@ -113,7 +113,7 @@ def _table(rows: list[_Row], base: _Row) -> list[str]:
         is_base = row is base
         status = "**OOM**" if row.oom else row.run.status
         if row.oom:
-            status += f" at step {row.run.summary.get('global_step', '?')}"
+            status += f" at step {row.run.summary.get('oom_step', '?')}"
         cells = [row.label + (" (baseline)" if is_base else ""), row.run.optimizer_label, status,
                  _bytes_cell(row.peak, peak_size) + (" at OOM" if row.oom and row.peak is not None else ""),
                  "" if is_base else _delta(row.peak, base.peak, size=peak_size)]

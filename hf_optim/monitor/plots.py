@@ -89,9 +89,13 @@ def _draw_loss(ax, run: RunData, *, detailed: bool) -> None:
     beta = auto_ema_beta(len(losses)) if beta is None else beta
     hint = "log more often (logging_steps) or train longer" if detailed else ""
     if _enough(ax, len(steps), "training loss", hint):
-        ax.plot(steps, losses, color="#7aa6d6", lw=1.0, alpha=0.8, marker=_marker(len(steps)), ms=3,
-                label="loss (raw, per log step)")
-        ax.plot(steps, ema(losses, beta), color="#1f4e9c", lw=2.2, label=f"loss (EMA, beta={beta})")
+        if beta > 0:
+            ax.plot(steps, losses, color="#7aa6d6", lw=1.0, alpha=0.8, marker=_marker(len(steps)), ms=3,
+                    label="loss (raw, per log step)")
+            ax.plot(steps, ema(losses, beta), color="#1f4e9c", lw=2.2, label=f"loss (EMA, beta={beta:g})")
+        else:  # the automatic beta is 0 for runs of <= 10 points: a smoothed curve would equal the raw one
+            ax.plot(steps, losses, color="#1f4e9c", lw=1.8, marker=_marker(len(steps)), ms=3,
+                    label="loss (raw; too few points to smooth)")
     elif steps:
         ax.plot(steps, losses, "o", color="#1f4e9c", label="loss (raw)")
     eval_steps, eval_losses = _series(run.evals, "eval_loss")
@@ -102,6 +106,9 @@ def _draw_loss(ax, run: RunData, *, detailed: bool) -> None:
     if mean is not None and detailed:
         ax.axhline(mean, color="#555555", ls="--", lw=1.2,
                    label=f"train_loss = {mean:.4g}: the RUN MEAN of all steps (not the final loss)")
+    oom_step = run.summary.get("oom_step") if run.status == "oom" else None
+    if oom_step is not None:
+        ax.axvline(oom_step, color="#c0392b", ls=":", lw=1.5, label=f"OOM at step {oom_step}")
     if detailed and losses:
         final = run.summary.get("final_loss", losses[-1])
         ema_final = run.summary.get("ema_loss")
@@ -251,7 +258,8 @@ def _summary_text(run: RunData) -> str:
         return "-" if value is None else format(value, fmt)
 
     lines = [
-        f"status: {run.status}   steps: {s.get('global_step', '-')}",
+        (f"status: OOM at step {s.get('oom_step')}" if run.status == "oom" else f"status: {run.status}")
+        + f"   steps done: {s.get('global_step', '-')}",
         f"optimizer: {optimizer.get('module', '?')}.{optimizer.get('name', '?')}",
         f"device: {gpu['name'] if gpu else (s.get('hardware') or {}).get('device', '?')}",
         f"final loss: {num(s.get('final_loss'))}   EMA: {num(s.get('ema_loss'))}",
