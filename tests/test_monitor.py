@@ -6,6 +6,7 @@ import pytest
 import torch
 import yaml
 from monitor_helpers import (
+    FAST,
     RaiseOomAt,
     assert_png_drawn,
     figure_texts,
@@ -14,11 +15,13 @@ from monitor_helpers import (
     read_summary,
     sft_run,
 )
+from trainer_helpers import common_args, text_dataset
+from trl import SFTConfig, SFTTrainer
 
 from hf_optim.monitor import TrainingMonitor, load_run, plot_run
 from hf_optim.monitor.plots import dashboard_figure, loss_figure, memory_figure
 from hf_optim.monitor.series import auto_ema_beta, ema
-from hf_optim.tiny import tiny_llama
+from hf_optim.tiny import tiny_llama, tiny_tokenizer
 
 CUDA_OR_NVML = ("cuda_", "nvml_")
 
@@ -185,3 +188,23 @@ def test_bad_arguments_and_missing_run_dir(tmp_path):
         TrainingMonitor(tmp_path, ema_beta=1.5)
     with pytest.raises(FileNotFoundError, match="is not a run directory"):
         plot_run(tmp_path)
+
+
+def test_resume_from_checkpoint_continues_the_same_files(tmp_path):
+    run_dir = tmp_path / "run"
+
+    def trainer_for(max_steps):
+        config = SFTConfig(**common_args(tmp_path, "adamw_torch", output_dir=str(run_dir), max_steps=max_steps,
+                                         save_strategy="steps", save_steps=2, **FAST), max_length=64)
+        return SFTTrainer(model=tiny_llama(), args=config, train_dataset=text_dataset(64),
+                          processing_class=tiny_tokenizer(), callbacks=[TrainingMonitor(run_dir, plots=False)])
+
+    trainer_for(3).train()  # logs steps 1-3, checkpoint at step 2
+    trainer = trainer_for(4)
+    trainer.train(resume_from_checkpoint=str(run_dir / "checkpoint-2"))
+
+    records = read_records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # step 3 of the first run was redone: logged once
+    summary = read_summary(run_dir)
+    assert summary["final_loss"] == records[-1]["loss"] and summary["global_step"] == 4
+    assert summary["phases"]["after_first_step"]["step"] == 3  # the first step of the resumed run

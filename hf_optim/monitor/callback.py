@@ -140,6 +140,9 @@ class TrainingMonitor(TrainerCallback):
         self._tokens_at_begin = self._tokens_seen(state)
         self._window = {"steps": 0, "seconds": 0.0, "tokens_at_start": self._tokens_at_begin}
         self._first_step = state.global_step + 1
+        # A monitor may see several train() calls: each starts its own run record.
+        self.losses, self.gradients, self.final_metrics = [], {}, {}
+        self.error, self._oom_step, self._run_steps, self._run_seconds = None, None, 0, 0.0
         self.started_at = _now()
         self._t_start = time.perf_counter()
         if self.writer:
@@ -289,6 +292,8 @@ class TrainingMonitor(TrainerCallback):
         path.write_text("", encoding="utf-8")
         for record in kept:
             runfiles.append_record(self.output_dir, record)
+        # The final and EMA loss cover the whole run, the logged steps before the checkpoint included.
+        self.losses = [r["loss"] for r in kept if r.get("kind") == "train" and r.get("loss") is not None]
 
     def _write_recipe_once(self) -> None:
         if self.recipe is not None and not self._recipe_written:

@@ -168,6 +168,10 @@ def _draw_process_memory(ax, run: RunData, *, detailed: bool) -> None:
             ("cuda_peak_reserved_window_bytes", "peak reserved in window", "#2ca02c", "--"),
             ("nvml_used_bytes", "device used (NVML: incl. paged memory, context, other processes)", "#9467bd", "-"),
         ]
+        if not detailed:  # the dashboard's small panel: the three lines that matter, short labels
+            lines = [("cuda_peak_allocated_window_bytes", "peak allocated (window)", "#1f77b4", "--"),
+                     ("cuda_reserved_bytes", "reserved", "#2ca02c", "-"),
+                     ("nvml_used_bytes", "NVML device used", "#9467bd", "-")]
     else:
         lines = [("host_rss_bytes", "host RSS (process)", "#1f77b4", "-")]
     largest = max((r.get(key) or 0 for r in points for key, *_ in lines), default=0)
@@ -183,7 +187,8 @@ def _draw_process_memory(ax, run: RunData, *, detailed: bool) -> None:
         ax.plot(steps, [v / size for v in values], ls=style, color=color, lw=1.6, marker=_marker(len(steps)),
                 ms=3, label=label)
     if capacity:
-        ax.axhline(capacity / size, color="#c0392b", lw=1.5, label=f"GPU capacity ({format_bytes(capacity)})")
+        label = f"GPU capacity ({format_bytes(capacity)})" if detailed else "capacity"
+        ax.axhline(capacity / size, color="#c0392b", lw=1.5, label=label)
     _enough(ax, drawn, "memory sample", "log more often (logging_steps) or train longer" if detailed else "")
     ax.set_ylabel(unit)
     top = max(largest, capacity or 0) / size
@@ -194,7 +199,7 @@ def _draw_process_memory(ax, run: RunData, *, detailed: bool) -> None:
         if detailed:
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
         else:
-            ax.legend(loc="lower right", fontsize=8)
+            ax.legend(loc="best", fontsize=7, framealpha=0.8)
 
 
 def _draw_state_memory(ax, run: RunData) -> None:
