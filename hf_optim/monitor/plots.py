@@ -53,6 +53,10 @@ def step_axis(ax) -> None:
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
+    low, high = ax.get_xlim()
+    if high - low < 1:  # a single step: give the axis whole steps on both sides
+        middle = round((low + high) / 2)
+        ax.set_xlim(middle - 1, middle + 1)
 
 
 def _message(ax, text: str, y: float = 0.5) -> None:
@@ -64,6 +68,8 @@ def _enough(ax, count: int, what: str, hint: str = "") -> bool:
     if count >= 2:
         return True
     if count == 0:
+        ax.set_xticks([])
+        ax.set_yticks([])
         _message(ax, f"no {what} logged: nothing to draw" + (f"\n{hint}" if hint else ""))
     else:
         _message(ax, f"only 1 {what} point: too few for a curve" + (f"\n{hint}" if hint else ""), y=0.75)
@@ -212,12 +218,13 @@ def _draw_state_memory(ax, run: RunData) -> None:
         steps = [r["step"] for r in rows]
         stacks = [[(r.get("optimizer_state_by_dtype") or {}).get(d, 0) / size for r in rows] for d in dtypes]
         if stacks:
-            ax.stackplot(steps, *stacks, labels=[f"state {d}" for d in dtypes], alpha=0.75, step="post")
-        ax.step(steps, [r["optimizer_state_bytes"] / size for r in rows], where="post", color="black", lw=1.2,
+            ax.stackplot(steps, *stacks, labels=[f"state {d}" for d in dtypes], alpha=0.75, step="pre")
+        # "pre": a value logged at step k is the state held through step k (allocated during step 1).
+        ax.step(steps, [r["optimizer_state_bytes"] / size for r in rows], where="pre", color="black", lw=1.2,
                 label="optimizer state total")
         paged = [r.get("optimizer_state_paged_bytes") or 0 for r in rows]
         if any(paged):
-            ax.step(steps, [p / size for p in paged], where="post", color="#c0392b", ls="--",
+            ax.step(steps, [p / size for p in paged], where="pre", color="#c0392b", ls="--",
                     label="paged (CUDA managed)")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.set_ylabel(unit)
