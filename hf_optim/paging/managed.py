@@ -79,7 +79,7 @@ def managed_zeros(
     numel = math.prod(shape)
     element_size = torch.empty((), dtype=dtype).element_size()
     buffer = ManagedBuffer(runtime, numel * element_size, index)
-    raw = torch.as_tensor(buffer)
+    raw = torch.as_tensor(buffer, device=torch.device("cuda", index))  # explicit: a default device must not copy
     if raw.data_ptr() != buffer.ptr or raw.device != torch.device("cuda", index):
         raise RuntimeError(
             f"wrapping managed memory gave a tensor at {raw.data_ptr():#x} on {raw.device}, expected "
