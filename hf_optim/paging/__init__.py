@@ -139,7 +139,7 @@ class StateAllocator:
         runtime = managed.runtime()
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                managed.prefetch(runtime, value)  # a no-op for buffers that are not managed
+                managed.prefetch(runtime, value)  # a no-op for tensors that are not managed buffers
 
 
 def state_allocator(is_paged: bool, owner: str = "optimizer") -> StateAllocator:

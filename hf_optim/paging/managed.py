@@ -92,7 +92,10 @@ def managed_zeros(
 
 
 def prefetch(runtime: cudart.CudaRuntime, tensor: torch.Tensor) -> None:
-    """Enqueue migration of ``tensor``'s whole managed buffer to its GPU on the current stream (asynchronous)."""
+    """Enqueue migration of ``tensor``'s whole managed buffer to its GPU on that device's current stream.
+
+    Asynchronous and stream-ordered: kernels queued after it on the stream find the pages resident, and nothing
+    waits for the device. Tensors that are not managed buffers are left alone."""
     ptr = tensor.untyped_storage().data_ptr()
     nbytes = _live.get(ptr)
     if nbytes is None:
