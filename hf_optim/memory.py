@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_optim.paging import is_paged_tensor
+from hf_optim.paging import is_paged_tensor, serving_device
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def state_memory(optimizer: torch.optim.Optimizer) -> StateMemory:
                 continue
             seen.add(key)
             by_dtype[str(tensor.dtype).removeprefix("torch.")] += nbytes
-            by_device[str(tensor.device)] += nbytes
+            by_device[serving_device(tensor)] += nbytes
             if is_paged_tensor(tensor):
                 paged += nbytes
     return StateMemory(sum(by_dtype.values()), dict(by_dtype), dict(by_device), paged)

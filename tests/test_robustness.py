@@ -175,21 +175,5 @@ def test_bad_hyperparameters_in_an_added_group_are_refused():
         opt.add_param_group({"params": make_params([(3,)]), "lr": -1.0})
 
 
-def test_paged_on_cpu_warns_once_and_matches_unpaged():
-    import hf_optim.paging as paging
-
-    paging._warned.discard("cpu")
-    paged_params, plain_params = make_params([(80, 70)]), make_params([(80, 70)])
-    with pytest.warns(UserWarning, match="on CPU the state is already in host memory"):
-        paged = hf_optim.PagedAdEMAMix8bit(paged_params)
-        run_steps(paged, paged_params, 3)
-    plain = hf_optim.AdEMAMix8bit(plain_params)
-    run_steps(plain, plain_params, 3)
-    assert paged.is_paged and torch.equal(paged_params[0], plain_params[0])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a second paged optimizer does not warn again
-        hf_optim.PagedAdamW8bit(make_params([(80, 70)])).step()
-
-
 def test_repr_names_the_backend():
     assert "backend=torch" in repr(hf_optim.AdamW8bit(make_params([(4,)])))

@@ -26,7 +26,7 @@ from hf_optim.kernels.state_store import (
     slot_tensors,
 )
 from hf_optim.optim._validation import check_min_8bit_size, check_optim_bits
-from hf_optim.paging import state_allocator
+from hf_optim.paging import on_host, state_allocator
 
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
 ALGORITHM_KEY = "hf_optim_algorithm"
@@ -70,7 +70,7 @@ class HfOptimizer(torch.optim.Optimizer):
         defaults["min_8bit_size"] = check_min_8bit_size(min_8bit_size)
         super().__init__(params, defaults)
         self.is_paged = bool(is_paged)
-        self._allocate = state_allocator(self.is_paged)
+        self._allocate = state_allocator(self.is_paged, type(self).__name__)
         for group in self.param_groups:
             self._check_group(group)
 
@@ -156,6 +156,8 @@ class HfOptimizer(torch.optim.Optimizer):
                 state["step"] += 1
                 if param.numel() == 0:
                     continue
+                if self.is_paged:
+                    self._allocate.prefetch(state)  # managed buffers to the GPU, on the current stream: no sync
                 self._update(param, grad, state, group)
         return loss
 
@@ -180,7 +182,8 @@ class HfOptimizer(torch.optim.Optimizer):
             if quant:
                 param_state[QUANT_STATE_KEY] = quant
             nested[index] = param_state
-        state_dict["state"] = nested
+        # A paged optimizer's state dict holds CPU tensors: loading the checkpoint must not need GPU memory.
+        state_dict["state"] = {i: on_host(s) for i, s in nested.items()} if self.is_paged else nested
         state_dict["param_groups"] = [
             {**self._to_bnb_group(group), ALGORITHM_KEY: self.algorithm} for group in state_dict["param_groups"]
         ]
@@ -190,8 +193,9 @@ class HfOptimizer(torch.optim.Optimizer):
         """Load a state dict saved by hf_optim or bitsandbytes (nested or flat form).
 
         Tensors keep their dtype (uint8 codes stay uint8, fp32 state is never cast to the parameter dtype) and
-        move to their parameter's device. A state dict of another algorithm, of another parameter layout or
-        of the old 2048-element block size raises :class:`StateDictError`.
+        move to their parameter's device; state buffers are allocated by the optimizer's allocator, so a paged
+        optimizer's state is paged again after loading. A state dict of another algorithm, of another parameter
+        layout or of the old 2048-element block size raises :class:`StateDictError`.
         """
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
@@ -224,10 +228,16 @@ class HfOptimizer(torch.optim.Optimizer):
             flat = dict(param_state)
             flat.update(flat.pop(QUANT_STATE_KEY, {}))
             self._check_loaded_state(local_tensor(p), flat, saved_id)
-            # Copy: the loaded optimizer must never share (and mutate) the caller's tensors.
+            # Copy: the loaded optimizer must never share (and mutate) the caller's tensors. State buffers go
+            # through the allocator, which pages them for a paged optimizer as it did when they were created.
             device = local_tensor(p).device
+            slots = {spec.key for spec in self.state_specs}
             new_state[p] = {
-                k: (v.to(device, copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                k: (
+                    (self._allocate.copy_of(v, device) if k in slots else v.to(device, copy=True))
+                    if isinstance(v, torch.Tensor)
+                    else copy.deepcopy(v)
+                )
                 for k, v in flat.items()
             }
             if isinstance(new_state[p].get("step"), torch.Tensor):

@@ -1,0 +1,192 @@
+"""Paged optimizers on CPU: the fallback (twin math, one warning), state dicts, and the paging wiring.
+
+The real managed-memory path needs a GPU (tests/test_paging_gpu.py). Here the wiring around it (which buffers the
+allocator pages, prefetch before each update, load_state_dict allocating through the allocator, accounting) is
+checked with the managed allocation replaced by registered CPU tensors.
+"""
+
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from helpers import ALL_CLASSES, make_params, run_steps
+
+import hf_optim
+import hf_optim.paging as paging
+from hf_optim.optim.base import QUANT_STATE_KEY
+from hf_optim.paging import managed
+
+PAGED = [cls for cls in ALL_CLASSES if cls.__name__.startswith("Paged")]
+SHAPES = [(120, 90), (300,), (7,), ()]  # 8-bit sized, partial block, below min_8bit_size, scalar
+
+
+def twin_of(cls):
+    return getattr(hf_optim, cls.__name__.removeprefix("Paged"))
+
+
+def save_and_load(state_dict):
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_every_algorithm_has_paged_classes():
+    assert {cls.__name__ for cls in PAGED} == {
+        f"Paged{name}{bits}" for name in ("AdamW", "AdEMAMix", "LAMB", "Lion") for bits in ("", "8bit", "32bit")
+    }
+
+
+@pytest.mark.parametrize("cls", PAGED, ids=lambda c: c.__name__)
+def test_paged_on_cpu_warns_once_and_runs_as_its_twin(cls):
+    paging._warned.clear()
+    paged_params, plain_params = make_params(SHAPES), make_params(SHAPES)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        paged = cls(paged_params)
+        run_steps(paged, paged_params, 3)
+        cls(make_params([(64, 64)])).step()  # a second optimizer of the class does not warn again
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    twin = twin_of(cls)
+    assert len(messages) == 1, messages
+    assert f"{cls.__name__} has state on cpu" in messages[0]
+    assert f"runs exactly as {twin.__name__}." in messages[0]
+    assert caught[0].filename.endswith("helpers.py")  # the opt.step() call, not hf_optim/torch internals
+
+    plain = twin(plain_params)
+    run_steps(plain, plain_params, 3)
+    for a, b in zip(paged_params, plain_params):
+        assert torch.equal(a, b)
+    for a, b in zip(paged_params, plain_params):
+        for key, value in plain.state[b].items():
+            other = paged.state[a][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
+    assert hf_optim.state_memory(paged).paged_bytes == 0
+
+
+@pytest.mark.parametrize("cls", PAGED, ids=lambda c: c.__name__)
+def test_paged_state_dict_round_trip_is_bit_exact(cls):
+    """Save after 2 steps, torch.save / torch.load(weights_only=True), load, 2 more: same as 4 uninterrupted."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        straight = make_params(SHAPES)
+        straight_opt = cls(straight)
+        run_steps(straight_opt, straight, 4)
+        first = make_params(SHAPES)
+        first_opt = cls(first)
+        run_steps(first_opt, first, 2)
+        saved = first_opt.state_dict()
+        resumed = [torch.nn.Parameter(p.detach().clone()) for p in first]
+        resumed_opt = cls(resumed)
+        resumed_opt.load_state_dict(save_and_load(saved))
+        run_steps(resumed_opt, resumed, 2, start=2)
+
+    tensors = [v for s in saved["state"].values() for v in [*s.values(), *s.get(QUANT_STATE_KEY, {}).values()]]
+    assert all(t.device.type == "cpu" for t in tensors if isinstance(t, torch.Tensor))
+    if "8bit" in cls.__name__:
+        assert saved["state"][0][QUANT_STATE_KEY]["state1"].dtype == torch.uint8
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The paging wiring, with managed allocation replaced by CPU tensors registered as live managed buffers.
+@pytest.fixture
+def fake_managed(monkeypatch):
+    made, prefetched = [], []
+
+    def fake_zeros(runtime, shape, dtype, device):
+        tensor = torch.zeros(shape, dtype=dtype, device=device)
+        managed._live[tensor.untyped_storage().data_ptr()] = tensor.numel() * tensor.element_size()
+        made.append(tensor)
+        return tensor
+
+    def fake_prefetch(runtime, tensor):
+        if managed.is_managed(tensor):
+            prefetched.append(tensor.untyped_storage().data_ptr())
+
+    monkeypatch.setattr(managed, "unavailable_reason", lambda device_type, index: None)
+    monkeypatch.setattr(managed, "runtime", lambda: None)
+    monkeypatch.setattr(managed, "managed_zeros", fake_zeros)
+    monkeypatch.setattr(managed, "prefetch", fake_prefetch)
+    before = dict(managed._live)
+    yield made, prefetched
+    managed._live.clear()
+    managed._live.update(before)
+
+
+def test_only_state_buffers_at_the_threshold_are_paged_and_counted(fake_managed):
+    made, _ = fake_managed
+    shapes = [(400, 250), (333, 300), (80, 70)]  # 100,000 and 99,900 elements: threshold is inclusive
+    params = make_params(shapes)
+    opt = hf_optim.PagedAdamW8bit(params)
+    run_steps(opt, params, 1)
+    assert [tuple(t.shape) for t in made] == [(400, 250), (400, 250)]  # state1 and state2 of the big tensor
+    state = opt.state[params[0]]
+    assert paging.is_paged_tensor(state["state1"]) and paging.is_paged_tensor(state["state2"])
+    assert not paging.is_paged_tensor(state["absmax1"]) and not paging.is_paged_tensor(opt.state[params[1]]["state1"])
+
+    memory = hf_optim.state_memory(opt)
+    assert memory.paged_bytes == 2 * 400 * 250  # two uint8 codes per element
+    blocks = sum(math.ceil(math.prod(s) / 256) for s in shapes)
+    qmaps = len(shapes) * 2 * 256 * 4
+    assert memory.total_bytes == 2 * sum(math.prod(s) for s in shapes) + 2 * 4 * blocks + qmaps
+    assert memory.by_dtype["uint8"] == 2 * sum(math.prod(s) for s in shapes)
+
+
+def test_32bit_paged_state_counts_four_bytes_per_element(fake_managed):
+    params = make_params([(400, 250)])
+    opt = hf_optim.PagedAdEMAMix32bit(params)
+    run_steps(opt, params, 1)
+    memory = hf_optim.state_memory(opt)
+    assert memory.paged_bytes == memory.total_bytes == (2 + 1) * 400 * 250 * 4  # stacked m1/m2, nu
+
+
+def test_paged_buffers_are_prefetched_before_every_update(fake_managed):
+    _, prefetched = fake_managed
+    params = make_params([(400, 250), (80, 70)])
+    opt = hf_optim.PagedLion8bit(params)
+    run_steps(opt, params, 3)
+    assert prefetched == [opt.state[params[0]]["state1"].untyped_storage().data_ptr()] * 3
+
+
+def test_load_state_dict_pages_the_loaded_state_again(fake_managed):
+    made, _ = fake_managed
+    params = make_params([(400, 250), (80, 70)])
+    opt = hf_optim.PagedAdamW8bit(params)
+    run_steps(opt, params, 2)
+    saved = save_and_load(opt.state_dict())
+    made.clear()
+
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed_opt = hf_optim.PagedAdamW8bit(resumed)
+    resumed_opt.load_state_dict(saved)
+    state = resumed_opt.state[resumed[0]]
+    assert [t.untyped_storage().data_ptr() for t in made] == [
+        state["state1"].untyped_storage().data_ptr(), state["state2"].untyped_storage().data_ptr()
+    ]
+    assert torch.equal(state["state1"], saved["state"][0][QUANT_STATE_KEY]["state1"])
+    assert hf_optim.state_memory(resumed_opt).paged_bytes == hf_optim.state_memory(opt).paged_bytes == 2 * 100_000
+
+
+def test_unpaged_optimizer_never_pages(fake_managed):
+    made, prefetched = fake_managed
+    params = make_params([(400, 250)])
+    run_steps(hf_optim.AdamW8bit(params), params, 2)
+    assert made == [] and prefetched == []
+
+
+def test_bitsandbytes_paged_marker_is_counted_on_its_gpu():
+    state = torch.zeros(1000, dtype=torch.uint8)
+    state.is_paged, state.page_deviceid = True, 1  # how bitsandbytes marks the CPU view of its managed buffers
+    opt = torch.optim.SGD(make_params([(10,)]))
+    opt.state[opt.param_groups[0]["params"][0]] = {"state1": state}
+    memory = hf_optim.state_memory(opt)
+    assert memory.paged_bytes == 1000 and memory.by_device == {"cuda:1": 1000}
+
+
+def test_unavailable_reasons_name_the_device():
+    assert "cpu has none" in paging.paging_unavailable_reason("cpu")
+    assert "meta has none" in paging.paging_unavailable_reason("meta")
