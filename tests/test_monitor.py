@@ -222,3 +222,15 @@ def test_tokens_come_from_the_trainer_when_it_counts_them(tmp_path):
     assert summary["tokens_source"] == "trainer"
     assert summary["tokens_seen"] == trainer.state.num_input_tokens_seen == 2 * 2 * 16
     assert [r["tokens"] for r in read_records(tmp_path / "run")] == [32, 32]
+
+
+def test_gradient_accumulation_counts_every_micro_batch(tmp_path):
+    monitor = TrainingMonitor(tmp_path / "run", plots=False)
+    args = TrainingArguments(**common_args(tmp_path, "adamw_torch", max_steps=2, per_device_train_batch_size=2,
+                                           gradient_accumulation_steps=3))
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=fixed_length_dataset(12, 16), callbacks=[monitor])
+    trainer.train()
+    records = read_records(tmp_path / "run")
+    # One optimizer step = 3 micro-batches of 2 rows x 16 tokens; the hook sees each forward.
+    assert [(r["step"], r["tokens"], r["steps_in_window"]) for r in records] == [(1, 96, 1), (2, 96, 1)]
+    assert read_summary(tmp_path / "run")["tokens_source"] == "forward_hook"
