@@ -38,14 +38,31 @@ class TrainingMonitor(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._summary("ok")
+        plot_run(self.output_dir)
 
     def record_oom(self, exc: BaseException) -> None:
         self._summary("oom", error=str(exc))
 
 
 def plot_run(run_dir) -> list[Path]:
-    """Stand-in: draws nothing."""
-    return []
+    """Stand-in: loss.png, memory.png and dashboard.png all show the logged loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    points = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    paths = []
+    for name in ("loss.png", "memory.png", "dashboard.png"):
+        fig, ax = plt.subplots()
+        ax.plot([p[0] for p in points], [p[1] for p in points])
+        ax.set_title(f"{name} (temporary stand-in)")
+        fig.savefig(run_dir / name)
+        plt.close(fig)
+        paths.append(run_dir / name)
+    return paths
 
 
 def compare_runs(run_dirs, out_dir, baseline=None) -> Path:
