@@ -192,3 +192,25 @@ def test_smoke_mode_keeps_method_lora_and_optimizer(name, monkeypatch):
     monkeypatch.setenv("HF_OPTIM_SMOKE", "1")
     assert load_recipe(name).model["id"] == BUILTIN_MODEL
     assert load_recipe(name, ["training.max_steps=5"]).training["max_steps"] == 5  # overrides apply after smoke
+
+
+def test_bundled_chat_data_and_tokenizer():
+    import json
+    import re
+
+    from hf_optim.tiny import CHAT_FILE, LLAMA3_SPECIAL_TOKENS, bundled_tokenizer, tiny_chat_examples
+
+    shipped = [json.loads(line) for line in CHAT_FILE.read_text().splitlines()]
+    assert shipped == tiny_chat_examples()  # the file is the generator's output
+    for example in shipped:
+        question, answer = (turn["content"] for turn in example["messages"])
+        if match := re.fullmatch(r"What is (\d+) plus (\d+)\?", question):
+            assert answer == f"{match[1]} plus {match[2]} is {int(match[1]) + int(match[2])}."
+        elif match := re.fullmatch(r"Reverse the word '(\w+)'\.", question):
+            assert answer == f"'{match[1]}' reversed is '{match[1][::-1]}'."
+    tokenizer = bundled_tokenizer()
+    assert all(token in tokenizer.get_vocab() for token in LLAMA3_SPECIAL_TOKENS)
+    text = tokenizer.apply_chat_template(shipped[0]["messages"], tokenize=False)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n")
+    assert text.endswith("<|eot_id|>") and tokenizer.eos_token == "<|eot_id|>"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
