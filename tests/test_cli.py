@@ -146,3 +146,13 @@ def test_plot_and_compare_verbs(tmp_path, capsys):
     assert cli.main(["plot", runs[0]]) == 0
     assert cli.main(["compare", *runs, "--out", str(tmp_path / "cmp")]) == 0
     assert (tmp_path / "cmp" / "compare.md").is_file()
+
+
+def test_validate_unknown_architecture_offline_still_checks_keys(tmp_path, capsys):
+    recipe = tmp_path / "other.yaml"
+    recipe.write_text("model: {id: someone/unknown-model}\ndata: {path: builtin:tiny-chat}\n"
+                      "training: {optim: adamw_8bit}\n")
+    assert cli.main(["validate", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "keys, types and optimizer 'adamw_8bit' are valid" in out
+    assert "no memory estimate: no config for 'someone/unknown-model'" in out
