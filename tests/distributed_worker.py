@@ -1,0 +1,116 @@
+"""torchrun worker for test_distributed.py: every algorithm under DDP and FSDP2, and sharded checkpoint resume.
+
+Run as ``torchrun --nproc_per_node 2 tests/distributed_worker.py OUT_FILE CHECKPOINT_DIR`` (gloo, CPU). All
+algorithms run inside this one pair of processes (starting processes is the slow part). Rank 0 writes the full
+parameters of every run to OUT_FILE; the test compares them with single-process runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from distributed_cases import OPTIMIZERS, RESUME_AT, Net, batches, build_optimizer, half, loss_fn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+warnings.filterwarnings("ignore")
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter as a whole tensor (FSDP2's DTensors gathered), on every rank."""
+    module = getattr(model, "module", model)
+    out = {}
+    for name, p in module.named_parameters():
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = p.detach().clone()
+    return out
+
+
+def train(model, optimizer, steps) -> None:
+    rank = dist.get_rank()
+    for batch in steps:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model, *half(batch, rank)).backward()
+        optimizer.step()
+
+
+def state_dtypes(model, optimizer) -> dict[str, list[str]]:
+    module = getattr(model, "module", model)
+    return {
+        name: sorted({str(v.dtype) for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)})
+        for name, p in module.named_parameters()
+    }
+
+
+def data_parallel_runs(wrap) -> dict:
+    results = {}
+    for name in OPTIMIZERS:
+        model = wrap(Net())
+        optimizer = build_optimizer(name, model.parameters())
+        train(model, optimizer, batches())
+        results[name] = {"params": full_params(model), "dtypes": state_dtypes(model, optimizer)}
+    return results
+
+
+def fsdp2(model):
+    fully_shard(model)
+    return model
+
+
+def checkpoint_resume_runs(checkpoint_dir: str) -> dict:
+    """FSDP2: save model and optimizer with torch.distributed.checkpoint after RESUME_AT steps, train on; then a
+    fresh model and optimizer (from another initialization) load the checkpoint and train the same steps."""
+    data = batches()
+    results = {}
+    for name in OPTIMIZERS:
+        path = f"{checkpoint_dir}/{name}"
+        model = fsdp2(Net())
+        optimizer = build_optimizer(name, model.parameters())
+        train(model, optimizer, data[:RESUME_AT])
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        train(model, optimizer, data[RESUME_AT:])
+
+        other = Net()
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(1.0)  # the checkpoint, not the initialization, must decide where training resumes
+        resumed = fsdp2(other)
+        resumed_optimizer = build_optimizer(name, resumed.parameters())
+        model_state, optim_state = get_state_dict(resumed, resumed_optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(resumed, resumed_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        loaded_steps = sorted({s["step"] for s in resumed_optimizer.state.values()})
+        loaded_dtypes = state_dtypes(resumed, resumed_optimizer)
+        train(resumed, resumed_optimizer, data[RESUME_AT:])
+        results[name] = {
+            "straight": full_params(model),
+            "resumed": full_params(resumed),
+            "loaded_steps": loaded_steps,
+            "loaded_dtypes": loaded_dtypes,
+        }
+    return results
+
+
+def main(out_file: str, checkpoint_dir: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    results = {
+        "ddp": data_parallel_runs(DistributedDataParallel),
+        "fsdp2": data_parallel_runs(fsdp2),
+        "resume": checkpoint_resume_runs(checkpoint_dir),
+    }
+    if dist.get_rank() == 0:
+        torch.save(results, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
