@@ -91,7 +91,7 @@ def test_killed_while_writing_the_optimizer_resumes_from_the_last_complete_check
 
     # What the kill left: a truncated optimizer.pt, no scheduler or trainer state; transformers picks it anyway.
     assert get_last_checkpoint(str(out)) == str(half_written)
-    with pytest.raises(RuntimeError):
+    with pytest.raises((RuntimeError, OSError)):  # torch's zip reader, wherever the file was cut
         torch.load(half_written / "optimizer.pt", weights_only=True)
     problems = checkpoint_problems(half_written)
     assert any(p.startswith("optimizer.pt: not a complete torch.save archive") for p in problems), problems

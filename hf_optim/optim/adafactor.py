@@ -14,7 +14,7 @@ import torch
 
 from hf_optim.kernels.state_store import StateSpec, init_slot, read_slot, write_slot
 from hf_optim.optim import sharding
-from hf_optim.optim._validation import check_beta, check_eps, check_lr, check_real, check_weight_decay
+from hf_optim.optim._validation import as_tuple, check_beta, check_eps, check_lr, check_real, check_weight_decay
 from hf_optim.optim.base import HfOptimizer, StateDictError, local_tensor
 
 FIRST_MOMENT = StateSpec("exp_avg", signed=True)
@@ -90,7 +90,7 @@ class Adafactor(HfOptimizer):
         if lr is None and not relative_step:
             raise ValueError("relative_step=False needs an explicit lr")
         defaults = dict(
-            lr=lr, eps=tuple(eps), clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
+            lr=lr, eps=as_tuple(eps), clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
             weight_decay=weight_decay, scale_parameter=bool(scale_parameter), relative_step=bool(relative_step),
             warmup_init=bool(warmup_init),
         )

@@ -9,7 +9,7 @@ store decides 32-bit or 8-bit per tensor, the kernels dequantize and requantize.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -216,6 +216,12 @@ class HfOptimizer(torch.optim.Optimizer):
         move to their parameter's device. A state dict of another algorithm, of another parameter layout or
         of the old 2048-element block size raises :class:`StateDictError`.
         """
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
+            found = sorted(map(str, state_dict))[:5] if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise StateDictError(
+                f"not an optimizer state dict (expected the keys 'state' and 'param_groups', got {found}); "
+                "a model's state dict goes to model.load_state_dict"
+            )
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
         if len(groups) != len(saved_groups):

@@ -13,6 +13,7 @@ import torch
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import (
+    as_tuple,
     check_betas,
     check_eps,
     check_lr,
@@ -122,7 +123,7 @@ class LAMB(HfOptimizer):
         check_unsupported("amsgrad", amsgrad, False, "AMSGrad needs a third state; use amsgrad=False")
         check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
         defaults = dict(
-            lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            lr=lr, bias_correction=bool(bias_correction), betas=as_tuple(betas), eps=eps, weight_decay=weight_decay,
             adam_w_mode=bool(adam_w_mode), use_nvlamb=bool(use_nvlamb), max_trust_ratio=max_trust_ratio,
         )
         super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged)
