@@ -98,6 +98,41 @@ def checkpoint_resume_runs(checkpoint_dir: str) -> dict:
     return results
 
 
+def accelerate_resume_runs(checkpoint_dir: str) -> dict:
+    """The functions the Trainer calls under FSDP to save and load the optimizer (accelerate's
+    save_fsdp_optimizer / load_fsdp_optimizer with an FSDP2 plugin), in each of their formats: sharded through
+    torch.distributed.checkpoint, sharded as per-rank torch.save files, and a full state dict. A twin trained
+    the same first steps loads the optimizer into a fresh instance and trains on."""
+    from accelerate import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import load_fsdp_optimizer, save_fsdp_optimizer
+
+    state = PartialState(cpu=True)  # the process index and barrier accelerate's functions use
+    data = batches()
+    results = {}
+    for state_dict_type, use_dcp in [("SHARDED_STATE_DICT", True), ("SHARDED_STATE_DICT", False),
+                                     ("FULL_STATE_DICT", True)]:
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type)
+        for name in OPTIMIZERS:
+            path = f"{checkpoint_dir}/accelerate-{state_dict_type}-{use_dcp}/{name}"
+            model = fsdp2(Net())
+            optimizer = build_optimizer(name, model.parameters())
+            train(model, optimizer, data[:RESUME_AT])
+            save_fsdp_optimizer(plugin, state, optimizer, model, path, use_dcp=use_dcp)
+            train(model, optimizer, data[RESUME_AT:])
+
+            twin = fsdp2(Net())
+            train(twin, build_optimizer(name, twin.parameters()), data[:RESUME_AT])
+            twin.zero_grad(set_to_none=True)  # as after the Trainer's model load: no gradients yet
+            resumed_optimizer = build_optimizer(name, twin.parameters())
+            load_fsdp_optimizer(plugin, state, resumed_optimizer, twin, path, use_dcp=use_dcp)
+            train(twin, resumed_optimizer, data[RESUME_AT:])
+            results[f"{name} {state_dict_type} use_dcp={use_dcp}"] = {
+                "straight": full_params(model), "resumed": full_params(twin)
+            }
+    return results
+
+
 def main(out_file: str, checkpoint_dir: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -105,6 +140,7 @@ def main(out_file: str, checkpoint_dir: str) -> None:
         "ddp": data_parallel_runs(DistributedDataParallel),
         "fsdp2": data_parallel_runs(fsdp2),
         "resume": checkpoint_resume_runs(checkpoint_dir),
+        "accelerate": accelerate_resume_runs(checkpoint_dir),
     }
     if dist.get_rank() == 0:
         torch.save(results, out_file)

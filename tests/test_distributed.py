@@ -21,7 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_cases import OPTIMIZERS, ROW_WISE, Net, single_process_run
+from distributed_cases import OPTIMIZERS, ROW_WISE, Net, build_optimizer, single_process_run
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+import hf_optim
 
 TESTS = Path(__file__).parent
 EXACTNESS_OF_SUMS = 1e-6  # LAMB / Adafactor: float sums in another order (observed ~3e-8)
@@ -103,3 +106,39 @@ def test_fsdp2_sharded_checkpoint_resumes_exactly(results, name):
     assert run["loaded_dtypes"] == results["fsdp2"][name]["dtypes"]  # uint8 stays uint8, fp32 stays fp32
     for param, expected in run["straight"].items():
         assert torch.equal(run["resumed"][param], expected), (param, max_diff(run["resumed"][param], expected))
+
+
+ACCELERATE_RUNS = [f"{name} {kind}" for kind in ["SHARDED_STATE_DICT use_dcp=True", "SHARDED_STATE_DICT use_dcp=False",
+                                                 "FULL_STATE_DICT use_dcp=True"] for name in OPTIMIZERS]
+
+
+@pytest.mark.parametrize("run", ACCELERATE_RUNS)
+def test_fsdp2_optimizer_checkpoint_through_accelerate_resumes_exactly(results, run):
+    """The Trainer's FSDP path (accelerate's save_fsdp_optimizer / load_fsdp_optimizer, FSDP2 plugin), in every
+    format it writes. (The Trainer itself runs FSDP only on GPUs: accelerate has no FSDP for CPU processes.)"""
+    got = results["accelerate"][run]
+    for param, expected in got["straight"].items():
+        assert torch.equal(got["resumed"][param], expected), (param, max_diff(got["resumed"][param], expected))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_state_dict_api_state_creation_leaves_weights_alone(name):
+    """get/set_optimizer_state_dict create missing state by a step with zero gradients and lr=0: no algorithm
+    may move the weights then (Adafactor's relative step ignores lr, so lr=0 must mean no step)."""
+    model = Net()
+    optimizer = build_optimizer(name, model.parameters())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    get_optimizer_state_dict(model, optimizer)
+    assert len(optimizer.state) == len(before)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_adafactor_relative_step_with_lr_zero_takes_no_step():
+    params = [torch.nn.Parameter(torch.randn(40, 30))]
+    optimizer = hf_optim.Adafactor(params, weight_decay=0.1)
+    optimizer.param_groups[0]["lr"] = 0.0
+    before = params[0].detach().clone()
+    params[0].grad = torch.randn(40, 30)
+    optimizer.step()
+    assert torch.equal(params[0], before)

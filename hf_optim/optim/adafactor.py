@@ -52,7 +52,8 @@ class Adafactor(HfOptimizer):
 
     Args:
         params: iterable of parameters or parameter groups.
-        lr (float | None, default None): external learning rate; must be None when ``relative_step``.
+        lr (float | None, default None): external learning rate; must be None when ``relative_step`` (a
+            scheduler may later write the relative step there; an lr set to exactly 0 takes no step).
         eps (tuple[float, float], default (1e-30, 1e-3)): regularizer added to the squared gradient, and the
             floor of the parameter scale.
         clip_threshold (float, default 1.0): threshold of the root-mean-square of the final update.
@@ -126,7 +127,10 @@ class Adafactor(HfOptimizer):
 
     def _learning_rate(self, group: dict, step: int, param_rms: torch.Tensor) -> torch.Tensor:
         step_size = group["lr"]
-        if group["relative_step"]:
+        # A relative-step group's lr is None or what RelativeStepSchedule reports (always > 0). An lr of exactly 0
+        # means "take no step": torch.distributed.checkpoint's get/set_optimizer_state_dict create missing state
+        # by stepping with zero gradients and lr=0, and weight decay must not move the weights then.
+        if group["relative_step"] and step_size != 0:
             floor = 1e-6 * step if group["warmup_init"] else 1e-2
             step_size = min(floor, 1.0 / math.sqrt(step))
         if group["scale_parameter"]:
