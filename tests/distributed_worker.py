@@ -133,6 +133,32 @@ def accelerate_resume_runs(checkpoint_dir: str) -> dict:
     return results
 
 
+TRAINER_NAMES = ["lamb_8bit", "adafactor_8bit"]
+
+
+def trainer_ddp_resume_runs(checkpoint_dir: str) -> dict:
+    """The Trainer under torchrun (DDP on CPU processes): a run resumed from its step-2 checkpoint logs the same
+    losses as the uninterrupted run (rank 0 wrote optimizer.pt; every rank loads it)."""
+    from pathlib import Path
+
+    from trainer_helpers import checkpointing_trainer, inner_optimizer, losses
+
+    results = {}
+    for name in TRAINER_NAMES:
+        root = Path(checkpoint_dir) / f"trainer-{name}"
+        straight = checkpointing_trainer(root, name, max_steps=4, save_steps=2)
+        straight.train()
+        resumed = checkpointing_trainer(root, name, max_steps=4, save_steps=2, seed=1)
+        resumed.train(resume_from_checkpoint=str(root / "out" / "checkpoint-2"))
+        results[name] = {
+            "parallel_mode": str(straight.args.parallel_mode), "world_size": straight.args.world_size,
+            "optimizer": type(inner_optimizer(straight)).__name__,
+            "straight": losses(straight), "resumed": losses(resumed),
+            "straight_params": full_params(straight.model), "resumed_params": full_params(resumed.model),
+        }
+    return results
+
+
 def main(out_file: str, checkpoint_dir: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -141,6 +167,7 @@ def main(out_file: str, checkpoint_dir: str) -> None:
         "fsdp2": data_parallel_runs(fsdp2),
         "resume": checkpoint_resume_runs(checkpoint_dir),
         "accelerate": accelerate_resume_runs(checkpoint_dir),
+        "trainer_ddp": trainer_ddp_resume_runs(checkpoint_dir),
     }
     if dist.get_rank() == 0:
         torch.save(results, out_file)

@@ -25,6 +25,8 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from hf_optim.checkpoints import checkpoint_problems, last_complete_checkpoint
 
+pytestmark = pytest.mark.slow  # subprocesses / Trainer runs: several seconds each
+
 TESTS = Path(__file__).parent
 
 

@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 import hf_optim
 
+pytestmark = pytest.mark.slow  # subprocesses / Trainer runs: several seconds each
+
 TESTS = Path(__file__).parent
 EXACTNESS_OF_SUMS = 1e-6  # LAMB / Adafactor: float sums in another order (observed ~3e-8)
 QUANTIZATION_NOISE_FACTOR = 3.0  # unaligned 8-bit blocks vs the 8-bit-vs-32-bit difference (observed <= 1.5)
@@ -142,3 +144,13 @@ def test_adafactor_relative_step_with_lr_zero_takes_no_step():
     params[0].grad = torch.randn(40, 30)
     optimizer.step()
     assert torch.equal(params[0], before)
+
+
+@pytest.mark.parametrize("name", ["lamb_8bit", "adafactor_8bit"])
+def test_trainer_under_torchrun_resumes_exactly(results, name):
+    run = results["trainer_ddp"][name]
+    assert run["parallel_mode"] == "ParallelMode.DISTRIBUTED" and run["world_size"] == 2
+    assert run["optimizer"] == {"lamb_8bit": "LAMB8bit", "adafactor_8bit": "Adafactor"}[name]
+    assert len(run["straight"]) == 4 and run["resumed"] == run["straight"]
+    for param, expected in run["straight_params"].items():
+        assert torch.equal(run["resumed_params"][param], expected), param

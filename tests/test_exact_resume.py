@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from trainer_helpers import assert_same_training_state, checkpointing_trainer, losses
 
+pytestmark = pytest.mark.slow  # subprocesses / Trainer runs: several seconds each
+
 STEPS, SAVE_AT = 4, 2
 NAMES = ["adamw_32bit", "adamw_8bit", "ademamix_32bit", "ademamix_8bit", "lamb_32bit", "lamb_8bit", "lion_32bit",
          "lion_8bit", "rmsprop_bnb_32bit", "rmsprop_8bit", "adafactor", "adafactor_8bit"]

@@ -35,7 +35,7 @@ def token_dataset(tokenizer, count: int = 128) -> Dataset:
 
 def checkpointing_trainer(output_root, name: str, *, max_steps: int, save_steps: int, seed: int = 0, callbacks=()):
     """A Trainer on a 1-layer tiny Llama that saves a checkpoint every ``save_steps`` under ``output_root/out``
-    (small batches, so resume tests stay fast)."""
+    (small batches, so resume tests stay fast). Weight decay is on, so LAMB's trust ratio is used."""
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     from hf_optim.tiny import tiny_llama, tiny_tokenizer
@@ -43,7 +43,7 @@ def checkpointing_trainer(output_root, name: str, *, max_steps: int, save_steps:
     tokenizer = tiny_tokenizer()
     args = TrainingArguments(**common_args(output_root, name, max_steps=max_steps, save_strategy="steps",
                                            save_steps=save_steps, lr_scheduler_type="linear", warmup_steps=1,
-                                           per_device_train_batch_size=2))
+                                           per_device_train_batch_size=2, weight_decay=0.01))
     return Trainer(model=tiny_llama(seed=seed, layers=1), args=args, train_dataset=token_dataset(tokenizer, 16),
                    data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), callbacks=list(callbacks))
 
