@@ -133,6 +133,44 @@ def accelerate_resume_runs(checkpoint_dir: str) -> dict:
     return results
 
 
+RESHARD_NAMES = ["adamw_32bit", "lamb_32bit", "adafactor_32bit", "adamw_8bit", "adafactor_8bit"]
+
+
+def reshard_runs(checkpoint_dir: str) -> dict:
+    """Load an FSDP2 checkpoint (2 shards) into another layout: HSDP over a (2, 1) mesh, every parameter
+    replicated twice and "sharded" once. 32-bit state reshards; 8-bit state, whose absmax counts the blocks of the
+    saved shards, must be refused."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.device_mesh import init_device_mesh
+
+    data = batches()
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    results = {}
+    for name in RESHARD_NAMES:
+        path = f"{checkpoint_dir}/reshard-{name}"
+        model = fsdp2(Net())
+        optimizer = build_optimizer(name, model.parameters())
+        train(model, optimizer, data[:RESUME_AT])
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        train(model, optimizer, data[RESUME_AT:])
+
+        other = Net()
+        fully_shard(other, mesh=mesh)
+        other_optimizer = build_optimizer(name, other.parameters())
+        model_state, optim_state = get_state_dict(other, other_optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except CheckpointException as error:
+            results[name] = {"error": str(error)}
+            continue
+        set_state_dict(other, other_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        train(other, other_optimizer, data[RESUME_AT:])
+        results[name] = {"straight": full_params(model), "resumed": full_params(other)}
+    return results
+
+
 TRAINER_NAMES = ["lamb_8bit", "adafactor_8bit"]
 
 
@@ -167,6 +205,7 @@ def main(out_file: str, checkpoint_dir: str) -> None:
         "fsdp2": data_parallel_runs(fsdp2),
         "resume": checkpoint_resume_runs(checkpoint_dir),
         "accelerate": accelerate_resume_runs(checkpoint_dir),
+        "reshard": reshard_runs(checkpoint_dir),
         "trainer_ddp": trainer_ddp_resume_runs(checkpoint_dir),
     }
     if dist.get_rank() == 0:

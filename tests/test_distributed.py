@@ -110,6 +110,24 @@ def test_fsdp2_sharded_checkpoint_resumes_exactly(results, name):
         assert torch.equal(run["resumed"][param], expected), (param, max_diff(run["resumed"][param], expected))
 
 
+@pytest.mark.parametrize("name", ["adamw_32bit", "lamb_32bit", "adafactor_32bit"])
+def test_fsdp2_32bit_checkpoint_loads_into_another_sharding(results, name):
+    """2 shards saved, loaded as HSDP over a (2, 1) mesh (Replicate, Shard placements): 32-bit state reshards and
+    training goes on as if uninterrupted (LAMB / Adafactor to summation order)."""
+    run = results["reshard"][name]
+    tolerance = EXACTNESS_OF_SUMS if name.startswith(ROW_WISE) else 0.0
+    for param, expected in run["straight"].items():
+        assert max_diff(run["resumed"][param], expected) <= tolerance, param
+
+
+@pytest.mark.parametrize("name", ["adamw_8bit", "adafactor_8bit"])
+def test_fsdp2_8bit_checkpoint_is_refused_by_another_sharding(results, name):
+    """8-bit absmax counts the blocks of each saved shard: torch.distributed.checkpoint refuses to load it into
+    another shard count (same world size and mesh only, as documented)."""
+    error = results["reshard"][name]["error"]
+    assert "Size mismatch" in error and "absmax" in error, error[-2000:]
+
+
 ACCELERATE_RUNS = [f"{name} {kind}" for kind in ["SHARDED_STATE_DICT use_dcp=True", "SHARDED_STATE_DICT use_dcp=False",
                                                  "FULL_STATE_DICT use_dcp=True"] for name in OPTIMIZERS]
 
