@@ -172,3 +172,26 @@ def test_trainer_under_torchrun_resumes_exactly(results, name):
     assert len(run["straight"]) == 4 and run["resumed"] == run["straight"]
     for param, expected in run["straight_params"].items():
         assert torch.equal(run["resumed_params"][param], expected), param
+
+
+def test_embedding_32bit_override_survives_accelerates_fsdp2_parameter_swap():
+    """Under FSDP2 the Trainer builds the optimizer before sharding; accelerate then swaps every parameter in
+    param_groups for its sharded twin (fsdp2_switch_optimizer_parameters). The embedding's 32-bit override,
+    an attribute of the old parameter, must still apply."""
+    from accelerate.utils.fsdp_utils import fsdp2_switch_optimizer_parameters
+
+    from hf_optim.integrations.transformers import keep_embeddings_32bit
+    from hf_optim.tiny import tiny_llama
+
+    model = tiny_llama(layers=1)
+    assert keep_embeddings_32bit(model) == 512 * 64  # elements marked
+    optimizer = hf_optim.AdamW8bit(model.parameters())
+    swapped = {p.data_ptr: torch.nn.Parameter(p.detach().clone()) for p in model.parameters()}
+    fsdp2_switch_optimizer_parameters(optimizer, swapped)
+    for p in optimizer.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    embedding = swapped[model.get_input_embeddings().weight.data_ptr]
+    assert optimizer.state[embedding]["state1"].dtype == torch.float32
+    big = [p for p in optimizer.param_groups[0]["params"] if p.numel() >= 4096 and p is not embedding]
+    assert big and all(optimizer.state[p]["state1"].dtype == torch.uint8 for p in big)

@@ -171,7 +171,7 @@ class HfOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support complex parameters")
                 state = self.state[p]
                 if not state:
-                    overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
+                    overrides = self._param_overrides(p, group)
                     self._init_state(p, {**group, **overrides} if overrides else group, state)
                 state["step"] += 1
                 if p.numel() == 0:  # an empty local shard still joins its shard group's reductions
@@ -181,8 +181,25 @@ class HfOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
+        # Per-parameter overrides are also recorded by position: accelerate's FSDP2 preparation swaps each
+        # parameter for a new DTensor parameter at the same place in param_groups, and the attribute stays behind.
+        recorded = self.__dict__.setdefault("_overrides_by_position", {})
+        group_index = len(self.param_groups) - 1
+        for index, p in enumerate(self.param_groups[-1]["params"]):
+            overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
+            if overrides:
+                recorded[group_index, index] = dict(overrides)
         if hasattr(self, "_allocate"):  # torch calls this from __init__ before our attributes exist
             self._check_group(self.param_groups[-1])
+
+    def _param_overrides(self, p: torch.Tensor, group: dict) -> dict | None:
+        """``p``'s overrides: its attribute, else those recorded at its position when the optimizer was built."""
+        overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
+        if overrides is not None or not self._overrides_by_position:
+            return overrides
+        group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        index = next(i for i, q in enumerate(group["params"]) if q is p)
+        return self._overrides_by_position.get((group_index, index))
 
     def __repr__(self) -> str:
         paged = ", paged" if self.is_paged else ""
