@@ -4,6 +4,7 @@ Every class is a ``torch.optim.Optimizer`` with the constructor arguments of its
 namesake, so switching is a one-line import change.
 """
 
+from hf_optim.checkpoints import last_complete_checkpoint
 from hf_optim.integrations import transformers as _transformers_integration
 from hf_optim.integrations.names import OptimizerName, available_optimizers
 from hf_optim.memory import StateMemory, state_memory
@@ -33,4 +34,5 @@ __all__ = [
     "Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
     "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adafactor",
     "HfOptimizer", "StateDictError", "OptimizerName", "available_optimizers", "StateMemory", "state_memory",
+    "last_complete_checkpoint",
 ]

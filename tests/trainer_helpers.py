@@ -33,6 +33,21 @@ def token_dataset(tokenizer, count: int = 128) -> Dataset:
     return Dataset.from_dict({"input_ids": encoded["input_ids"]})
 
 
+def checkpointing_trainer(output_root, name: str, *, max_steps: int, save_steps: int, seed: int = 0, callbacks=()):
+    """A Trainer on a 1-layer tiny Llama that saves a checkpoint every ``save_steps`` under ``output_root/out``
+    (small batches, so resume tests stay fast). Weight decay is on, so LAMB's trust ratio is used."""
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    from hf_optim.tiny import tiny_llama, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    args = TrainingArguments(**common_args(output_root, name, max_steps=max_steps, save_strategy="steps",
+                                           save_steps=save_steps, lr_scheduler_type="linear", warmup_steps=1,
+                                           per_device_train_batch_size=2, weight_decay=0.01))
+    return Trainer(model=tiny_llama(seed=seed, layers=1), args=args, train_dataset=token_dataset(tokenizer, 16),
+                   data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), callbacks=list(callbacks))
+
+
 def inner_optimizer(trainer) -> torch.optim.Optimizer:
     optimizer = trainer.optimizer
     return getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
@@ -53,3 +68,18 @@ def check_state(optimizer, model, name: str) -> None:
         assert (torch.uint8 in dtypes) == expect_8bit, (name, tuple(param.shape), dtypes)
         saw_8bit |= expect_8bit
     assert saw_8bit == (entry.optim_bits == 8)
+
+
+def assert_same_training_state(expected, got) -> None:
+    """Two Trainers ended on bit-identical weights and optimizer state (dtypes included)."""
+    for (key, a), b in zip(expected.model.state_dict().items(), got.model.state_dict().values()):
+        assert torch.equal(a, b), key
+    state_a, state_b = inner_optimizer(expected).state, inner_optimizer(got).state
+    for p_a, p_b in zip(expected.model.parameters(), got.model.parameters()):
+        assert state_a[p_a].keys() == state_b[p_b].keys()
+        for key, value in state_a[p_a].items():
+            other = state_b[p_b][key]
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == other.dtype and torch.equal(value, other), key
+            else:
+                assert value == other, key

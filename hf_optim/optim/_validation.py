@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 def _is_real(value) -> bool:
@@ -39,6 +39,11 @@ def check_weight_decay(weight_decay) -> float:
 
 def check_beta(name: str, beta) -> float:
     return check_real(name, beta, low=0.0, high=1.0, high_open=True)
+
+
+def as_tuple(value):
+    """``tuple(value)`` for an iterable (not a string); anything else unchanged, for its check to name it."""
+    return tuple(value) if isinstance(value, Iterable) and not isinstance(value, str) else value
 
 
 def check_betas(betas, count: int) -> tuple[float, ...]:

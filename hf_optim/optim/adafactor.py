@@ -13,8 +13,9 @@ from collections.abc import Iterable
 import torch
 
 from hf_optim.kernels.state_store import StateSpec, init_slot, read_slot, write_slot
-from hf_optim.optim._validation import check_beta, check_eps, check_lr, check_real, check_weight_decay
-from hf_optim.optim.base import HfOptimizer, StateDictError
+from hf_optim.optim import sharding
+from hf_optim.optim._validation import as_tuple, check_beta, check_eps, check_lr, check_real, check_weight_decay
+from hf_optim.optim.base import HfOptimizer, StateDictError, local_tensor
 
 FIRST_MOMENT = StateSpec("exp_avg", signed=True)
 
@@ -24,9 +25,14 @@ def rms(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.norm(2) / math.sqrt(tensor.numel())
 
 
-def factored_inverse_sqrt(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-    """``1/sqrt(V)`` of the rank-1 factored second moment ``V = row col^T / mean(row)``."""
-    row_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+def factored_inverse_sqrt(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """``1/sqrt(V)`` of the rank-1 factored second moment ``V = row col^T / mean(row)``.
+
+    ``row_mean`` (keepdim) replaces ``row.mean(dim=-1)`` when ``row`` is only a shard of the rows.
+    """
+    if row_mean is None:
+        row_mean = row.mean(dim=-1, keepdim=True)
+    row_factor = (row / row_mean).rsqrt().unsqueeze(-1)
     col_factor = col.unsqueeze(-2).rsqrt()
     return row_factor * col_factor
 
@@ -46,7 +52,8 @@ class Adafactor(HfOptimizer):
 
     Args:
         params: iterable of parameters or parameter groups.
-        lr (float | None, default None): external learning rate; must be None when ``relative_step``.
+        lr (float | None, default None): external learning rate; must be None when ``relative_step`` (a
+            scheduler may later write the relative step there; an lr set to exactly 0 takes no step).
         eps (tuple[float, float], default (1e-30, 1e-3)): regularizer added to the squared gradient, and the
             floor of the parameter scale.
         clip_threshold (float, default 1.0): threshold of the root-mean-square of the final update.
@@ -84,7 +91,7 @@ class Adafactor(HfOptimizer):
         if lr is None and not relative_step:
             raise ValueError("relative_step=False needs an explicit lr")
         defaults = dict(
-            lr=lr, eps=tuple(eps), clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
+            lr=lr, eps=as_tuple(eps), clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
             weight_decay=weight_decay, scale_parameter=bool(scale_parameter), relative_step=bool(relative_step),
             warmup_init=bool(warmup_init),
         )
@@ -105,7 +112,8 @@ class Adafactor(HfOptimizer):
             check_beta("beta1", group["beta1"])
         check_weight_decay(group["weight_decay"])
 
-    def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
+    def _init_state(self, full: torch.Tensor, group: dict, state: dict) -> None:
+        param = local_tensor(full)
         state["step"] = 0
         state["RMS"] = torch.zeros((), dtype=torch.float32, device=param.device)
         if param.dim() >= 2:
@@ -115,39 +123,45 @@ class Adafactor(HfOptimizer):
         else:
             state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
         if group["beta1"] is not None:
-            init_slot(state, FIRST_MOMENT, param, self._use_8bit(param, group), self._allocate)
+            init_slot(state, FIRST_MOMENT, param, self._use_8bit(full, group), self._allocate)
 
     def _learning_rate(self, group: dict, step: int, param_rms: torch.Tensor) -> torch.Tensor:
         step_size = group["lr"]
-        if group["relative_step"]:
+        # A relative-step group's lr is None or what RelativeStepSchedule reports (always > 0). An lr of exactly 0
+        # means "take no step": torch.distributed.checkpoint's get/set_optimizer_state_dict create missing state
+        # by stepping with zero gradients and lr=0, and weight decay must not move the weights then.
+        if group["relative_step"] and step_size != 0:
             floor = 1e-6 * step if group["warmup_init"] else 1e-2
             step_size = min(floor, 1.0 / math.sqrt(step))
         if group["scale_parameter"]:
             return param_rms.clamp(min=group["eps"][1]) * step_size
         return torch.tensor(step_size, dtype=torch.float32, device=param_rms.device)
 
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
         step = state["step"]
         p32 = param.float()
         grad = grad.float()
         finite = torch.isfinite(grad)
         grad = torch.where(finite, grad, torch.zeros_like(grad))  # skipped elements count as zero gradient
+        reduce = _ShardedStatistics(full) if full is not None and sharding.is_sharded(full) else _LocalStatistics()
 
-        state["RMS"] = rms(p32)
+        state["RMS"] = reduce.rms(p32)
         lr = self._learning_rate(group, step, state["RMS"])
         beta2t = 1.0 - math.pow(step, group["decay_rate"])
         squared = grad * grad + group["eps"][0]
         if "exp_avg_sq_row" in state:
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-            row.mul_(beta2t).add_(squared.mean(dim=-1), alpha=1.0 - beta2t)
-            col.mul_(beta2t).add_(squared.mean(dim=-2), alpha=1.0 - beta2t)
-            update = factored_inverse_sqrt(row, col) * grad
+            row.mul_(beta2t).add_(reduce.mean(squared, -1), alpha=1.0 - beta2t)
+            col.mul_(beta2t).add_(reduce.mean(squared, -2), alpha=1.0 - beta2t)
+            update = factored_inverse_sqrt(row, col, reduce.row_mean(row)) * grad
         else:
             sq = state["exp_avg_sq"]
             sq.mul_(beta2t).add_(squared, alpha=1.0 - beta2t)
             update = sq.rsqrt() * grad
-        update = update / (rms(update) / group["clip_threshold"]).clamp(min=1.0)
+        update = update / (reduce.rms(update) / group["clip_threshold"]).clamp(min=1.0)
         update = update * lr
+        if param.numel() == 0:  # an empty shard has joined every reduction; nothing of its own to update
+            return
 
         if group["beta1"] is not None:
             old = read_slot(state, FIRST_MOMENT).view_as(update)
@@ -161,6 +175,19 @@ class Adafactor(HfOptimizer):
         new = new - update
         param.copy_(torch.where(finite, new, p32))
 
+    def _state_dims(self, key: str, ndim: int):
+        """Row statistics follow every dimension but the last, column statistics every one but the second to
+        last; reduced (sharded) dimensions are replicated, as the all-reduces keep them identical."""
+        if key == "exp_avg_sq_row":
+            return tuple(range(ndim - 1))
+        if key == "exp_avg_sq_col":
+            return tuple(range(ndim - 2)) + (ndim - 1,)
+        if key in ("exp_avg_sq", FIRST_MOMENT.key):
+            return tuple(range(ndim))
+        if key == FIRST_MOMENT.absmax_key:
+            return sharding.ABSMAX
+        return None
+
     def _check_loaded_state(self, param: torch.Tensor, state: dict, index) -> None:
         factored = param.dim() >= 2
         needed = {"exp_avg_sq_row", "exp_avg_sq_col"} if factored else {"exp_avg_sq"}
@@ -172,6 +199,40 @@ class Adafactor(HfOptimizer):
             )
         if "exp_avg" in state and state["exp_avg"].dtype == torch.uint8:
             self._check_quant_slot(param, state, FIRST_MOMENT, f"state of parameter {index}")
+
+
+class _LocalStatistics:
+    """Means and RMS of a whole (unsharded) parameter: the exact operations of transformers' Adafactor."""
+
+    @staticmethod
+    def rms(tensor: torch.Tensor) -> torch.Tensor:
+        return rms(tensor)
+
+    @staticmethod
+    def mean(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return tensor.mean(dim=dim)
+
+    @staticmethod
+    def row_mean(row: torch.Tensor) -> None:
+        return None  # factored_inverse_sqrt takes the mean itself
+
+
+class _ShardedStatistics:
+    """The same statistics of a sharded parameter ``full``: local sums all-reduced over the shard group and
+    divided by global sizes (a mean over dimension ``d`` of the gradient is over parameter dimension ``d``)."""
+
+    def __init__(self, full) -> None:
+        self.full = full
+
+    def rms(self, tensor: torch.Tensor) -> torch.Tensor:
+        return sharding.rms(tensor, self.full)
+
+    def mean(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return sharding.mean(tensor, dim, self.full, dim)
+
+    def row_mean(self, row: torch.Tensor) -> torch.Tensor:
+        # row statistics drop the parameter's last dimension: their last dimension is parameter dim -2
+        return sharding.mean(row, -1, self.full, -2, keepdim=True)
 
 
 class RelativeStepSchedule(torch.optim.lr_scheduler.LRScheduler):

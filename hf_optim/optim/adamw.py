@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from hf_optim.kernels.state_store import StateSpec
-from hf_optim.optim._validation import check_betas, check_eps, check_lr, check_unsupported, check_weight_decay
+from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.variants import family
 
@@ -79,7 +79,7 @@ class AdamW(HfOptimizer):
     ) -> None:
         check_unsupported("amsgrad", amsgrad, False, "AMSGrad needs a third state; use amsgrad=False")
         check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=as_tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged)
 
     def _check_group(self, group: dict) -> None:

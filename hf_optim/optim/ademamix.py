@@ -9,6 +9,7 @@ import torch
 
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import (
+    as_tuple,
     check_betas,
     check_eps,
     check_lr,
@@ -112,7 +113,7 @@ class AdEMAMix(HfOptimizer):
         is_paged: bool = False,
     ) -> None:
         defaults = dict(
-            lr=lr, betas=tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
+            lr=lr, betas=as_tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
             weight_decay=weight_decay,
         )
         super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged)

@@ -9,7 +9,7 @@ store decides 32-bit or 8-bit per tensor, the kernels dequantize and requantize.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -25,6 +25,7 @@ from hf_optim.kernels.state_store import (
     slot_shape,
     slot_tensors,
 )
+from hf_optim.optim import sharding
 from hf_optim.optim._validation import check_min_8bit_size, check_optim_bits
 from hf_optim.paging import on_host, state_allocator
 
@@ -97,17 +98,34 @@ class HfOptimizer(torch.optim.Optimizer):
         return saved
 
     def _use_8bit(self, param: torch.Tensor, group: dict) -> bool:
+        """8-bit state when the WHOLE parameter (a DTensor's global numel) has ``min_8bit_size`` elements, so the
+        precision of a parameter's state never depends on how many ranks share it."""
         return group["optim_bits"] == 8 and param.numel() >= group["min_8bit_size"]
 
-    def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
+    def _init_state(self, full: torch.Tensor, group: dict, state: dict) -> None:
+        """Create the state of parameter ``full`` (a DTensor or a tensor) on its local tensor."""
+        param = local_tensor(full)
         state["step"] = 0
-        eight_bit = self._use_8bit(param, group)
+        eight_bit = self._use_8bit(full, group)
         for spec in self.state_specs:
             init_slot(state, spec, param, eight_bit, self._allocate)
 
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
+        """Update the local tensor ``param``; ``full`` is the parameter itself (a DTensor when sharded), for
+        algorithms that reduce across shards."""
         hyper = self._hyper(group, state["step"])
         self._run_rule(self.rule, param, grad, state, hyper)
+
+    def _state_dims(self, key: str, ndim: int):
+        """How state ``key`` of an ``ndim``-dim parameter is laid out, for sharded checkpoints (see
+        :func:`hf_optim.optim.sharding.export_state`): the parameter dimension of each state dimension,
+        ``sharding.ABSMAX``, or None for state that is the same on every rank."""
+        for spec in self.state_specs:
+            if key == spec.key:
+                return (None,) * (spec.rows > 1) + tuple(range(ndim))
+            if key == spec.absmax_key:
+                return sharding.ABSMAX
+        return None
 
     # ----------------------------------------------------------------------------------------------------
     # Dispatch
@@ -118,6 +136,8 @@ class HfOptimizer(torch.optim.Optimizer):
 
     def _run_rule(self, rule, param, grad, state, hyper, out: torch.Tensor | None = None) -> None:
         """Apply an elementwise rule to one parameter, in place, on its device."""
+        if param.numel() == 0:  # an empty local shard of a sharded parameter
+            return
         flat_param = param.view(-1) if param.is_contiguous() else param.contiguous().view(-1)
         flat_grad = grad.reshape(-1)
         kinds = slot_kinds(state, self.state_specs)
@@ -151,20 +171,37 @@ class HfOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support complex parameters")
                 state = self.state[p]
                 if not state:
-                    overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
-                    self._init_state(param, {**group, **overrides} if overrides else group, state)
+                    overrides = self._param_overrides(p, group)
+                    self._init_state(p, {**group, **overrides} if overrides else group, state)
                 state["step"] += 1
-                if param.numel() == 0:
+                if p.numel() == 0:  # an empty local shard still joins its shard group's reductions
                     continue
                 if self.is_paged:
                     self._allocate.prefetch(state)  # managed buffers to the GPU, on the current stream: no sync
-                self._update(param, grad, state, group)
+                self._update(param, grad, state, group, full=p)
         return loss
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
+        # Per-parameter overrides are also recorded by position: accelerate's FSDP2 preparation swaps each
+        # parameter for a new DTensor parameter at the same place in param_groups, and the attribute stays behind.
+        recorded = self.__dict__.setdefault("_overrides_by_position", {})
+        group_index = len(self.param_groups) - 1
+        for index, p in enumerate(self.param_groups[-1]["params"]):
+            overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
+            if overrides:
+                recorded[group_index, index] = dict(overrides)
         if hasattr(self, "_allocate"):  # torch calls this from __init__ before our attributes exist
             self._check_group(self.param_groups[-1])
+
+    def _param_overrides(self, p: torch.Tensor, group: dict) -> dict | None:
+        """``p``'s overrides: its attribute, else those recorded at its position when the optimizer was built."""
+        overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
+        if overrides is not None or not self._overrides_by_position:
+            return overrides
+        group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        index = next(i for i, q in enumerate(group["params"]) if q is p)
+        return self._overrides_by_position.get((group_index, index))
 
     def __repr__(self) -> str:
         paged = ", paged" if self.is_paged else ""
@@ -175,12 +212,15 @@ class HfOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, with every quantization tensor nested under ``__bnb_optimizer_quant_state__``."""
         state_dict = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]  # torch's index order
         nested = {}
         for index, param_state in state_dict["state"].items():
             param_state = dict(param_state)
             quant = {k: param_state.pop(k) for k in list(param_state) if k in QUANT_KEYS}
             if quant:
                 param_state[QUANT_STATE_KEY] = quant
+            if sharding.is_dtensor(params[index]):  # for torch.distributed.checkpoint: DTensors like the param
+                param_state = sharding.export_state(param_state, params[index], self._state_dims)
             nested[index] = param_state
         # A paged optimizer's state dict holds CPU tensors: loading the checkpoint must not need GPU memory.
         state_dict["state"] = {i: on_host(s) for i, s in nested.items()} if self.is_paged else nested
@@ -197,6 +237,12 @@ class HfOptimizer(torch.optim.Optimizer):
         optimizer's state is paged again after loading. A state dict of another algorithm, of another parameter
         layout or of the old 2048-element block size raises :class:`StateDictError`.
         """
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
+            found = sorted(map(str, state_dict))[:5] if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise StateDictError(
+                f"not an optimizer state dict (expected the keys 'state' and 'param_groups', got {found}); "
+                "a model's state dict goes to model.load_state_dict"
+            )
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
         if len(groups) != len(saved_groups):
@@ -225,7 +271,7 @@ class HfOptimizer(torch.optim.Optimizer):
             if saved_id not in id_map:
                 continue
             p = id_map[saved_id]
-            flat = dict(param_state)
+            flat = sharding.import_state(dict(param_state), p, local_tensor(p), self._state_dims)
             flat.update(flat.pop(QUANT_STATE_KEY, {}))
             self._check_loaded_state(local_tensor(p), flat, saved_id)
             # Copy: the loaded optimizer must never share (and mutate) the caller's tensors. State buffers go

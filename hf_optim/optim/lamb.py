@@ -11,7 +11,9 @@ from collections.abc import Iterable
 import torch
 
 from hf_optim.kernels.state_store import StateSpec
+from hf_optim.optim import sharding
 from hf_optim.optim._validation import (
+    as_tuple,
     check_betas,
     check_eps,
     check_lr,
@@ -121,7 +123,7 @@ class LAMB(HfOptimizer):
         check_unsupported("amsgrad", amsgrad, False, "AMSGrad needs a third state; use amsgrad=False")
         check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
         defaults = dict(
-            lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            lr=lr, bias_correction=bool(bias_correction), betas=as_tuple(betas), eps=eps, weight_decay=weight_decay,
             adam_w_mode=bool(adam_w_mode), use_nvlamb=bool(use_nvlamb), max_trust_ratio=max_trust_ratio,
         )
         super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged)
@@ -138,15 +140,19 @@ class LAMB(HfOptimizer):
     rule = staticmethod(lamb_rule)
     _hyper = staticmethod(lamb_hyper)
 
-    def _norms(self, weight: torch.Tensor, direction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Norms of the whole tensor. A sharded subclass reduces the squared sums across the shard group."""
-        return weight.float().norm(), direction.norm()
+    def _norms(self, weight: torch.Tensor, direction: torch.Tensor, full=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norms of the whole tensor; for a sharded ``full`` parameter the squared sums of the local shards are
+        all-reduced over the shard group (one collective for both)."""
+        if full is None or not sharding.is_sharded(full):
+            return weight.float().norm(), direction.norm()
+        weight_norm, direction_norm = sharding.square_sums([weight, direction], full).sqrt().unbind()
+        return weight_norm, direction_norm
 
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
         # Pass 1 writes the direction to scratch and leaves the parameter untouched, so its norm is "before".
         direction = torch.empty(param.shape, dtype=torch.float32, device=param.device)
         self._run_rule(self.rule, param, grad, state, self._hyper(group, state["step"]), out=direction.view(-1))
-        weight_norm, update_norm = self._norms(param, direction)
+        weight_norm, update_norm = self._norms(param, direction, full)
         adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
         ratio = trust_ratio(weight_norm, update_norm, adapt=adapt, max_trust_ratio=group["max_trust_ratio"])
         updated = param.float() - (group["lr"] * ratio) * direction
