@@ -6,8 +6,10 @@ the PyTorch path, and travel as kernel arguments: nothing here reads a device va
 the GPU, and changing scalars never recompiles. Tensors whose step counters differ (a parameter that had no
 gradient for a while) go in separate launches, one per distinct step.
 
+Adafactor's statistics are per tensor: its passes (``triton_adafactor``) launch per tensor, not per group.
+
 What takes the PyTorch path instead, with identical math: non-contiguous parameters; for LAMB and Adafactor,
-sharded (DTensor) parameters, whose norms need a reduction across shards; algorithms without a fused kernel.
+sharded (DTensor) parameters, whose norms and statistics need a reduction across shards.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from hf_optim.kernels import triton_lamb, triton_rules
+from hf_optim.kernels import triton_adafactor, triton_lamb, triton_rules
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table
 from hf_optim.kernels.triton_elementwise import TILE_BLOCKS, fused_update
@@ -37,9 +39,9 @@ def _maps(device: torch.device) -> tuple[torch.Tensor, ...]:
 def supported(optimizer, param: torch.Tensor, sharded: bool) -> bool:
     """Whether ``param`` (a local tensor) can be updated by this optimizer's Triton kernels."""
     algorithm = optimizer.algorithm
-    if algorithm not in triton_rules.RULES or not param.is_contiguous():
+    if algorithm not in (*triton_rules.RULES, "adafactor") or not param.is_contiguous():
         return False
-    if algorithm == "lamb" and sharded:
+    if algorithm in ("lamb", "adafactor") and sharded:
         return False
     return param.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
@@ -49,6 +51,10 @@ def step_group(optimizer, group: dict, group_index: int, items: list) -> None:
     cache = optimizer.__dict__.get(CACHE_ATTR)
     if cache is None:
         cache = optimizer.__dict__[CACHE_ATTR] = mt.PlanCache()
+    if optimizer.algorithm == "adafactor":  # per-tensor statistics: launches per tensor (see triton_adafactor)
+        for param, grad, state in items:
+            triton_adafactor.update(optimizer, param, grad, state, group)
+        return
     batches = defaultdict(list)
     for param, grad, state in items:
         batches[(param.device, state["step"])].append((param, grad.contiguous(), state))
