@@ -327,6 +327,37 @@ def test_adafactor_passes_match_pytorch(kwargs, device, monkeypatch, use_triton)
 
 
 
+class FakeDTensor(torch.nn.Parameter):
+    """Stands in for a DTensor: the optimizer computes on ``to_local()``, here a smaller shard."""
+
+    def to_local(self):
+        return self._shard
+
+
+@pytest.mark.parametrize("cls", [hf_optim.AdamW8bit, hf_optim.LAMB8bit], ids=lambda c: c.__name__)
+def test_sharded_parameters_update_their_local_shard(cls, monkeypatch, use_triton):
+    """Elementwise algorithms update a DTensor's local shard in the fused launch; LAMB (whose norms need the
+    whole tensor) hands sharded parameters to the PyTorch path, which its distributed subclass reduces."""
+    gen = torch.Generator().manual_seed(3)
+    shard, grad = torch.randn(4, 1100, generator=gen), torch.randn(4, 1100, generator=gen)
+    results = []
+    for backend_name in ("torch", "triton"):
+        monkeypatch.setenv("HF_OPTIM_BACKEND", backend_name)
+        full = FakeDTensor(torch.zeros(8, 1100))
+        full._shard = shard.clone()
+        full.grad = FakeDTensor(torch.zeros(8, 1100))
+        full.grad._shard = grad.clone()
+        opt = cls([full])
+        opt.step()
+        assert opt.state[full]["state1"].shape == (4, 1100) and opt.state[full]["state1"].dtype == torch.uint8
+        results.append((opt, full))
+    (ref_opt, ref), (opt, fused) = results
+    assert triton_step.supported(opt, fused._shard, sharded=True) is (cls is hf_optim.AdamW8bit)
+    assert_params_close(fused._shard, ref._shard, "local shard", steps=1)
+    assert torch.equal(opt.state[fused]["state1"], ref_opt.state[ref]["state1"])
+
+
+
 def test_unsupported_tensors_take_the_pytorch_path(monkeypatch, use_triton):
     """A non-contiguous parameter, and Adafactor (no fused kernel), run the PyTorch path under a forced Triton
     backend, with the same results as the PyTorch backend."""

@@ -14,6 +14,7 @@ sharded (DTensor) parameters, whose norms and statistics need a reduction across
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
 
@@ -53,22 +54,37 @@ def step_group(optimizer, group: dict, group_index: int, items: list) -> None:
         cache = optimizer.__dict__[CACHE_ATTR] = mt.PlanCache()
     if optimizer.algorithm == "adafactor":  # per-tensor statistics: launches per tensor (see triton_adafactor)
         for param, grad, state in items:
-            triton_adafactor.update(optimizer, param, grad, state, group)
+            with _on(param.device):
+                triton_adafactor.update(optimizer, param, grad, state, group)
         return
     batches = defaultdict(list)
     for param, grad, state in items:
         batches[(param.device, state["step"])].append((param, grad.contiguous(), state))
     for (device, step), batch in batches.items():
-        hyper = triton_rules.hyper_tuple(optimizer.algorithm, optimizer._hyper(group, step))
-        key = (group_index, device, step)
-        if optimizer.algorithm == "lamb":
-            _lamb(optimizer, group, key, batch, hyper, cache, device)
-        else:
-            launch = cache.launch(key, batch, optimizer.state_specs, TILE_BLOCKS, device)
-            signed = mt.row_signedness(optimizer.state_specs)
-            rows = sum(spec.rows for spec in optimizer.state_specs)
-            fused_update(triton_rules.RULES[optimizer.algorithm], rows, signed, launch, _maps(device), hyper,
-                         device=device)
+        with _on(device):
+            _step_batch(optimizer, group, group_index, device, step, batch, cache)
+
+
+def _on(device: torch.device):
+    """Make ``device`` current while launching: Triton launches on the current device and stream."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    if device.type == "xpu":
+        return torch.xpu.device(device)
+    return contextlib.nullcontext()
+
+
+def _step_batch(optimizer, group, group_index, device, step, batch, cache) -> None:
+    """One launch (LAMB: three per bucket) over tensors on one device sharing one step counter."""
+    hyper = triton_rules.hyper_tuple(optimizer.algorithm, optimizer._hyper(group, step))
+    key = (group_index, device, step)
+    if optimizer.algorithm == "lamb":
+        _lamb(optimizer, group, key, batch, hyper, cache, device)
+        return
+    launch = cache.launch(key, batch, optimizer.state_specs, TILE_BLOCKS, device)
+    signed = mt.row_signedness(optimizer.state_specs)
+    rows = sum(spec.rows for spec in optimizer.state_specs)
+    fused_update(triton_rules.RULES[optimizer.algorithm], rows, signed, launch, _maps(device), hyper, device=device)
 
 
 def _buckets(batch: list, limit: int) -> list[list]:
