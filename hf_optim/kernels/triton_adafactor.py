@@ -97,7 +97,7 @@ def _direction(g, offs, mask, row_factor, col_factor, sq, beta2t, one_minus_beta
         if UPDATE_SQ:
             squared = g * g + eps1
             # torch: sq.mul_(b2t).add_(squared, alpha=1-b2t); its add with alpha is one fused multiply-add
-            new = tl.fma(squared, squared * 0.0 + one_minus_beta2t, new * beta2t)
+            new = tl.fma(squared, tl.zeros_like(squared) + one_minus_beta2t, new * beta2t)
             tl.store(sq + offs, new, mask=mask)
         u = tl.rsqrt(new) * g
     return u

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from hf_optim.kernels import triton_multi_tensor as mt
-from hf_optim.kernels.triton_blockwise import load_values, store_values, tile_offsets
-from hf_optim.kernels.triton_elementwise import TILE_BLOCKS, launch_kwargs
+from hf_optim.kernels.triton_blockwise import load_values, pointer, store_values, tile_offsets
+from hf_optim.kernels.triton_elementwise import FULL_TILE_BOUND, TILE_BLOCKS, launch_kwargs
 
 REDUCE_CHUNK = 1024
 
@@ -46,17 +46,26 @@ def _ratio_kernel(meta, partials, ratios, max_trust_ratio, ADAPT: tl.constexpr, 
 
 
 @triton.jit
-def _apply_kernel(meta, tiles, ratios, lr, BLOCKS: tl.constexpr, COLS: tl.constexpr):
+def _apply_tile(row, step, offs, mask, ALIGNED: tl.constexpr):
+    param_address, param_dtype = tl.load(row + 0), tl.load(row + 4)
+    p = load_values(param_address, param_dtype, offs, mask, ALIGNED)
+    direction = tl.load(pointer(tl.load(row + 2), tl.float32, ALIGNED) + offs, mask=mask, other=0.0)
+    store_values(param_address, param_dtype, offs, p - step * direction, mask, ALIGNED)
+
+
+@triton.jit
+def _apply_kernel(meta, tiles, ratios, lr, BLOCKS: tl.constexpr, COLS: tl.constexpr, ALIGNED: tl.constexpr):
     program = tl.program_id(0)
     tensor = tl.load(tiles + 2 * program)
     row = meta + tensor.to(tl.int64) * COLS
-    blocks, offs = tile_offsets(tl.load(tiles + 2 * program + 1), BLOCKS)
-    mask = offs < tl.load(row + 3)
-    param_address, param_dtype = tl.load(row + 0), tl.load(row + 4)
-    p = load_values(param_address, param_dtype, offs, mask)
-    direction = tl.load(tl.load(row + 2).to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
+    first_block = tl.load(tiles + 2 * program + 1)
+    _, offs = tile_offsets(first_block, BLOCKS)
+    n = tl.load(row + 3)
     step = lr * tl.load(ratios + tensor)
-    store_values(param_address, param_dtype, offs, p - step * direction, mask)
+    if (first_block + BLOCKS) * 256 <= n:  # whole tile: a compile-time mask bound (vector accesses)
+        _apply_tile(row, step, offs, offs < FULL_TILE_BOUND, ALIGNED)
+    else:
+        _apply_tile(row, step, offs, offs < n, ALIGNED)
 
 
 def trust_ratios(launch: mt.Launch, partials, ratios, *, adapt: bool, max_trust_ratio: float | None, device) -> None:
@@ -71,5 +80,6 @@ def trust_ratios(launch: mt.Launch, partials, ratios, *, adapt: bool, max_trust_
 def apply(launch: mt.Launch, ratios, lr: float, device) -> None:
     """``p -= lr * ratio * u`` for every tensor of ``launch`` (``u`` at each tensor's ``OUT`` address)."""
     _apply_kernel[(launch.num_tiles,)](
-        launch.meta, launch.tiles, ratios, float(lr), BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, **launch_kwargs(device)
+        launch.meta, launch.tiles, ratios, float(lr), BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, ALIGNED=launch.aligned,
+        **launch_kwargs(device),
     )

@@ -99,6 +99,8 @@ class Launch:
     tiles: torch.Tensor
     num_tiles: int
     first_tiles: list[int]
+    aligned: bool
+    """Whether every parameter, gradient, output and state-row address is 16-byte aligned (vector accesses)."""
 
 
 class PlanCache:
@@ -120,4 +122,10 @@ class PlanCache:
         if cached is None or cached[0] != table:
             cached = (table, to_device(table, torch.int64, device))
             self._meta[key] = cached
-        return Launch(cached[1], tiles, num_tiles, [row[FIRST_TILE] for row in table])
+        return Launch(cached[1], tiles, num_tiles, [row[FIRST_TILE] for row in table], all_aligned(table))
+
+
+def all_aligned(table: list[list[int]]) -> bool:
+    """Whether every element address in ``table`` (not the absmax rows, read per block) is 16-byte aligned."""
+    columns = (PARAM, GRAD, OUT, *range(VALUES, VALUES + MAX_ROWS))
+    return all(row[column] % 16 == 0 for row in table for column in columns)

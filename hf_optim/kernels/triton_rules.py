@@ -25,7 +25,8 @@ def lerp(start, end, weight):
     """``torch.lerp(start, end, weight)`` for a scalar weight, as torch's CPU vector and CUDA kernels round it."""
     diff = end - start
     small = tl.abs(weight) < 0.5
-    return tl.where(small, tl.fma(diff * 0.0 + weight, diff, start), tl.fma(diff * 0.0 + (weight - 1.0), diff, end))
+    zeros = tl.zeros_like(diff)
+    return tl.where(small, tl.fma(zeros + weight, diff, start), tl.fma(zeros + (weight - 1.0), diff, end))
 
 
 @triton.jit
