@@ -372,3 +372,20 @@ def test_non_contiguous_parameters_take_the_pytorch_path(monkeypatch, use_triton
         opt.step()
         results.append(param)
     assert torch.equal(results[0], results[1])
+
+
+def test_subclass_with_its_own_rule_takes_the_pytorch_path(use_triton):
+    """A subclass that replaces the rule keeps its own math: the fused kernels would not run it."""
+
+    class SignSGD(hf_optim.Lion):
+        @staticmethod
+        def rule(param, grad, states, h):
+            return param - h["lr"] * torch.sign(grad), states
+
+    param = torch.nn.Parameter(torch.zeros(10))
+    param.grad = torch.arange(10.0) - 4.5
+    opt = SignSGD([param], lr=0.5)
+    assert triton_step.supported(opt, param, sharded=False) is False
+    assert triton_step.supported(hf_optim.Lion8bit([param]), param, sharded=False) is True
+    opt.step()
+    assert torch.equal(param.detach(), -0.5 * torch.sign(param.grad))

@@ -9,7 +9,8 @@ gradient for a while) go in separate launches, one per distinct step.
 Adafactor's statistics are per tensor: its passes (``triton_adafactor``) launch per tensor, not per group.
 
 What takes the PyTorch path instead, with identical math: non-contiguous parameters; for LAMB and Adafactor,
-sharded (DTensor) parameters, whose norms and statistics need a reduction across shards.
+sharded (DTensor) parameters, whose norms and statistics need a reduction across shards; optimizers whose class
+replaces the algorithm's ``rule`` or ``_update`` (the kernels would not run that code).
 """
 
 from __future__ import annotations
@@ -42,9 +43,18 @@ def supported(optimizer, param: torch.Tensor, sharded: bool) -> bool:
     algorithm = optimizer.algorithm
     if algorithm not in (*triton_rules.RULES, "adafactor") or not param.is_contiguous():
         return False
+    if _customized(type(optimizer)):
+        return False
     if algorithm in ("lamb", "adafactor") and sharded:
         return False
     return param.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _customized(cls: type) -> bool:
+    """Whether a subclass replaced the algorithm's rule or update (its kernels would not run that code)."""
+    base = next(klass for klass in cls.__mro__ if "algorithm" in vars(klass))
+    return cls._update is not base._update or cls.rule is not base.rule
 
 
 def step_group(optimizer, group: dict, group_index: int, items: list) -> None:
