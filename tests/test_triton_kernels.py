@@ -334,18 +334,19 @@ class FakeDTensor(torch.nn.Parameter):
         return self._shard
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls", [hf_optim.AdamW8bit, hf_optim.LAMB8bit], ids=lambda c: c.__name__)
-def test_sharded_parameters_update_their_local_shard(cls, monkeypatch, use_triton):
+def test_sharded_parameters_update_their_local_shard(cls, device, monkeypatch, use_triton):
     """Elementwise algorithms update a DTensor's local shard in the fused launch; LAMB (whose norms need the
     whole tensor) hands sharded parameters to the PyTorch path, which its distributed subclass reduces."""
     gen = torch.Generator().manual_seed(3)
-    shard, grad = torch.randn(4, 1100, generator=gen), torch.randn(4, 1100, generator=gen)
+    shard, grad = torch.randn(4, 1100, generator=gen).to(device), torch.randn(4, 1100, generator=gen).to(device)
     results = []
     for backend_name in ("torch", "triton"):
         monkeypatch.setenv("HF_OPTIM_BACKEND", backend_name)
-        full = FakeDTensor(torch.zeros(8, 1100))
+        full = FakeDTensor(torch.zeros(8, 1100, device=device))
         full._shard = shard.clone()
-        full.grad = FakeDTensor(torch.zeros(8, 1100))
+        full.grad = FakeDTensor(torch.zeros(8, 1100, device=device))
         full.grad._shard = grad.clone()
         opt = cls([full])
         opt.step()
@@ -358,9 +359,10 @@ def test_sharded_parameters_update_their_local_shard(cls, monkeypatch, use_trito
 
 
 
-def test_non_contiguous_parameters_take_the_pytorch_path(monkeypatch, use_triton):
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_parameters_take_the_pytorch_path(device, monkeypatch, use_triton):
     """A non-contiguous parameter runs the PyTorch path under a forced Triton backend, with its results."""
-    base = torch.randn(30, 40)
+    base = torch.randn(30, 40, device=device)
     results = []
     for backend_name in ("torch", "triton"):
         monkeypatch.setenv("HF_OPTIM_BACKEND", backend_name)
@@ -374,7 +376,8 @@ def test_non_contiguous_parameters_take_the_pytorch_path(monkeypatch, use_triton
     assert torch.equal(results[0], results[1])
 
 
-def test_subclass_with_its_own_rule_takes_the_pytorch_path(use_triton):
+@pytest.mark.parametrize("device", DEVICES)
+def test_subclass_with_its_own_rule_takes_the_pytorch_path(device, use_triton):
     """A subclass that replaces the rule keeps its own math: the fused kernels would not run it."""
 
     class SignSGD(hf_optim.Lion):
@@ -382,8 +385,8 @@ def test_subclass_with_its_own_rule_takes_the_pytorch_path(use_triton):
         def rule(param, grad, states, h):
             return param - h["lr"] * torch.sign(grad), states
 
-    param = torch.nn.Parameter(torch.zeros(10))
-    param.grad = torch.arange(10.0) - 4.5
+    param = torch.nn.Parameter(torch.zeros(10, device=device))
+    param.grad = torch.arange(10.0, device=device) - 4.5
     opt = SignSGD([param], lr=0.5)
     assert triton_step.supported(opt, param, sharded=False) is False
     assert triton_step.supported(hf_optim.Lion8bit([param]), param, sharded=False) is True
