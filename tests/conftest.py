@@ -11,6 +11,13 @@ os.environ.setdefault("HF_OPTIM_COMPILE", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU, Triton kernels run in Triton's CPU interpreter (test_triton_kernels.py). Triton reads this when
+# triton.language and each kernel are defined, so it must be set before anything imports triton (bitsandbytes
+# and transformers do). It changes nothing else: only hf_optim's Triton backend runs Triton kernels on CPU, and
+# only when a test forces it with HF_OPTIM_BACKEND=triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(autouse=True)
 def _seed():

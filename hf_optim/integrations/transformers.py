@@ -30,11 +30,12 @@ import sys
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
 from hf_optim.integrations.names import OPTIMIZER_NAMES, OptimizerName, suggest
 from hf_optim.integrations.optim_args import parse_optim_args, typed_optim_args
-from hf_optim.kernels import elementwise
+from hf_optim.kernels import backend as kernel_backend
 from hf_optim.optim.adafactor import Adafactor, RelativeStepSchedule
 from hf_optim.optim.base import PARAM_OVERRIDES_ATTR
 
@@ -123,9 +124,19 @@ def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None, name: st
         skipped = keep_embeddings_32bit(model)
         if skipped:
             logger.info("hf_optim: %d embedding parameters keep 32-bit state", skipped)
-    backend = "torch-compile on CPU" if elementwise.compile_enabled() else "torch"
-    logger.info("optim=%r -> %s", name, entry.describe(backend))
+    logger.info("optim=%r -> %s", name, entry.describe(_backend_label(model)))
     return entry.cls, kwargs
+
+
+def _backend_label(model: nn.Module | None) -> str:
+    """The kernels the optimizer will run on the model's devices (the Trainer's default device without one):
+    ``triton``, ``torch`` or ``torch-compile on CPU`` (see ``hf_optim.kernels.backend``)."""
+    if model is not None:
+        devices = {p.device for p in model.parameters()}
+    else:
+        devices = {torch.device("cuda" if torch.cuda.is_available() else "cpu")}
+    label = kernel_backend.describe(devices)
+    return label + " on CPU" if label == "torch-compile" else label
 
 
 def unknown_name_message(name: str) -> str:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from hf_optim.kernels import backend as kernel_backend
 from hf_optim.kernels import elementwise
 from hf_optim.kernels.blockwise import num_blocks
 from hf_optim.kernels.dynamic_map import BLOCK_SIZE, dynamic_map
@@ -131,8 +132,25 @@ class HfOptimizer(torch.optim.Optimizer):
     # Dispatch
     @property
     def backend(self) -> str:
-        """The kernel path large CPU tensors take: ``torch-compile`` or ``torch`` (eager)."""
-        return "torch-compile" if elementwise.compile_enabled() else "torch"
+        """The kernels that update this optimizer's parameters: ``triton``, ``torch-compile`` (large CPU tensors
+        compiled) or ``torch`` (eager), per device type when they differ (see ``hf_optim.kernels.backend``)."""
+        devices = {local_tensor(p).device for group in self.param_groups for p in group["params"]}
+        return kernel_backend.describe(devices)
+
+    def _update_group(self, group: dict, group_index: int, items: list) -> None:
+        """Update a group's ``(local param, local grad, state, param)`` items: one fused Triton launch (per pass)
+        for the tensors the backend assigns to Triton, the PyTorch path tensor by tensor for the rest."""
+        fused = []
+        for param, grad, state, full in items:
+            if kernel_backend.uses_triton(param.device):
+                from hf_optim.kernels import triton_step  # imports triton: only when a Triton step runs
+
+                if triton_step.supported(self, param, param is not full):
+                    fused.append((param, grad, state))
+                    continue
+            self._update(param, grad, state, group, full=full)
+        if fused:
+            triton_step.step_group(self, group, group_index, fused)
 
     def _run_rule(self, rule, param, grad, state, hyper, out: torch.Tensor | None = None) -> None:
         """Apply an elementwise rule to one parameter, in place, on its device."""
@@ -160,7 +178,8 @@ class HfOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for group_index, group in enumerate(self.param_groups):
+            items = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -178,7 +197,8 @@ class HfOptimizer(torch.optim.Optimizer):
                     continue
                 if self.is_paged:
                     self._allocate.prefetch(state)  # managed buffers to the GPU, on the current stream: no sync
-                self._update(param, grad, state, group, full=p)
+                items.append((param, grad, state, p))
+            self._update_group(group, group_index, items)
         return loss
 
     def add_param_group(self, param_group: dict) -> None:

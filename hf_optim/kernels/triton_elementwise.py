@@ -1,0 +1,151 @@
+"""The fused multi-tensor elementwise update in Triton: the twin of :func:`hf_optim.kernels.elementwise.update`.
+
+One launch runs an algorithm's rule (:mod:`triton_rules`) over every tensor of a group: each program loads a
+tile of parameter and gradient (any float dtype), loads its state rows (fp32 or 8-bit, per tensor), applies the
+non-finite-gradient rule, runs the rule and stores everything back. The rule of the PyTorch path applies:
+an element whose gradient is NaN or +-Inf keeps its parameter and state values (8-bit state is re-encoded
+against its block's new absmax) and its direction output is 0.
+
+With ``NORMS`` each program also writes the sums of squares of its parameter and output tile to
+``partials[2 * program]`` and ``[2 * program + 1]`` (LAMB's norm pass reduces them per tensor).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hf_optim.kernels import triton_multi_tensor as mt
+from hf_optim.kernels.triton_blockwise import (
+    load_state,
+    load_values,
+    pointer,
+    store_state,
+    store_values,
+    tile_offsets,
+)
+
+TILE_BLOCKS = 4
+"""Quantization blocks (of 256 elements) per program."""
+
+
+FULL_TILE_BOUND: tl.constexpr = tl.constexpr(1 << 30)
+"""Mask bound of tiles that lie wholly inside their tensor: a compile-time bound gives the mask a known
+structure, so (with aligned addresses) loads and stores vectorize; only each tensor's last tile is masked by n."""
+
+
+@triton.jit
+def _update_tile(
+    row, program, partials, qmap_signed, qmap_unsigned, table_signed, table_unsigned, h, blocks, offs, mask,
+    block_mask, RULE: tl.constexpr, ROWS: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr,
+    SIGNED2: tl.constexpr, WRITE_OUT: tl.constexpr, NORMS: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    param_address, param_dtype = tl.load(row + 0), tl.load(row + 4)
+    p = load_values(param_address, param_dtype, offs, mask, ALIGNED)
+    g = load_values(tl.load(row + 1), tl.load(row + 5), offs, mask, ALIGNED)
+    finite = (g == g) & (tl.abs(g) != float("inf"))
+    g = tl.where(finite, g, 0.0)
+
+    s0 = load_state(tl.load(row + 6), tl.load(row + 9), tl.load(row + 12),
+                    qmap_signed if SIGNED0 else qmap_unsigned, blocks, offs, mask, block_mask, ALIGNED)
+    s1 = tl.zeros_like(p)
+    s2 = tl.zeros_like(p)
+    if ROWS > 1:
+        s1 = load_state(tl.load(row + 7), tl.load(row + 10), tl.load(row + 13),
+                        qmap_signed if SIGNED1 else qmap_unsigned, blocks, offs, mask, block_mask, ALIGNED)
+    if ROWS > 2:
+        s2 = load_state(tl.load(row + 8), tl.load(row + 11), tl.load(row + 14),
+                        qmap_signed if SIGNED2 else qmap_unsigned, blocks, offs, mask, block_mask, ALIGNED)
+
+    out, n0, n1, n2 = RULE(p, g, s0, s1, s2, h)
+
+    store_state(tl.load(row + 6), tl.load(row + 9), tl.load(row + 12),
+                table_signed if SIGNED0 else table_unsigned, blocks, offs, tl.where(finite, n0, s0), mask,
+                block_mask, SIGNED0, ALIGNED)
+    if ROWS > 1:
+        store_state(tl.load(row + 7), tl.load(row + 10), tl.load(row + 13),
+                    table_signed if SIGNED1 else table_unsigned, blocks, offs, tl.where(finite, n1, s1), mask,
+                    block_mask, SIGNED1, ALIGNED)
+    if ROWS > 2:
+        store_state(tl.load(row + 8), tl.load(row + 11), tl.load(row + 14),
+                    table_signed if SIGNED2 else table_unsigned, blocks, offs, tl.where(finite, n2, s2), mask,
+                    block_mask, SIGNED2, ALIGNED)
+
+    if WRITE_OUT:
+        out = tl.where(finite & mask, out, 0.0)
+        tl.store(pointer(tl.load(row + 2), tl.float32, ALIGNED) + offs, out, mask=mask)
+    else:
+        store_values(param_address, param_dtype, offs, tl.where(finite, out, p), mask, ALIGNED)
+    if NORMS:
+        tl.store(partials + 2 * program, tl.sum(tl.sum(p * p, axis=1), axis=0))
+        tl.store(partials + 2 * program + 1, tl.sum(tl.sum(out * out, axis=1), axis=0))
+
+
+@triton.jit
+def _fused_update_kernel(
+    meta, tiles, partials, qmap_signed, qmap_unsigned, table_signed, table_unsigned, h,
+    RULE: tl.constexpr, ROWS: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr,
+    SIGNED2: tl.constexpr, WRITE_OUT: tl.constexpr, NORMS: tl.constexpr, BLOCKS: tl.constexpr,
+    COLS: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    program = tl.program_id(0)
+    tensor = tl.load(tiles + 2 * program)
+    row = meta + tensor.to(tl.int64) * COLS
+    first_block = tl.load(tiles + 2 * program + 1)
+    blocks, offs = tile_offsets(first_block, BLOCKS)
+    n = tl.load(row + 3)
+    if (first_block + BLOCKS) * 256 <= n:
+        _update_tile(row, program, partials, qmap_signed, qmap_unsigned, table_signed, table_unsigned, h, blocks,
+                     offs, offs < FULL_TILE_BOUND, blocks < FULL_TILE_BOUND, RULE, ROWS, SIGNED0, SIGNED1, SIGNED2,
+                     WRITE_OUT, NORMS, ALIGNED)
+    else:
+        _update_tile(row, program, partials, qmap_signed, qmap_unsigned, table_signed, table_unsigned, h, blocks,
+                     offs, offs < n, blocks * 256 < n, RULE, ROWS, SIGNED0, SIGNED1, SIGNED2, WRITE_OUT, NORMS,
+                     ALIGNED)
+
+
+def launch_kwargs(device) -> dict:
+    """Launch options shared by every hf_optim kernel: no floating-point contraction on CUDA and ROCm, so each
+    multiply and add rounds on its own, as torch's separate eager operations do (explicit ``tl.fma`` stays)."""
+    return {"enable_fp_fusion": False} if device is not None and device.type == "cuda" else {}
+
+
+def fused_update(
+    rule,
+    rows: int,
+    signed: tuple[bool, bool, bool],
+    launch: mt.Launch,
+    maps: tuple,
+    hyper: tuple[float, ...],
+    *,
+    write_out: bool = False,
+    partials=None,
+    device=None,
+) -> None:
+    """Launch the fused update over ``launch``'s tensors.
+
+    Args:
+        rule: a ``@triton.jit`` rule of :mod:`triton_rules`.
+        rows: how many state rows the rule reads (1 to 3).
+        signed: per state row, whether its 8-bit map is signed.
+        launch: the multi-tensor tables (:class:`triton_multi_tensor.Launch`).
+        maps: (signed map, unsigned map, signed encoder table, unsigned encoder table) on the device.
+        hyper: the rule's scalars (:func:`triton_rules.hyper_tuple`).
+        write_out (default False): write the rule's output to each tensor's ``OUT`` address instead of the
+            parameter.
+        partials (default None): an fp32 tensor of ``2 * launch.num_tiles`` to receive per-tile sums of squares.
+        device (default None): the tensors' device (for the launch options).
+    """
+    if launch.num_tiles == 0:
+        return
+    norms = partials is not None
+    _fused_update_kernel[(launch.num_tiles,)](
+        launch.meta, launch.tiles, partials if norms else launch.meta, *maps, hyper,
+        RULE=rule, ROWS=rows, SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2], WRITE_OUT=write_out,
+        NORMS=norms, BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, ALIGNED=launch.aligned, **launch_kwargs(device),
+    )
+
+
+# The kernel reads the meta table by column number; keep it in step with triton_multi_tensor's layout.
+assert (mt.PARAM, mt.GRAD, mt.OUT, mt.NUMEL, mt.PARAM_DTYPE, mt.GRAD_DTYPE) == (0, 1, 2, 3, 4, 5)
+assert (mt.VALUES, mt.ABSMAX, mt.IS_8BIT, mt.FIRST_TILE) == (6, 9, 12, 15)

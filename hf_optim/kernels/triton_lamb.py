@@ -1,0 +1,85 @@
+"""LAMB's trust-ratio passes in Triton (the update pass, which also writes per-tile sums of squares, is the
+fused elementwise kernel with ``NORMS``): a norm pass reduces each tensor's partial sums to ``||p||`` and
+``||u||`` and computes its trust ratio on the device, and an apply pass updates ``p -= lr * ratio * u``.
+
+Twin of ``LAMB._update`` / ``trust_ratio`` in ``hf_optim/optim/lamb.py``. The norms are sums in another order
+than torch's ``norm()``, so ratios can differ from the PyTorch path's in the last bits of fp32; the parameter
+update ``lr * ratio * u`` is small next to ``p``, so parameters agree to within an ulp of their dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hf_optim.kernels import triton_multi_tensor as mt
+from hf_optim.kernels.triton_blockwise import load_values, pointer, store_values, tile_offsets
+from hf_optim.kernels.triton_elementwise import FULL_TILE_BOUND, TILE_BLOCKS, launch_kwargs
+
+REDUCE_CHUNK = 1024
+
+
+@triton.jit
+def _ratio_kernel(meta, partials, ratios, max_trust_ratio, ADAPT: tl.constexpr, CLAMP: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr):
+    tensor = tl.program_id(0)
+    row = meta + tensor * COLS
+    n = tl.load(row + 3)
+    first = tl.load(row + 15)
+    count = tl.cdiv(tl.cdiv(n, 256), BLOCKS)
+    weight_sq = tl.zeros([CHUNK], dtype=tl.float32)
+    update_sq = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in range(0, count, CHUNK):
+        index = start + tl.arange(0, CHUNK)
+        valid = index < count
+        weight_sq += tl.load(partials + 2 * (first + index), mask=valid, other=0.0)
+        update_sq += tl.load(partials + 2 * (first + index) + 1, mask=valid, other=0.0)
+    weight_norm = tl.sqrt_rn(tl.sum(weight_sq, axis=0))
+    update_norm = tl.sqrt_rn(tl.sum(update_sq, axis=0))
+    ratio = weight_norm * 0.0 + 1.0
+    if ADAPT:
+        both = (weight_norm > 0) & (update_norm > 0)
+        ratio = tl.where(both, tl.div_rn(weight_norm, tl.where(both, update_norm, 1.0)), 1.0)
+        if CLAMP:
+            ratio = tl.minimum(ratio, max_trust_ratio)
+    tl.store(ratios + tensor, ratio)
+
+
+@triton.jit
+def _apply_tile(row, step, offs, mask, ALIGNED: tl.constexpr):
+    param_address, param_dtype = tl.load(row + 0), tl.load(row + 4)
+    p = load_values(param_address, param_dtype, offs, mask, ALIGNED)
+    direction = tl.load(pointer(tl.load(row + 2), tl.float32, ALIGNED) + offs, mask=mask, other=0.0)
+    store_values(param_address, param_dtype, offs, p - step * direction, mask, ALIGNED)
+
+
+@triton.jit
+def _apply_kernel(meta, tiles, ratios, lr, BLOCKS: tl.constexpr, COLS: tl.constexpr, ALIGNED: tl.constexpr):
+    program = tl.program_id(0)
+    tensor = tl.load(tiles + 2 * program)
+    row = meta + tensor.to(tl.int64) * COLS
+    first_block = tl.load(tiles + 2 * program + 1)
+    _, offs = tile_offsets(first_block, BLOCKS)
+    n = tl.load(row + 3)
+    step = lr * tl.load(ratios + tensor)
+    if (first_block + BLOCKS) * 256 <= n:  # whole tile: a compile-time mask bound (vector accesses)
+        _apply_tile(row, step, offs, offs < FULL_TILE_BOUND, ALIGNED)
+    else:
+        _apply_tile(row, step, offs, offs < n, ALIGNED)
+
+
+def trust_ratios(launch: mt.Launch, partials, ratios, *, adapt: bool, max_trust_ratio: float | None, device) -> None:
+    """Per-tensor trust ratios into ``ratios`` (fp32, one per tensor) from the update pass's ``partials``."""
+    clamp = max_trust_ratio is not None
+    _ratio_kernel[(len(launch.first_tiles),)](
+        launch.meta, partials, ratios, float(max_trust_ratio) if clamp else 0.0, ADAPT=bool(adapt), CLAMP=clamp,
+        CHUNK=REDUCE_CHUNK, BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, **launch_kwargs(device),
+    )
+
+
+def apply(launch: mt.Launch, ratios, lr: float, device) -> None:
+    """``p -= lr * ratio * u`` for every tensor of ``launch`` (``u`` at each tensor's ``OUT`` address)."""
+    _apply_kernel[(launch.num_tiles,)](
+        launch.meta, launch.tiles, ratios, float(lr), BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, ALIGNED=launch.aligned,
+        **launch_kwargs(device),
+    )

@@ -1,0 +1,136 @@
+"""Multi-tensor launch metadata: one kernel launch updates every parameter of a group.
+
+A launch gets two small device tables instead of one tensor per argument:
+
+- ``meta`` (int64, ``(tensors, META_COLS)``): per tensor the addresses of its parameter, gradient, optional
+  fp32 output, up to three state rows (fp32 values or uint8 codes) and their absmax rows, its element count,
+  the dtype codes of parameter and gradient, whether each state row is 8-bit, and its first tile.
+- ``tiles`` (int32, ``(tiles, 2)``): per program the tensor it works on and its first 256-element block, so a
+  program never straddles two tensors and a quantization block is always whole inside one program.
+
+Both tables are built on the host from values the host already knows (addresses, sizes, dtypes), so building
+them never synchronizes with the device. ``meta`` is rebuilt only when an address changes (e.g. new gradient
+buffers) and sent with a non-blocking copy from pinned memory; ``tiles`` depends only on the sizes and is cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_optim.kernels.blockwise import num_blocks
+from hf_optim.kernels.state_store import StateSpec, is_8bit
+from hf_optim.kernels.triton_blockwise import dtype_code
+
+PARAM, GRAD, OUT, NUMEL, PARAM_DTYPE, GRAD_DTYPE = range(6)
+VALUES = 6  # 6, 7, 8: state rows (fp32 values or uint8 codes)
+ABSMAX = 9  # 9, 10, 11: absmax rows of 8-bit state rows
+IS_8BIT = 12  # 12, 13, 14
+FIRST_TILE = 15
+META_COLS = 16
+MAX_ROWS = 3
+
+
+def state_rows(state: dict, specs: tuple[StateSpec, ...]) -> list[tuple[int, int, int]]:
+    """(values address, absmax address, is 8-bit) of every state row, in rule order; a stacked slot (AdEMAMix)
+    gives one row per EMA, row ``r`` starting ``r * n`` elements (and ``r * blocks`` absmax entries) in."""
+    rows = []
+    for spec in specs:
+        values = state[spec.key]
+        n = values.numel() // spec.rows
+        eight = is_8bit(state, spec)
+        absmax = state[spec.absmax_key] if eight else None
+        for r in range(spec.rows):
+            values_address = values.data_ptr() + r * n * values.element_size()
+            absmax_address = absmax.data_ptr() + r * num_blocks(n) * 4 if eight else 0
+            rows.append((values_address, absmax_address, int(eight)))
+    return rows
+
+
+def row_signedness(specs: tuple[StateSpec, ...]) -> tuple[bool, ...]:
+    """Whether each state row uses the signed map (compile-time constants of the kernel)."""
+    signed = tuple(spec.signed for spec in specs for _ in range(spec.rows))
+    if len(signed) > MAX_ROWS:
+        raise ValueError(f"the fused kernels take at most {MAX_ROWS} state rows, got {len(signed)}")
+    return signed + (True,) * (MAX_ROWS - len(signed))
+
+
+def meta_rows(items, specs, tile_blocks: int, out_addresses=None) -> list[list[int]]:
+    """The ``meta`` table as Python ints for ``items`` = [(param, grad, state), ...] (contiguous tensors)."""
+    table, first_tile = [], 0
+    for index, (param, grad, state) in enumerate(items):
+        n = param.numel()
+        rows = state_rows(state, specs) + [(0, 0, 0)] * MAX_ROWS
+        row = [0] * META_COLS
+        row[PARAM], row[GRAD], row[NUMEL] = param.data_ptr(), grad.data_ptr(), n
+        row[OUT] = out_addresses[index] if out_addresses is not None else 0
+        row[PARAM_DTYPE], row[GRAD_DTYPE] = dtype_code(param.dtype), dtype_code(grad.dtype)
+        for r in range(MAX_ROWS):
+            row[VALUES + r], row[ABSMAX + r], row[IS_8BIT + r] = rows[r]
+        row[FIRST_TILE] = first_tile
+        first_tile += -(-num_blocks(n) // tile_blocks)
+        table.append(row)
+    return table
+
+
+def tile_table(numels: tuple[int, ...], tile_blocks: int) -> torch.Tensor:
+    """Flat int32 (tensor index, first block) pairs covering every tensor in tiles of ``tile_blocks`` blocks
+    (built with tensor ops: a 1B-parameter model has over a million tiles)."""
+    blocks = torch.tensor([num_blocks(n) for n in numels], dtype=torch.int64)
+    counts = (blocks + tile_blocks - 1) // tile_blocks
+    tensor_index = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    first_block = (torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)) * tile_blocks
+    return torch.stack([tensor_index, first_block], dim=1).to(torch.int32).flatten()
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list or tensor as a device tensor, copied without blocking the host (pinned staging memory on
+    CUDA)."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+@dataclass
+class Launch:
+    """Device tables of one multi-tensor launch."""
+
+    meta: torch.Tensor
+    tiles: torch.Tensor
+    num_tiles: int
+    first_tiles: list[int]
+    aligned: bool
+    """Whether every parameter, gradient, output and state-row address is 16-byte aligned (vector accesses)."""
+
+
+class PlanCache:
+    """Keeps the device tables of recent launches, so unchanged addresses cost no copy at all."""
+
+    def __init__(self) -> None:
+        self._meta: dict = {}
+        self._tiles: dict = {}
+
+    def launch(self, key, items, specs, tile_blocks: int, device: torch.device, out_addresses=None) -> Launch:
+        table = meta_rows(items, specs, tile_blocks, out_addresses)
+        numels = tuple(row[NUMEL] for row in table)
+        tiles_key = (numels, tile_blocks, device)
+        if tiles_key not in self._tiles:
+            flat = tile_table(numels, tile_blocks)
+            self._tiles[tiles_key] = (to_device(flat, torch.int32, device), flat.numel() // 2)
+        tiles, num_tiles = self._tiles[tiles_key]
+        cached = self._meta.get(key)
+        if cached is None or cached[0] != table:
+            cached = (table, to_device(table, torch.int64, device))
+            self._meta[key] = cached
+        return Launch(cached[1], tiles, num_tiles, [row[FIRST_TILE] for row in table], all_aligned(table))
+
+
+def all_aligned(table: list[list[int]]) -> bool:
+    """Whether every element address in ``table`` (not the absmax rows, read per block) is 16-byte aligned."""
+    columns = (PARAM, GRAD, OUT, *range(VALUES, VALUES + MAX_ROWS))
+    return all(row[column] % 16 == 0 for row in table for column in columns)

@@ -1,0 +1,394 @@
+"""The Triton kernels against their PyTorch twins.
+
+On a machine without CUDA the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set by
+conftest.py before anything imports triton) on small tensors; on a GPU machine the same comparisons run on CUDA
+tensors (the ``gpu``-marked cases) and the CPU cases are skipped.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import hf_optim
+
+triton = pytest.importorskip("triton")
+
+ON_GPU = torch.cuda.is_available()
+from hf_optim.kernels import (  # noqa: E402
+    backend,
+    blockwise,
+    triton_blockwise,
+    triton_elementwise,
+    triton_rules,
+    triton_step,
+)
+from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table  # noqa: E402
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(ON_GPU, reason="GPU machine: the cuda cases run the kernels")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture
+def use_triton(monkeypatch):
+    """Force the Triton backend (in the interpreter on CPU)."""
+    monkeypatch.setenv("HF_OPTIM_BACKEND", "triton")
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between same-dtype tensors in units in the last place (same-sign finite values)."""
+    return int((a.detach().view(INT_VIEW[a.dtype]).long() - b.detach().view(INT_VIEW[a.dtype]).long()).abs().max())
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` numbers at magnitude ``x`` (fp32 tensor of magnitudes)."""
+    _, exponent = torch.frexp(x)
+    return torch.finfo(dtype).eps * torch.exp2(exponent.float() - 1)
+
+
+def assert_params_close(a: torch.Tensor, b: torch.Tensor, where: str, steps: int) -> None:
+    """Within 1 ulp per step of the parameter's magnitude, floored at the tensor's mean magnitude.
+
+    Near zero a 1-ulp difference in the update term is many ulps of a tiny parameter, hence the floor. Per step,
+    because torch's CPU ``sqrt`` is not correctly rounded on AVX-512 hosts (measured: ~20% of fp32 results one
+    ulp off), while the kernels' ``sqrt_rn`` is, as torch's CUDA ``sqrt`` is."""
+    dtype = a.dtype
+    a, b = a.detach().float(), b.detach().float()
+    scale = torch.maximum(torch.maximum(a.abs(), b.abs()), a.abs().mean())
+    worst = ((a - b).abs() / ulp(scale, dtype)).max().item()
+    assert worst <= steps, f"{where}: parameters {worst:.2f} ulp apart after {steps} steps"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Blockwise quantization
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantize_and_dequantize_match_pytorch(device, signed):
+    gen = torch.Generator().manual_seed(1)
+    n = 1000  # not a multiple of 256: the last block is partial
+    values = torch.randn(2, n, generator=gen) * torch.logspace(-9, 0, n)  # magnitudes down below the map's range
+    if not signed:
+        values = values.abs()
+    values[0, 5] = -0.0
+    values[1, 256:512] = 0.0  # an all-zero block
+    values[0, 700] = values[0, 768:1000].abs().max()  # an exact tie for the block maximum
+    values = values.to(device)
+    table = encoder_table(signed, device)
+    codes, absmax = triton_blockwise.quantize(values, table, signed)
+    ref_codes, ref_absmax = blockwise.quantize(values, table, signed)
+    assert torch.equal(codes, ref_codes)
+    assert torch.equal(absmax, ref_absmax)
+    qmap = dynamic_map(signed, device)
+    assert torch.equal(triton_blockwise.dequantize(codes, absmax, qmap), blockwise.dequantize(codes, absmax, qmap))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("signed", [True, False])
+def test_encoder_midpoints_ties_and_sign_fix(device, signed):
+    """Every exact midpoint between two codes (a tie: toward zero), its fp32 neighbours, every map value and
+    tiny negatives (never +0): the Triton encoder picks the PyTorch encoder's code for each."""
+    qmap = dynamic_map(signed)
+    mids = (qmap[1:] + qmap[:-1]) * 0.5
+    up, down = torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0))
+    probes = torch.cat([mids, up, down, qmap, torch.tensor([-1e-30, -0.0, 0.0, 1e-30, -1e-7, 1.0, -1.0])])
+    normalized = probes.clamp(-1.0 if signed else 0.0, 1.0).view(1, -1).to(device)
+    table = encoder_table(signed, device)
+    codes = triton_blockwise.quantize(normalized, table, signed)[0]
+    assert torch.equal(codes, blockwise.quantize(normalized, table, signed)[0])
+    if signed:  # -1e-30 and -0.0 take the smallest negative code, not +0
+        assert torch.equal(codes[0, -7:-5], torch.tensor([126, 126], dtype=torch.uint8, device=device))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Fused optimizer updates
+CASES = [
+    (hf_optim.AdamW, {}),
+    (hf_optim.AdEMAMix, {"t_alpha": 4, "t_beta3": 4}),
+    (hf_optim.Lion, {"weight_decay": 0.1}),
+    (hf_optim.RMSprop, {"weight_decay": 0.01}),
+    (hf_optim.LAMB, {"max_trust_ratio": 10.0}),
+    (hf_optim.LAMB, {"weight_decay": 0.0, "adam_w_mode": False}),
+]
+# Several tensors in one launch: sizes not divisible by 256, one below min_8bit_size (fp32 state in an 8-bit
+# optimizer), a 0-d tensor, and fp32 / bf16 / fp16 parameters.
+SHAPES = [(64, 80), (300,), (5000,), (70, 73), ()]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.float32]
+
+
+def make_problem(device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dt).to(device)) for s, dt in zip(SHAPES, DTYPES)]
+
+
+def set_grads(params, step, non_finite):
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        grad = torch.randn(p.shape, generator=gen)
+        if non_finite and grad.numel() > 1:
+            flat = grad.view(-1)
+            flat[::97] = float("nan")
+            flat[5::131] = float("inf")
+            flat[9::151] = -float("inf")
+        p.grad = grad.to(p.dtype).to(p.device)
+
+
+def run(cls, kwargs, params, backend_name, monkeypatch, steps=2):
+    monkeypatch.setenv("HF_OPTIM_BACKEND", backend_name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = cls(params, **kwargs)
+    for step in range(steps):
+        set_grads(params, step, non_finite=step == 1)
+        opt.step()
+    return opt
+
+
+def assert_same_state(ref_opt, ref_params, opt, params, exact_codes, steps=2, state_ulps=0):
+    """Parameters within an ulp per step; fp32 state within ``state_ulps`` (0 on the CPU interpreter, unless
+    the state reads the parameter, like RMSprop's L2 term, and inherits its last-bit difference); 8-bit codes and
+    absmax identical on the CPU interpreter, and on a GPU identical but for rare one-code steps where an ulp
+    moves a value across a midpoint (or a block's absmax by an ulp)."""
+    for ref_p, p in zip(ref_params, params):
+        where = f"{tuple(p.shape)} {p.dtype}"
+        assert_params_close(p, ref_p, where, steps)
+        ref_state, state = ref_opt.state[ref_p], opt.state[p]
+        assert ref_state.keys() == state.keys()
+        for key, ref in ref_state.items():
+            value = state[key]
+            if not isinstance(ref, torch.Tensor):
+                assert value == ref
+                continue
+            assert value.dtype == ref.dtype and value.shape == ref.shape
+            if key.startswith("qmap") or (exact_codes and (ref.dtype == torch.uint8 or key.startswith("absmax"))):
+                assert torch.equal(value, ref), f"{where}: {key} differs"
+            elif ref.dtype == torch.uint8:
+                steps_apart = (value.int() - ref.int()).abs()
+                assert steps_apart.max() <= 1 and (steps_apart > 0).float().mean() < 1e-3, f"{where}: {key}"
+            else:
+                assert ulp_distance(value, ref) <= state_ulps, f"{where}: {key} more than {state_ulps} ulp apart"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optim_bits", [8, 32])
+@pytest.mark.parametrize("cls,kwargs", CASES, ids=lambda c: getattr(c, "__name__", str(c)))
+def test_fused_update_matches_pytorch(cls, kwargs, optim_bits, device, monkeypatch, use_triton):
+    """Two steps (the second with NaN/+-Inf gradients) over five tensors in one launch: same 8-bit codes
+    and absmax, same fp32 state, parameters within 1 ulp."""
+    kwargs = {**kwargs, "optim_bits": optim_bits}
+    ref_params, params = make_problem(device), make_problem(device)
+    ref_opt = run(cls, kwargs, ref_params, "torch", monkeypatch)
+    opt = run(cls, kwargs, params, "triton", monkeypatch)
+    assert "backend=triton" in repr(opt)
+    eight_bit = [opt.state[p]["state1"].dtype == torch.uint8 for p in params]
+    assert eight_bit == [optim_bits == 8 and p.numel() >= 4096 for p in params]
+    # A state that reads the parameter (L2 weight decay) inherits the parameter's last-bit differences.
+    reads_param = cls is hf_optim.RMSprop or kwargs.get("adam_w_mode") is False
+    state_ulps = 4 if reads_param else (0 if device == "cpu" else 1)
+    assert_same_state(ref_opt, ref_params, opt, params, exact_codes=device == "cpu", state_ulps=state_ulps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_launch_per_group_and_step_counters(device, monkeypatch, use_triton):
+    """All tensors of a group go in one launch; a tensor whose step counter lags (it had no gradient) gets its
+    own launch with its own bias corrections, and still matches the PyTorch path."""
+    launches = []
+    kernel = triton_elementwise._fused_update_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_elementwise, "_fused_update_kernel", Counting())
+    ref_params, params = make_problem(device), make_problem(device)
+    opts = []
+    for backend_name, ps in (("torch", ref_params), ("triton", params)):
+        monkeypatch.setenv("HF_OPTIM_BACKEND", backend_name)
+        opt = hf_optim.AdamW8bit(ps)
+        set_grads(ps, 0, non_finite=False)
+        ps[1].grad = None  # the bf16 tensor skips the first step
+        opt.step()
+        set_grads(ps, 1, non_finite=False)
+        opt.step()
+        opts.append(opt)
+    assert [len(g) for g in launches] == [1, 1, 1]  # step 1: one launch; step 2: counters 2 and 1
+    assert opts[1].state[params[1]]["step"] == 1
+    assert_same_state(opts[0], ref_params, opts[1], params, exact_codes=device == "cpu", steps=2,
+                      state_ulps=0 if device == "cpu" else 1)
+
+
+def test_hyper_keys_follow_the_pytorch_rules():
+    """Each Triton rule reads exactly the scalars its PyTorch twin's ``_hyper`` provides."""
+    groups = {
+        "adamw": hf_optim.AdamW([torch.zeros(1)]).param_groups[0],
+        "ademamix": hf_optim.AdEMAMix([torch.zeros(1)]).param_groups[0],
+        "lion": hf_optim.Lion([torch.zeros(1)]).param_groups[0],
+        "rmsprop": hf_optim.RMSprop([torch.zeros(1)]).param_groups[0],
+        "lamb": hf_optim.LAMB([torch.zeros(1)]).param_groups[0],
+    }
+    classes = {"adamw": hf_optim.AdamW, "ademamix": hf_optim.AdEMAMix, "lion": hf_optim.Lion,
+               "rmsprop": hf_optim.RMSprop, "lamb": hf_optim.LAMB}
+    assert set(triton_rules.RULES) == set(classes)
+    for name, group in groups.items():
+        hyper = classes[name]._hyper(group, 3)
+        assert {key.removeprefix("1/") for key in triton_rules.HYPER_KEYS[name]} == set(hyper), name
+        assert all(isinstance(v, float) for v in triton_rules.hyper_tuple(name, hyper))
+
+
+def test_reciprocal_hyper_is_the_fp32_division():
+    for value in (0.1, 1 - 0.999**3, 0.7, 3.0):
+        expected = (torch.tensor(1.0) / torch.tensor(value, dtype=torch.float32)).item()
+        assert triton_rules.fp32(1.0 / triton_rules.fp32(value)) == expected
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Dispatch
+def test_backend_env_var(monkeypatch):
+    opt = hf_optim.AdamW8bit([torch.nn.Parameter(torch.zeros(4))])
+    monkeypatch.delenv("HF_OPTIM_BACKEND", raising=False)
+    assert opt.backend in ("torch", "torch-compile")  # CPU tensors default to the PyTorch path
+    monkeypatch.setenv("HF_OPTIM_BACKEND", "torch")
+    assert opt.backend in ("torch", "torch-compile")
+    assert "backend=torch" in repr(opt)
+    monkeypatch.setenv("HF_OPTIM_BACKEND", "trition")
+    with pytest.raises(ValueError, match="'trition' is not a valid backend; valid values are 'torch', 'triton'"):
+        _ = opt.backend
+    monkeypatch.setenv("HF_OPTIM_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        _ = opt.backend
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert opt.backend == "triton"
+
+
+def test_describe_mixed_devices(monkeypatch):
+    monkeypatch.delenv("HF_OPTIM_BACKEND", raising=False)
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    described = backend.describe([torch.device("cpu"), torch.device("cuda", 0)])
+    assert described == "torch (cpu), triton (cuda)"  # conftest: HF_OPTIM_COMPILE=0
+    assert backend.describe([torch.device("cuda", 0)]) == "triton"
+
+
+ADAFACTOR_SHAPES = [(64, 80), (3, 20, 70), (5000,), ()]  # factored 2-D and 3-D, unfactored, a scalar
+ADAFACTOR_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kwargs", [
+    {},
+    {"beta1": 0.9, "optim_bits": 8, "weight_decay": 0.1, "lr": 1e-2, "relative_step": False},
+    {"beta1": 0.9, "scale_parameter": False, "lr": 1e-3, "relative_step": False},
+], ids=["relative-step", "8bit-beta1-decay", "32bit-beta1"])
+def test_adafactor_passes_match_pytorch(kwargs, device, monkeypatch, use_triton):
+    """Adafactor's Triton passes against the PyTorch path, step by step from the same state (the second step
+    with NaN/Inf gradients). The row/column/RMS reductions sum in another order than torch's ``mean``/``norm``,
+    so statistics agree to a few ulps, parameters within an ulp, 8-bit codes but for rare one-code steps. (From
+    the second step on, such a one-code step moves the parameter by a code's width, so each step starts from the
+    PyTorch path's state.)"""
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=gen).to(dt).to(device) for s, dt in zip(ADAFACTOR_SHAPES, ADAFACTOR_DTYPES)]
+    ref_params = [torch.nn.Parameter(t.clone()) for t in start]
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    monkeypatch.setenv("HF_OPTIM_BACKEND", "torch")
+    ref_opt = hf_optim.Adafactor(ref_params, **kwargs)
+    opt = hf_optim.Adafactor(params, **kwargs)
+    for step in range(2):
+        if step:
+            opt.load_state_dict(ref_opt.state_dict())
+            for p, ref_p in zip(params, ref_params):
+                p.data.copy_(ref_p)
+        set_grads(ref_params, step, non_finite=step == 1)
+        set_grads(params, step, non_finite=step == 1)
+        monkeypatch.setenv("HF_OPTIM_BACKEND", "torch")
+        ref_opt.step()
+        monkeypatch.setenv("HF_OPTIM_BACKEND", "triton")
+        opt.step()
+        assert "backend=triton" in repr(opt)
+        for ref_p, p in zip(ref_params, params):
+            where = f"step {step}, {tuple(p.shape)} {p.dtype}"
+            assert_params_close(p, ref_p, where, steps=1)
+            for key, ref in ref_opt.state[ref_p].items():
+                value = opt.state[p][key]
+                if not isinstance(ref, torch.Tensor):
+                    assert value == ref
+                elif ref.dtype == torch.uint8:
+                    steps_apart = (value.int() - ref.int()).abs()
+                    assert steps_apart.max() <= 1 and (steps_apart > 0).float().mean() < 1e-2, f"{where}: {key}"
+                else:
+                    torch.testing.assert_close(value, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()),
+                                               msg=f"{where}: {key}")
+
+
+
+class FakeDTensor(torch.nn.Parameter):
+    """Stands in for a DTensor: the optimizer computes on ``to_local()``, here a smaller shard."""
+
+    def to_local(self):
+        return self._shard
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", [hf_optim.AdamW8bit, hf_optim.LAMB8bit], ids=lambda c: c.__name__)
+def test_sharded_parameters_update_their_local_shard(cls, device, monkeypatch, use_triton):
+    """Elementwise algorithms update a DTensor's local shard in the fused launch; LAMB (whose norms need the
+    whole tensor) hands sharded parameters to the PyTorch path, which its distributed subclass reduces."""
+    gen = torch.Generator().manual_seed(3)
+    shard, grad = torch.randn(4, 1100, generator=gen).to(device), torch.randn(4, 1100, generator=gen).to(device)
+    results = []
+    for backend_name in ("torch", "triton"):
+        monkeypatch.setenv("HF_OPTIM_BACKEND", backend_name)
+        full = FakeDTensor(torch.zeros(8, 1100, device=device))
+        full._shard = shard.clone()
+        full.grad = FakeDTensor(torch.zeros(8, 1100, device=device))
+        full.grad._shard = grad.clone()
+        opt = cls([full])
+        opt.step()
+        assert opt.state[full]["state1"].shape == (4, 1100) and opt.state[full]["state1"].dtype == torch.uint8
+        results.append((opt, full))
+    (ref_opt, ref), (opt, fused) = results
+    assert triton_step.supported(opt, fused._shard, sharded=True) is (cls is hf_optim.AdamW8bit)
+    assert_params_close(fused._shard, ref._shard, "local shard", steps=1)
+    assert torch.equal(opt.state[fused]["state1"], ref_opt.state[ref]["state1"])
+
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_parameters_take_the_pytorch_path(device, monkeypatch, use_triton):
+    """A non-contiguous parameter runs the PyTorch path under a forced Triton backend, with its results."""
+    base = torch.randn(30, 40, device=device)
+    results = []
+    for backend_name in ("torch", "triton"):
+        monkeypatch.setenv("HF_OPTIM_BACKEND", backend_name)
+        param = torch.nn.Parameter(base.clone().t())
+        assert not param.is_contiguous()
+        param.grad = torch.ones_like(param)
+        opt = hf_optim.AdamW8bit([param], min_8bit_size=16)
+        assert triton_step.supported(opt, param, sharded=False) is False
+        opt.step()
+        results.append(param)
+    assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_subclass_with_its_own_rule_takes_the_pytorch_path(device, use_triton):
+    """A subclass that replaces the rule keeps its own math: the fused kernels would not run it."""
+
+    class SignSGD(hf_optim.Lion):
+        @staticmethod
+        def rule(param, grad, states, h):
+            return param - h["lr"] * torch.sign(grad), states
+
+    param = torch.nn.Parameter(torch.zeros(10, device=device))
+    param.grad = torch.arange(10.0, device=device) - 4.5
+    opt = SignSGD([param], lr=0.5)
+    assert triton_step.supported(opt, param, sharded=False) is False
+    assert triton_step.supported(hf_optim.Lion8bit([param]), param, sharded=False) is True
+    opt.step()
+    assert torch.equal(param.detach(), -0.5 * torch.sign(param.grad))

@@ -1,0 +1,92 @@
+"""Compile every hf_optim Triton kernel for an H100 (sm_90) without a GPU; run by test_triton_compile.py.
+
+The CPU interpreter (test_triton_kernels.py) checks the math but accepts code the GPU compiler rejects; this
+compiles each kernel to PTX (Triton's ahead-of-time path: no device needed) and checks the properties the
+bit-compatibility and bandwidth claims rest on: IEEE division and square root, no contraction of separate
+multiplies and adds into FMAs, and 128-bit vector accesses on whole tiles.
+"""
+
+import collections
+import os
+import re
+import sys
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("run without TRITON_INTERPRET: interpreted kernels cannot be compiled")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from hf_optim.kernels import (  # noqa: E402
+    triton_adafactor,
+    triton_blockwise,
+    triton_elementwise,
+    triton_lamb,
+    triton_rules,
+)
+
+H100 = GPUTarget("cuda", 90, 32)
+
+
+def compile_ptx(kernel, signature: dict, constants: dict, **options) -> str:
+    names = kernel.arg_names
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    constexprs = {(names.index(name),): value for name, value in constants.items()}
+    ptx = triton.compile(ASTSource(kernel, signature, constexprs), target=H100, options=options).asm["ptx"]
+    print(f"compiled {kernel.__name__}", flush=True)
+    return ptx
+
+
+def accesses(ptx: str) -> collections.Counter:
+    return collections.Counter(re.findall(r"(?:ld|st)\.global[a-z0-9._]*", ptx))
+
+
+ROWS = {"adamw": 2, "ademamix": 3, "lion": 1, "rmsprop": 1, "lamb": 2}
+
+
+def check_fused_update(algorithm: str) -> None:
+    hyper = tuple(["fp32"] * len(triton_rules.HYPER_KEYS[algorithm]))
+    signature = {"meta": "*i64", "tiles": "*i32", "partials": "*fp32", "qmap_signed": "*fp32",
+                 "qmap_unsigned": "*fp32", "table_signed": "*i32", "table_unsigned": "*i32", "h": hyper}
+    lamb = algorithm == "lamb"
+    constants = {"RULE": triton_rules.RULES[algorithm], "ROWS": ROWS[algorithm], "SIGNED0": True,
+                 "SIGNED1": algorithm == "ademamix", "SIGNED2": False, "WRITE_OUT": lamb, "NORMS": lamb,
+                 "BLOCKS": triton_elementwise.TILE_BLOCKS, "COLS": 16, "ALIGNED": True}
+    ptx = compile_ptx(triton_elementwise._fused_update_kernel, signature, constants, enable_fp_fusion=False)
+    found = accesses(ptx)
+    assert found["ld.global.v4.b32"] > 0 and found["st.global.v4.b32"] + found["st.global.v2.b32"] > 0, found
+    assert "div.full" not in ptx and "sqrt.approx" not in ptx  # IEEE division and square root
+    fmas = len(re.findall(r"\bfma\.rn\.f32", ptx))
+    assert (fmas > 0) == (algorithm == "adamw"), fmas  # the only fma is torch.lerp's (AdamW's first moment)
+
+
+def check_other_kernels() -> None:
+    compile_ptx(triton_lamb._ratio_kernel, {"meta": "*i64", "partials": "*fp32", "ratios": "*fp32",
+                "max_trust_ratio": "fp32"}, {"ADAPT": True, "CLAMP": True, "CHUNK": 1024, "BLOCKS": 4, "COLS": 16})
+    compile_ptx(triton_lamb._apply_kernel, {"meta": "*i64", "tiles": "*i32", "ratios": "*fp32", "lr": "fp32"},
+                {"BLOCKS": 4, "COLS": 16, "ALIGNED": True})
+    compile_ptx(triton_blockwise._quantize_kernel, {"values_ptr": "*fp32", "codes_ptr": "*u8", "absmax_ptr": "*fp32",
+                "table_ptr": "*i32", "n": "i32", "blocks_per_row": "i32"}, {"SIGNED": True, "BLOCKS": 4})
+    compile_ptx(triton_blockwise._dequantize_kernel, {"codes_ptr": "*u8", "absmax_ptr": "*fp32", "qmap_ptr": "*fp32",
+                "out_ptr": "*fp32", "n": "i32", "blocks_per_row": "i32"}, {"BLOCKS": 4})
+    stats = {"grad": "i64", "grad_dtype": "i32", "rows": "i32", "cols": "i32", "eps1": "fp32"}
+    compile_ptx(triton_adafactor._row_stats_kernel, {**stats, "param": "i64", "param_dtype": "i32",
+                "row_sums": "*fp32", "param_sq": "*fp32"}, {"BR": 16, "BC": 256})
+    compile_ptx(triton_adafactor._col_stats_kernel, {**stats, "col_sums": "*fp32"}, {"BR": 16, "BC": 256})
+    common = {"grad": "i64", "grad_dtype": "i32", "row_factor": "*fp32", "col_factor": "*fp32", "sq": "*fp32",
+              "n": "i32", "cols": "i32", "rows_cols": "i32", "eps1": "fp32"}
+    for factored in (True, False):
+        compile_ptx(triton_adafactor._update_sq_kernel, {**common, "partials": "*fp32", "beta2t": "fp32",
+                    "one_minus_beta2t": "fp32"}, {"FACTORED": factored, "BLOCKS": 4})
+        compile_ptx(triton_adafactor._apply_kernel, {**common, "param": "i64", "param_dtype": "i32",
+                    "clip_denominator": "*fp32", "lr": "*fp32", "decay_lr": "*fp32", "m_values": "i64",
+                    "m_absmax": "i64", "m_is_8bit": "i32", "qmap": "*fp32", "table": "*i32", "beta1": "fp32",
+                    "one_minus_beta1": "fp32"}, {"FACTORED": factored, "HAS_M": True, "HAS_DECAY": True, "BLOCKS": 4})
+
+
+if __name__ == "__main__":
+    for name in sorted(triton_rules.RULES):
+        check_fused_update(name)
+    check_other_kernels()
+    print("all kernels compiled")
