@@ -240,10 +240,12 @@ class HfOptimizer(torch.optim.Optimizer):
             if quant:
                 param_state[QUANT_STATE_KEY] = quant
             if sharding.is_dtensor(params[index]):  # for torch.distributed.checkpoint: DTensors like the param
+                # (on the parameter's device mesh, paged or not: DCP moves the local shards itself)
                 param_state = sharding.export_state(param_state, params[index], self._state_dims)
+            elif self.is_paged:  # a paged optimizer's state dict holds CPU tensors: loading needs no GPU memory
+                param_state = on_host(param_state)
             nested[index] = param_state
-        # A paged optimizer's state dict holds CPU tensors: loading the checkpoint must not need GPU memory.
-        state_dict["state"] = {i: on_host(s) for i, s in nested.items()} if self.is_paged else nested
+        state_dict["state"] = nested
         state_dict["param_groups"] = [
             {**self._to_bnb_group(group), ALGORITHM_KEY: self.algorithm} for group in state_dict["param_groups"]
         ]
