@@ -303,7 +303,32 @@ CHECKPOINT_CASES = [
     ]
 ]
 
-CASES = NAME_CASES + HYPER_CASES + GRADIENT_CASES + STATE_DICT_CASES + CHECKPOINT_CASES
+# ------------------------------------------------------------------------------------------------------------
+# Recipes (the hf-optim CLI's input)
+
+
+def load_recipe_text(folder: Path, text: str):
+    from hf_optim.recipes import load_recipe
+
+    path = folder / "recipe.yaml"
+    path.write_text(text)
+    return load_recipe(path)
+
+
+def recipe_error():
+    from hf_optim.recipes import RecipeError
+
+    return RecipeError
+
+
+RECIPE_CASES = [
+    Case("recipe that is a list", lambda t: load_recipe_text(t, "- a\n- b\n"), recipe_error(), r"must be a mapping"),
+    Case("recipe that is a scalar", lambda t: load_recipe_text(t, "42\n"), recipe_error(), r"must be a mapping"),
+    Case("recipe section that is not a mapping", lambda t: load_recipe_text(t, "training: 3\n"), recipe_error(),
+         r"training"),
+]
+
+CASES = NAME_CASES + HYPER_CASES + GRADIENT_CASES + STATE_DICT_CASES + CHECKPOINT_CASES + RECIPE_CASES
 
 
 def assert_raised_by_a_check(info: pytest.ExceptionInfo) -> None:
