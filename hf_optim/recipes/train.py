@@ -108,6 +108,7 @@ def run(recipe: Recipe, output_dir: str | Path | None = None) -> RunResult:
 
     recipe = resolve_auto(recipe)
     out = Path(output_dir) if output_dir is not None else default_output_dir(recipe)
+    recipe.training["output_dir"] = str(out)  # recipe.yaml names where this run really went
     write_recipe(recipe, out)
     for note in recipe.notes:
         logger.info("%s", note)
