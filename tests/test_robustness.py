@@ -177,3 +177,25 @@ def test_bad_hyperparameters_in_an_added_group_are_refused():
 
 def test_repr_names_the_backend():
     assert "backend=torch" in repr(hf_optim.AdamW8bit(make_params([(4,)])))
+
+
+@pytest.mark.parametrize("cls", [hf_optim.AdamW8bit, hf_optim.LAMB8bit, hf_optim.Lion32bit, hf_optim.Adafactor],
+                         ids=lambda c: c.__name__)
+def test_transposed_parameter_updates_like_its_contiguous_copy(cls):
+    """A non-contiguous (transposed) parameter gets the update of a contiguous copy of it: exactly for elementwise
+    algorithms; up to summation order for LAMB's norms and Adafactor's means, which reduce in memory order."""
+    kwargs = {"beta1": 0.9, "optim_bits": 8, "lr": 1e-2, "relative_step": False} if cls is hf_optim.Adafactor else {}
+    base = torch.randn(96, 80)
+    transposed = torch.nn.Parameter(base.clone().t())
+    contiguous = torch.nn.Parameter(base.clone().t().contiguous())
+    assert not transposed.is_contiguous()
+    opts = [quiet(cls, [transposed], **kwargs), quiet(cls, [contiguous], **kwargs)]
+    for step in range(3):
+        grad = torch.randn(80, 96, generator=torch.Generator().manual_seed(step))
+        transposed.grad, contiguous.grad = grad.t().contiguous().t(), grad.clone()
+        for opt in opts:
+            opt.step()
+    if cls in (hf_optim.LAMB8bit, hf_optim.Adafactor):
+        torch.testing.assert_close(transposed.detach(), contiguous.detach(), rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(transposed.detach(), contiguous.detach())

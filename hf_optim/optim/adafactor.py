@@ -167,7 +167,7 @@ class Adafactor(HfOptimizer):
             old = read_slot(state, FIRST_MOMENT).view_as(update)
             exp_avg = old * group["beta1"] + update * (1.0 - group["beta1"])
             exp_avg = torch.where(finite, exp_avg, old)
-            write_slot(state, FIRST_MOMENT, exp_avg.view(1, -1))
+            write_slot(state, FIRST_MOMENT, exp_avg.reshape(1, -1))  # reshape: a transposed param is not contiguous
             update = exp_avg
         new = p32
         if group["weight_decay"] != 0:
