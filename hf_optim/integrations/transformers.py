@@ -100,12 +100,14 @@ def optimizer_kwargs(entry: OptimizerName, args: Any) -> dict[str, Any]:
 
 def keep_embeddings_32bit(model: nn.Module) -> int:
     """Mark every ``nn.Embedding`` weight to keep 32-bit state under an 8-bit optimizer (as the Trainer does for
-    bitsandbytes); returns the number of marked elements."""
+    bitsandbytes); returns the number of marked elements that are trained (frozen ones, as under LoRA, keep no
+    state at all, so the log line does not count them)."""
     marked = {}
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             setattr(module.weight, PARAM_OVERRIDES_ATTR, {"optim_bits": 32})
-            marked[id(module.weight)] = module.weight.numel()
+            if module.weight.requires_grad:
+                marked[id(module.weight)] = module.weight.numel()
     return sum(marked.values())
 
 
