@@ -62,6 +62,17 @@ def fsdp2(model):
     return model
 
 
+def trained_straight_through_a_checkpoint(name: str, path: str, data) -> torch.nn.Module:
+    """An FSDP2 model trained on all of ``data``, saved with torch.distributed.checkpoint at ``RESUME_AT`` steps."""
+    model = fsdp2(Net())
+    optimizer = build_optimizer(name, model.parameters())
+    train(model, optimizer, data[:RESUME_AT])
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    train(model, optimizer, data[RESUME_AT:])
+    return model
+
+
 def checkpoint_resume_runs(checkpoint_dir: str) -> dict:
     """FSDP2: save model and optimizer with torch.distributed.checkpoint after RESUME_AT steps, train on; then a
     fresh model and optimizer (from another initialization) load the checkpoint and train the same steps."""
@@ -69,12 +80,7 @@ def checkpoint_resume_runs(checkpoint_dir: str) -> dict:
     results = {}
     for name in OPTIMIZERS:
         path = f"{checkpoint_dir}/{name}"
-        model = fsdp2(Net())
-        optimizer = build_optimizer(name, model.parameters())
-        train(model, optimizer, data[:RESUME_AT])
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-        train(model, optimizer, data[RESUME_AT:])
+        model = trained_straight_through_a_checkpoint(name, path, data)
 
         other = Net()
         with torch.no_grad():
@@ -148,12 +154,7 @@ def reshard_runs(checkpoint_dir: str) -> dict:
     results = {}
     for name in RESHARD_NAMES:
         path = f"{checkpoint_dir}/reshard-{name}"
-        model = fsdp2(Net())
-        optimizer = build_optimizer(name, model.parameters())
-        train(model, optimizer, data[:RESUME_AT])
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-        train(model, optimizer, data[RESUME_AT:])
+        model = trained_straight_through_a_checkpoint(name, path, data)
 
         other = Net()
         fully_shard(other, mesh=mesh)
