@@ -1,0 +1,291 @@
+"""Several runs side by side: loss overlay, memory bars, speed bars and a markdown table with baseline deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hf_optim.integrations.names import suggest
+from hf_optim.monitor.plots import DPI, new_figure, step_axis
+from hf_optim.monitor.runfiles import RunData, load_run
+from hf_optim.monitor.series import auto_ema_beta, byte_unit, ema
+
+COMPARE_MD = "compare.md"
+LOSS_PNG = "compare_loss.png"
+MEMORY_PNG = "compare_memory.png"
+SPEED_PNG = "compare_speed.png"
+_PARTS = (("weights_bytes", "weights", "#4c72b0"), ("gradient_bytes", "gradients", "#55a868"),
+          ("optimizer_state_bytes", "optimizer state", "#c44e52"), ("rest_bytes", "rest (activations, overhead)",
+                                                                   "#b0b0b0"))
+
+
+@dataclass
+class _Row:
+    label: str
+    run: RunData
+
+    @property
+    def oom(self) -> bool:
+        return self.run.status == "oom"
+
+    @property
+    def breakdown(self) -> dict:
+        return self.run.summary.get("memory_breakdown") or {}
+
+    @property
+    def peak(self) -> int | None:
+        return self.breakdown.get("peak_bytes")
+
+    @property
+    def peak_reserved(self) -> int | None:
+        return (self.run.summary.get("peaks") or {}).get("cuda_peak_reserved_run_bytes")
+
+    @property
+    def state(self) -> int | None:
+        return (self.run.summary.get("optimizer_state") or {}).get("total_bytes")
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.oom else self.run.summary.get("mean_tokens_per_s")
+
+    @property
+    def final_loss(self) -> float | None:
+        return None if self.oom else self.run.summary.get("final_loss")
+
+    @property
+    def ema_loss(self) -> float | None:
+        return None if self.oom else self.run.summary.get("ema_loss")
+
+
+def _labels(runs: list[RunData]) -> list[str]:
+    labels, used = [], set()
+    for run in runs:
+        label = run.name
+        if label in used:
+            label = f"{label} ({run.run_dir})"
+        used.add(label)
+        labels.append(label)
+    return labels
+
+
+def _pick_baseline(rows: list[_Row], baseline) -> _Row:
+    if baseline is None:
+        return next((row for row in rows if not row.oom), rows[0])
+    wanted = str(baseline)
+    for row in rows:
+        if wanted in (row.label, row.run.run_dir.name) or Path(wanted).resolve() == row.run.run_dir.resolve():
+            return row
+    choices = [row.label for row in rows]
+    close = suggest(wanted, choices + [row.run.run_dir.name for row in rows])
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise ValueError(f"baseline {wanted!r} is not one of the compared runs ({', '.join(map(repr, choices))}).{hint}")
+
+
+def _unit_for(values) -> tuple[str, int]:
+    return byte_unit(max((v for v in values if v is not None), default=0))
+
+
+def _bytes_cell(value, size) -> str:
+    return "-" if value is None else f"{value / size:.3g}"
+
+
+def _delta(value, base, *, size: int = 1, relative: bool = True, fmt: str = "+.3g") -> str:
+    if value is None or base is None:
+        return "-"
+    diff = (value - base) / size
+    text = format(diff, fmt)
+    if relative and base:
+        text += f" ({100.0 * (value - base) / base:+.1f}%)"
+    return text
+
+
+def _table(rows: list[_Row], base: _Row) -> list[str]:
+    peak_unit, peak_size = _unit_for([r.peak for r in rows] + [r.peak_reserved for r in rows])
+    state_unit, state_size = _unit_for([r.state for r in rows])
+    has_reserved = any(r.peak_reserved is not None for r in rows)
+    header = ["run", "optimizer", "status", f"peak ({peak_unit})", "Δ peak"]
+    if has_reserved:
+        header += [f"peak reserved ({peak_unit})"]
+    header += [f"optimizer state ({state_unit})", "Δ state", "tokens/s", "Δ tokens/s", "final loss", "Δ final loss",
+               "EMA loss"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        is_base = row is base
+        status = "**OOM**" if row.oom else row.run.status
+        if row.oom:
+            status += f" at step {row.run.summary.get('oom_step', '?')}"
+        cells = [row.label + (" (baseline)" if is_base else ""), row.run.optimizer_label, status,
+                 _bytes_cell(row.peak, peak_size) + (" at OOM" if row.oom and row.peak is not None else ""),
+                 "" if is_base else _delta(row.peak, base.peak, size=peak_size)]
+        if has_reserved:
+            cells.append(_bytes_cell(row.peak_reserved, peak_size))
+        cells += [
+            _bytes_cell(row.state, state_size),
+            "" if is_base else _delta(row.state, base.state, size=state_size),
+            "-" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f}",
+            "" if is_base else _delta(row.tokens_per_s, base.tokens_per_s, fmt="+,.0f"),
+            "-" if row.final_loss is None else f"{row.final_loss:.4f}",
+            "" if is_base else _delta(row.final_loss, base.final_loss, relative=False, fmt="+.4f"),
+            "-" if row.ema_loss is None else f"{row.ema_loss:.4f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+# ---- figures -----------------------------------------------------------------------------------------------------
+
+def _colors(count: int) -> list:
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10"]
+    return [palette(i % 10) for i in range(count)]
+
+
+def _loss_overlay(rows: list[_Row]):
+    fig = new_figure(10, 5.5)
+    ax = fig.add_subplot()
+    drawn = 0
+    for i, (row, color) in enumerate(zip(rows, _colors(len(rows)))):
+        points = [(r["step"], r["loss"]) for r in row.run.train if r.get("loss") is not None]
+        if not points:
+            continue
+        steps, losses = zip(*points)
+        beta = row.run.summary.get("ema_beta")
+        beta = auto_ema_beta(len(losses)) if beta is None else beta
+        suffix = " (OOM)" if row.oom else ""
+        style = ("-", "--", "-.", ":")[i % 4]  # runs that learn alike overlap: keep each one visible
+        ax.plot(steps, losses, color=color, lw=0.8, alpha=0.35, ls=style)
+        ax.plot(steps, ema(losses, beta), color=color, lw=2.0, ls=style, marker="o" if len(steps) == 1 else None,
+                label=f"{row.label}{suffix}: EMA, raw faint")
+        drawn = max(drawn, len(steps))
+    if drawn < 2:
+        ax.text(0.5, 0.5, "too few logged loss points to draw curves (fewer than 2 per run)",
+                transform=ax.transAxes, ha="center", va="center", color="#8a2c0d",
+                bbox=dict(boxstyle="round", facecolor="#fff3cd", edgecolor="#d4a017"))
+    step_axis(ax)
+    ax.set_ylabel("training loss")
+    ax.set_title("training loss by run")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    return fig
+
+
+def _stacked_bars(ax, rows: list[_Row], parts, size: int) -> list[float]:
+    bottoms = [0.0] * len(rows)
+    for key, label, color in parts:
+        heights = [(row.breakdown.get(key) or 0) / size for row in rows]
+        ax.bar(range(len(rows)), heights, bottom=bottoms, color=color, label=label, width=0.6)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    return bottoms
+
+
+def _annotate_bars(ax, rows: list[_Row], tops: list[float], notes: list[str]) -> None:
+    for i, (row, top, note) in enumerate(zip(rows, tops, notes)):
+        if row.oom:
+            ax.bar(i, top, width=0.6, fill=False, hatch="//", edgecolor="#c0392b")
+            note = "OOM" + (f"\n{note}" if note else "")
+        ax.annotate(note, xy=(i, top), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
+                    fontsize=8.5, color="#c0392b" if row.oom else "black")
+    ax.set_xticks(range(len(rows)), [f"{row.label}\n{row.run.optimizer_label}" for row in rows], fontsize=8.5)
+    ax.set_ylim(0, max(tops + [0]) * 1.2 or 1)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _memory_bars(rows: list[_Row]):
+    """Left: the whole peak split in four. Right: weights, gradients and optimizer state alone, on their own
+    scale, because next to activations and process overhead they are often too thin to see."""
+    fig = new_figure(max(9.0, 2.6 * len(rows) + 4), 5.5)
+    whole, model_side = fig.subplots(1, 2)
+    unit, size = _unit_for([r.peak for r in rows] + [sum(r.breakdown.get(k) or 0 for k, *_ in _PARTS) for r in rows])
+    tops = _stacked_bars(whole, rows, _PARTS, size)
+    _annotate_bars(whole, rows, tops, [f"{r.peak / size:.3g} {unit}" if r.peak is not None else "" for r in rows])
+    bases = {row.breakdown.get("basis") for row in rows if row.breakdown}
+    basis = bases.pop() if len(bases) == 1 else "mixed bases: not comparable"
+    whole.set_title(f"peak memory ({basis})", fontsize=10)
+    whole.set_ylabel(unit)
+
+    parts = _PARTS[:3]
+    sums = [sum(r.breakdown.get(k) or 0 for k, *_ in parts) for r in rows]
+    unit, size = _unit_for(sums)
+    tops = _stacked_bars(model_side, rows, parts, size)
+    _annotate_bars(model_side, rows, tops, [f"state {(r.breakdown.get('optimizer_state_bytes') or 0) / size:.3g}"
+                                            f" {unit}" for r in rows])
+    model_side.set_title("weights + gradients + optimizer state (zoomed)", fontsize=10)
+    model_side.set_ylabel(unit)
+    handles, labels = whole.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=4, fontsize=8.5)
+    fig.suptitle("memory breakdown by run")
+    return fig
+
+
+def _speed_bars(rows: list[_Row]):
+    fig = new_figure(max(6.0, 1.4 * len(rows) + 2), 4.5)
+    ax = fig.add_subplot()
+    speeds = [row.tokens_per_s or 0.0 for row in rows]
+    bars = ax.bar(range(len(rows)), speeds, color=_colors(len(rows)), width=0.6)
+    for i, (row, bar) in enumerate(zip(rows, bars)):
+        text = "OOM" if row.oom else ("unknown" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f}")
+        ax.annotate(text, xy=(i, bar.get_height()), xytext=(0, 3), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=9, color="#c0392b" if row.oom else "black")
+    ax.set_xticks(range(len(rows)), [f"{row.label}\n{row.run.optimizer_label}" for row in rows], fontsize=8.5)
+    ax.set_ylabel("tokens/s (mean over training steps)")
+    ax.set_ylim(top=max(speeds + [0]) * 1.15 or 1)
+    ax.set_title("training speed")
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def compare_runs(run_dirs, out_dir, baseline=None) -> Path:
+    """Compare run directories written by :class:`~hf_optim.monitor.TrainingMonitor`.
+
+    Writes ``compare.md`` (a table of peak memory, optimizer-state size, tokens/s, final and EMA loss, each with its
+    delta against the baseline; runs that ran out of memory appear as OOM rows) and ``compare_loss.png``,
+    ``compare_memory.png`` (weights / gradients / optimizer state / rest bars), ``compare_speed.png``.
+
+    Args:
+        run_dirs: the run directories, in the order to show them.
+        out_dir: where to write (created if needed).
+        baseline: the run deltas are taken against: a run name, a run directory or its name. Default None: the
+            first run that did not run out of memory.
+
+    Returns:
+        The path of ``compare.md``.
+    """
+    run_dirs = list(run_dirs)
+    if not run_dirs:
+        raise ValueError("compare_runs needs at least one run directory")
+    runs = [load_run(d) for d in run_dirs]
+    rows = [_Row(label, run) for label, run in zip(_labels(runs), runs)]
+    base = _pick_baseline(rows, baseline)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, build in ((LOSS_PNG, _loss_overlay), (MEMORY_PNG, _memory_bars), (SPEED_PNG, _speed_bars)):
+        build(rows).savefig(out_dir / name, dpi=DPI)
+
+    bases = sorted({row.breakdown.get("basis", "?") for row in rows})
+    lines = [f"# Run comparison ({len(rows)} runs, baseline: {base.label})", ""]
+    lines += _table(rows, base)
+    lines += [
+        "",
+        "- peak: " + ("; ".join(bases)) + ". `cuda_peak_allocated` is torch's peak of allocated CUDA memory over the"
+        " run; `host_rss_peak_sampled` (CPU runs) is the largest host RSS sampled at log steps and includes the"
+        " Python process itself." + (" **The runs use different bases: their peaks are not comparable.**"
+                                     if len(bases) > 1 else ""),
+        "- Δ columns: the run minus the baseline (and the change in percent). tokens/s is the mean over training"
+        " steps (logging and evaluation excluded); final loss is the last logged training loss.",
+        "- OOM rows: the run ran out of memory; its peak is the one measured when the error was recorded.",
+        "",
+        f"![training loss]({LOSS_PNG})",
+        "",
+        f"![peak memory breakdown]({MEMORY_PNG})",
+        "",
+        f"![training speed]({SPEED_PNG})",
+        "",
+        "Runs:",
+        "",
+    ]
+    lines += [f"- {row.label}: `{row.run.run_dir}`" for row in rows]
+    path = out_dir / COMPARE_MD
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
