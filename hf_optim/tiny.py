@@ -2,7 +2,38 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+
+def tiny_llama_config(vocab_size: int = 512, hidden_size: int = 64, layers: int = 2, heads: int = 4,
+                      kv_heads: int = 2, intermediate_size: int | None = None, max_positions: int = 256):
+    """A ``LlamaConfig`` with Llama 3 traits: GQA, rope_theta 500000, tied embeddings, RMSNorm eps 1e-5.
+
+    Args:
+        vocab_size (int, default 512): embedding rows.
+        hidden_size (int, default 64): model width.
+        layers (int, default 2): decoder layers.
+        heads (int, default 4): attention heads.
+        kv_heads (int, default 2): key/value heads (GQA when fewer than ``heads``).
+        intermediate_size (int | None, default None): MLP width; None means ``3 * hidden_size``.
+        max_positions (int, default 256): ``max_position_embeddings``.
+    """
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or hidden_size * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    )
 
 
 def tiny_llama(seed: int = 0, vocab_size: int = 512, hidden_size: int = 64, layers: int = 2):
@@ -10,20 +41,9 @@ def tiny_llama(seed: int = 0, vocab_size: int = 512, hidden_size: int = 64, laye
 
     Every linear weight has at least 4096 elements, so 8-bit optimizers really keep 8-bit state for them.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 3,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
-    )
+    config = tiny_llama_config(vocab_size=vocab_size, hidden_size=hidden_size, layers=layers)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
@@ -91,3 +111,116 @@ def tiny_texts(count: int, seed: int = 0) -> list[str]:
     places = ["at home", "in the park", "at work", "on the train", "by the lake"]
     return [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(places)}."
             for _ in range(count)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The bundled chat data, tokenizer and model of ``recipes/quickstart.yaml`` and of smoke mode.
+BUILTIN_MODEL = "builtin:tiny-llama-3"
+"""Recipe ``model.id`` of the tiny model built locally (never downloaded)."""
+BUILTIN_DATA = "builtin:tiny-chat"
+"""Recipe ``data.path`` of the chat dataset shipped in the package."""
+TINY_CHAT_SHAPE = dict(hidden_size=256, layers=2, heads=4, kv_heads=2, intermediate_size=768, max_positions=512)
+"""The builtin model's shape: 2.1M parameters, small enough for 4-bit QLoRA steps on a CPU. With 2 KV heads of
+64, the narrowest projection (k/v, 256 -> 128) gives rank-32 LoRA tensors of 4096 elements: every trainable LoRA
+tensor of the quickstart reaches ``min_8bit_size``, so 8-bit optimizers keep real 8-bit state there."""
+
+DATA_DIR = Path(__file__).parent / "data"
+CHAT_FILE = DATA_DIR / "tiny_chat.jsonl"
+TOKENIZER_DIR = DATA_DIR / "tiny_tokenizer"
+LLAMA3_SPECIAL_TOKENS = [BOS, EOS, "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", PAD]
+# Llama 3's chat layout (header tokens around the role, <|eot_id|> after each turn), written for this tokenizer.
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+_WORDS = ["apple", "river", "garden", "window", "planet", "yellow", "silver", "market", "bridge", "forest",
+          "candle", "rocket", "pencil", "orange", "island", "winter", "summer", "castle", "button", "dragon",
+          "mirror", "pocket", "ladder", "bottle", "kitten", "number", "letter", "travel", "engine", "meadow"]
+
+
+def _chat_example(rng) -> list[dict]:
+    """One user/assistant exchange with a checkable answer (arithmetic, reversal, capitals, counting, ordering)."""
+    kind = rng.randrange(6)
+    word = rng.choice(_WORDS)
+    a, b, c = rng.randrange(2, 60), rng.randrange(2, 60), rng.randrange(2, 60)
+    if kind == 0:
+        question, answer = f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+    elif kind == 1:
+        question, answer = f"Reverse the word '{word}'.", f"'{word}' reversed is '{word[::-1]}'."
+    elif kind == 2:
+        question, answer = f"Write '{word}' in capital letters.", f"{word.upper()}"
+    elif kind == 3:
+        question, answer = f"How many letters are in '{word}'?", f"'{word}' has {len(word)} letters."
+    elif kind == 4:
+        question, answer = f"Which is larger, {a} or {b}?", (f"{max(a, b)} is larger." if a != b else "They are equal.")
+    else:
+        ordered = ", ".join(str(n) for n in sorted((a, b, c)))
+        question, answer = f"Sort these numbers: {a}, {b}, {c}.", f"In order: {ordered}."
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def tiny_chat_examples(count: int = 600, seed: int = 0) -> list[dict]:
+    """Chat examples (``{"messages": [...]}``) with correct answers, the content of the bundled ``tiny_chat.jsonl``."""
+    import random
+
+    rng = random.Random(seed)
+    return [{"messages": _chat_example(rng)} for _ in range(count)]
+
+
+def train_chat_tokenizer(texts: list[str], vocab_size: int = 768):
+    """A byte-level BPE tokenizer trained on ``texts``, with Llama 3's special tokens and chat layout.
+
+    Args:
+        texts (list[str]): training text.
+        vocab_size (int, default 768): size including the 256 byte tokens and the special tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=LLAMA3_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token="<|eot_id|>",
+                                        pad_token=PAD)
+    tokenizer.chat_template = LLAMA3_CHAT_TEMPLATE
+    tokenizer.model_max_length = TINY_CHAT_SHAPE["max_positions"]
+    return tokenizer
+
+
+def write_bundled_chat_data(data_dir: Path = DATA_DIR) -> None:
+    """(Re)write the bundled dataset and tokenizer; the shipped files are this function's output."""
+    import json
+
+    examples = tiny_chat_examples()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / CHAT_FILE.name, "w") as f:
+        f.writelines(json.dumps(example) + "\n" for example in examples)
+    texts = [turn["content"] for example in examples for turn in example["messages"]]
+    train_chat_tokenizer(texts).save_pretrained(data_dir / TOKENIZER_DIR.name)
+
+
+def bundled_tokenizer():
+    """The tokenizer shipped in the package (see :func:`write_bundled_chat_data`)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+
+
+def save_builtin_model(path: str | Path, seed: int = 0) -> Path:
+    """Write the randomly initialised builtin model (:data:`TINY_CHAT_SHAPE`, vocabulary of the bundled
+    tokenizer) to ``path`` so that it loads with ``from_pretrained`` like any checkpoint (quantization included)."""
+    from transformers import LlamaForCausalLM
+
+    tokenizer = bundled_tokenizer()
+    config = tiny_llama_config(vocab_size=len(tokenizer), **TINY_CHAT_SHAPE)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return Path(path)

@@ -1,0 +1,230 @@
+"""The ``hf-optim`` command: train, validate, ls, cp, plot, compare, optimizers (``--help`` on each).
+
+Also runs as ``python -m hf_optim.cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from hf_optim.recipes.errors import RecipeError
+
+EXAMPLES = """examples:
+  hf-optim train quickstart                                   # the tiny offline QLoRA run (CPU, ~1 minute)
+  hf-optim validate llama-3.1-8b-full training.optim=adamw_torch
+  hf-optim train llama-3.2-1b-qlora --smoke                   # any recipe, a few steps on CPU
+  hf-optim train llama-3.2-1b-full --sweep training.optim=adamw_torch,adamw_8bit,paged_adamw_8bit
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-optim", description="Fine-tune with recipes and hf_optim's memory-efficient optimizers.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    def recipe_args(sub):
+        sub.add_argument("recipe", help="a recipe file, or the name of a bundled recipe (hf-optim ls)")
+        sub.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE",
+                         help="overrides, values read as YAML scalars (training.optim=lamb_8bit, peft.r=32)")
+        sub.add_argument("--smoke", action="store_true",
+                         help="smoke mode (also HF_OPTIM_SMOKE=1): the builtin tiny model and bundled data, a few "
+                              "steps on CPU; the recipe's method (full/LoRA/QLoRA) and optimizer are kept")
+
+    train = verbs.add_parser("train", help="train a recipe (or sweep one key over several values)",
+                             description="Train a recipe. Writes the resolved recipe.yaml, metrics.jsonl, "
+                                         "summary.json and plots into the output directory.")
+    recipe_args(train)
+    train.add_argument("--sweep", metavar="KEY=V1,V2,...",
+                       help="one run per value, each in its own subdirectory, then compare them "
+                            "(e.g. training.optim=adamw_torch,adamw_8bit,paged_adamw_8bit); OOM runs become OOM rows")
+    train.add_argument("--output-dir", help="run directory (default: training.output_dir, else runs/<recipe>)")
+
+    validate = verbs.add_parser("validate", help="check a recipe offline and estimate its training memory",
+                                description="Check every key against the installed classes and the optimizer "
+                                            "name, then estimate weights + gradients + optimizer-state memory "
+                                            "from the architecture (meta device, no download).")
+    recipe_args(validate)
+    validate.add_argument("--no-estimate", action="store_true", help="check keys only")
+
+    verbs.add_parser("ls", help="list the bundled recipes", description="List the bundled recipes.")
+    cp = verbs.add_parser("cp", help="copy a bundled recipe to edit it",
+                          description="Copy a bundled recipe (a file that extends another keeps extending the "
+                                      "bundled one).")
+    cp.add_argument("name", help="bundled recipe name (hf-optim ls)")
+    cp.add_argument("dest", help="destination file or directory")
+
+    plot = verbs.add_parser("plot", help="(re)draw the plots of a run directory",
+                            description="Redraw loss.png, memory.png and dashboard.png of a run directory.")
+    plot.add_argument("run_dir")
+    compare = verbs.add_parser("compare", help="compare runs: compare.md and loss/memory/speed plots",
+                               description="Compare run directories (e.g. the runs of a sweep).")
+    compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    compare.add_argument("--out", default=None, help="where compare.md and the plots go (default: the current "
+                                                     "directory)")
+    compare.add_argument("--baseline", default=None, help="the run the deltas are against (default: the first)")
+    verbs.add_parser("optimizers", help="the optim= names hf_optim answers to",
+                     description="Every training.optim name hf_optim builds, with its class, precision and paging.")
+    return parser
+
+
+def _gb(nbytes: int | None) -> str:
+    return "unknown" if nbytes is None else f"{nbytes / 1e9:,.2f}"
+
+
+def _gib(nbytes: int | None) -> str:
+    return "unknown" if nbytes is None else f"{nbytes / 2**30:,.2f}"
+
+
+def cmd_validate(args, console: Console) -> int:
+    from hf_optim.recipes.api import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides, args.smoke)
+    console.print(f"[green]ok[/green] {recipe.source}: keys, types and optimizer {recipe.optim!r} are valid "
+                  f"({recipe.method}, model {recipe.model['id']})")
+    if recipe.hardware:
+        console.print(f"target hardware: {recipe.hardware}")
+    for note in recipe.notes:
+        console.print(f"note: {note}")
+    if args.no_estimate:
+        return 0
+    from hf_optim.recipes.estimate import estimate
+
+    est = estimate(recipe)
+    table = Table(title=f"Training memory estimate: {est.model_id}, {est.method}, optim={est.optim}")
+    table.add_column("part")
+    table.add_column("bytes", justify="right")
+    table.add_column("GB", justify="right")
+    table.add_column("GiB", justify="right")
+    rows = [("weights", est.weights_bytes), ("gradients", est.gradient_bytes), ("optimizer state", est.state_bytes),
+            ("total (without activations)", est.total_bytes)]
+    for name, value in rows:
+        table.add_row(name, "unknown" if value is None else f"{value:,}", _gb(value), _gib(value))
+    console.print(table)
+    console.print(f"parameters: {est.total_params:,} total, {est.trainable_params:,} trainable; "
+                  f"architecture from: {est.config_source}")
+    for note in est.notes:
+        console.print(f"note: {note}")
+    return 0
+
+
+def cmd_train(args, console: Console) -> int:
+    from hf_optim.recipes import api
+
+    if args.sweep:
+        results, report = api.sweep(args.recipe, args.sweep, args.overrides, args.smoke, args.output_dir)
+        table = Table(title=f"sweep {args.sweep.partition('=')[0]}")
+        for column in ("run", "status", "optimizer", "train loss (run mean)"):
+            table.add_column(column)
+        for result in results:
+            loss = "-" if result.train_loss is None else f"{result.train_loss:.4f}"
+            table.add_row(str(result.output_dir), result.status, result.optimizer or "-", loss)
+        console.print(table)
+        console.print(f"comparison: {report}")
+        return 0 if all(r.status == "ok" for r in results) else 3
+    result = api.train(args.recipe, args.overrides, args.smoke, args.output_dir)
+    if result.status == "oom":
+        console.print(f"[red]out of memory[/red]; recorded in {result.output_dir / 'summary.json'}")
+        return 3
+    console.print(f"done: optimizer {result.optimizer}, train loss (run mean) {result.train_loss:.4f}")
+    console.print(f"run directory: {result.output_dir}  (recipe.yaml, metrics.jsonl, summary.json, loss.png, "
+                  "memory.png, dashboard.png)")
+    return 0
+
+
+def cmd_ls(args, console: Console) -> int:
+    import yaml
+
+    from hf_optim.recipes.loading import bundled_dir, bundled_names, load_raw
+
+    table = Table(title=f"bundled recipes ({bundled_dir()})")
+    for column in ("name", "model", "method", "optim", "hardware"):
+        table.add_column(column)
+    for name in bundled_names():
+        try:
+            data = load_raw(name).data
+        except (RecipeError, yaml.YAMLError) as exc:
+            table.add_row(name, f"[red]{exc}[/red]", "", "", "")
+            continue
+        method = "full" if not data.get("peft") else ("qlora" if data.get("quantization") else "lora")
+        table.add_row(name, str((data.get("model") or {}).get("id", "?")), method,
+                      str((data.get("training") or {}).get("optim", "default")), str(data.get("hardware", "")))
+    console.print(table)
+    return 0
+
+
+def cmd_cp(args, console: Console) -> int:
+    from hf_optim.recipes.loading import bundled_recipe
+
+    source = bundled_recipe(args.name)
+    dest = Path(args.dest)
+    if dest.is_dir():
+        dest = dest / source.name
+    if dest.exists():
+        console.print(f"[red]{dest} exists[/red]; not overwritten")
+        return 1
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, dest)
+    console.print(f"copied {source.name} -> {dest}")
+    return 0
+
+
+def cmd_plot(args, console: Console) -> int:
+    from hf_optim.monitor import plot_run
+
+    for path in plot_run(Path(args.run_dir)):
+        console.print(str(path))
+    return 0
+
+
+def cmd_compare(args, console: Console) -> int:
+    from hf_optim.monitor import compare_runs
+
+    baseline = Path(args.baseline) if args.baseline else None
+    report = compare_runs([Path(d) for d in args.run_dirs], Path(args.out or "."), baseline=baseline)
+    console.print(f"comparison: {report}")
+    return 0
+
+
+def cmd_optimizers(args, console: Console) -> int:
+    import hf_optim
+
+    table = Table(title="training.optim names built by hf_optim")
+    for column in ("name", "class", "state", "paged", "origin"):
+        table.add_column(column)
+    for entry in hf_optim.available_optimizers():
+        origin = "transformers name, taken over" if entry.takes_over else "added by hf_optim"
+        table.add_row(entry.name, f"hf_optim.{entry.cls.__name__}", entry.precision, "yes" if entry.paged else "no",
+                      origin)
+    console.print(table)
+    console.print("transformers' other names (adamw_torch, adafactor, ...) work too: "
+                  "transformers.training_args.OptimizerNames")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "validate": cmd_validate, "ls": cmd_ls, "cp": cmd_cp, "plot": cmd_plot,
+            "compare": cmd_compare, "optimizers": cmd_optimizers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI with ``argv`` (default: ``sys.argv[1:]``); returns the exit status (2: invalid recipe,
+    3: a run ran out of memory)."""
+    args = _parser().parse_args(argv)
+    console = Console(soft_wrap=True)
+    try:
+        return COMMANDS[args.verb](args, console)
+    except RecipeError as exc:
+        Console(stderr=True).print(f"[red]invalid recipe[/red] ({len(exc.issues)} problem"
+                                   f"{'s' if len(exc.issues) != 1 else ''}):", highlight=False)
+        print(str(exc), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The recipe workflow in three calls: :func:`load_recipe`, :func:`train`, :func:`sweep`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from hf_optim.recipes.loading import apply_overrides, load_raw
+from hf_optim.recipes.schema import Recipe, validate
+from hf_optim.recipes.smoke import SMOKE_STEPS, smoke_recipe, smoke_requested
+from hf_optim.recipes.train import RunResult, default_output_dir, free_memory, run, run_dir_name, sweep_values
+
+logger = logging.getLogger("hf_optim")
+
+
+def load_recipe(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = (), smoke: bool = False) -> Recipe:
+    """Read, merge and validate a recipe.
+
+    Args:
+        name_or_path: a recipe file, or the name of a bundled recipe (``hf-optim ls``).
+        overrides (default ()): ``KEY.PATH=VALUE`` strings applied after ``extends`` (and after smoke mode).
+        smoke (bool, default False): smoke mode (also on when ``HF_OPTIM_SMOKE=1``): the tiny builtin model and
+            bundled data, a few steps on CPU, the recipe's method and optimizer kept.
+
+    Raises:
+        RecipeError: listing every problem, each as ``file: key.path: message``.
+    """
+    raw = load_raw(name_or_path)
+    smoke = smoke_requested(smoke)
+    if smoke:
+        raw = smoke_recipe(raw)
+    recipe = validate(apply_overrides(raw, list(overrides)))
+    if smoke:
+        recipe.notes.append(f"smoke mode: builtin tiny model and data, {recipe.training.get('max_steps', SMOKE_STEPS)}"
+                            f" steps on CPU, method {recipe.method} and optimizer {recipe.optim} kept")
+    return recipe
+
+
+def train(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = (), smoke: bool = False,
+          output_dir: str | Path | None = None) -> RunResult:
+    """Load a recipe (see :func:`load_recipe`) and train it once. Returns the :class:`RunResult`."""
+    return run(load_recipe(name_or_path, overrides, smoke), output_dir)
+
+
+def sweep(name_or_path: str | Path, spec: str, overrides: list[str] | tuple[str, ...] = (), smoke: bool = False,
+          output_dir: str | Path | None = None) -> tuple[list[RunResult], Path]:
+    """Train one recipe once per value of one key, each run in its own subdirectory, then compare them.
+
+    Args:
+        name_or_path: the recipe.
+        spec: ``KEY.PATH=V1,V2,...``, e.g. ``training.optim=adamw_torch,adamw_8bit,paged_adamw_8bit``.
+        overrides (default ()): applied to every run, before the swept value.
+        smoke (bool, default False): smoke mode for every run.
+        output_dir (default None): parent of the runs (default: the recipe's output directory); ``compare.md``
+            and the comparison plots go there. The first value is the comparison's baseline.
+
+    Every recipe is validated before the first run starts. A run that runs out of memory becomes an OOM row of
+    the comparison and the sweep continues. Returns (results, path of compare.md).
+    """
+    from hf_optim.monitor import compare_runs
+
+    key, values = sweep_values(spec)
+    recipes = [load_recipe(name_or_path, [*overrides, f"{key}={value}"], smoke) for value in values]
+    parent = Path(output_dir) if output_dir is not None else default_output_dir(recipes[0])
+    results = []
+    for value, recipe in zip(values, recipes):
+        logger.info("sweep %s=%s", key, value)
+        if recipe.logging.run_name is None:
+            recipe.logging.run_name = value
+        results.append(run(recipe, parent / run_dir_name(value)))
+        free_memory()
+    report = compare_runs([r.output_dir for r in results], parent, baseline=results[0].output_dir)
+    return results, Path(report)

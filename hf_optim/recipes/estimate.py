@@ -1,0 +1,253 @@
+"""``hf-optim validate``'s memory estimate: weights + gradients + optimizer state, from the architecture alone.
+
+The model is built from its config on the meta device (no weights, no download), LoRA is applied there too,
+and every trainable tensor is counted with the state format of the chosen optimizer name:
+
+* hf_optim's (and bitsandbytes') 8-bit names: per state, 1 byte per element plus a 4-byte absmax per block of 256,
+  except tensors under 4096 elements and ``nn.Embedding`` weights, which keep fp32 state (4 bytes per element);
+* their 32-bit names: 4 bytes per element per state, whatever the parameter dtype;
+* torch's AdamW (``adamw_torch``, ``adamw_torch_fused``, ...): two states in the parameter's dtype;
+* Adafactor: factored second moment (rows + columns, fp32) for matrices, full for vectors, plus an 8-bit or no
+  first moment.
+
+Activations, the CUDA context and allocator fragmentation are not included: the figures are a floor.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_optim.integrations.names import OPTIMIZER_NAMES
+from hf_optim.recipes.schema import Recipe
+
+MIN_8BIT_SIZE = 4096
+BLOCK = 256
+STATES = {"adamw": 2, "lamb": 2, "ademamix": 3, "lion": 1, "rmsprop": 1}
+# transformers' own (non-bitsandbytes) names whose state is torch's: count of states kept in the parameter dtype.
+TORCH_STATE_COUNT = {"adamw_torch": 2, "adamw_torch_fused": 2, "adamw_torch_xla": 2, "adamw_torch_npu_fused": 2,
+                     "adamw_apex_fused": 2, "adagrad": 1, "rmsprop": 1, "sgd": 0}
+NF4_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one absmax per 64 weights
+
+# Public config values of the Llama 3.x models (their configs are gated on the Hub): used only when the Hub
+# config cannot be read, and the output says so.
+KNOWN_ARCHITECTURES = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "llama-3.3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+}
+
+
+def known_architecture(model_id: str) -> dict | None:
+    """The bundled architecture values for a Llama 3.x model id (any owner, ``-Instruct`` or not)."""
+    name = model_id.rsplit("/", 1)[-1].lower().removeprefix("meta-").removesuffix("-instruct")
+    return KNOWN_ARCHITECTURES.get(name)
+
+
+@dataclass
+class TensorCount:
+    """One trainable tensor: elements, bytes per element, and whether it is an ``nn.Embedding`` weight."""
+
+    numel: int
+    element_size: int
+    shape: tuple[int, ...]
+    embedding: bool
+
+
+@dataclass
+class MemoryEstimate:
+    """Estimated training memory in bytes (activations excluded).
+
+    Attributes:
+        model_id: the recipe's model.
+        config_source: where the architecture came from.
+        method: ``full``, ``lora`` or ``qlora``.
+        optim: the optimizer name.
+        total_params: parameters of the base model.
+        trainable_params: parameters the optimizer updates.
+        weights_bytes: the model in memory (quantized weights with their constants for QLoRA, adapters included).
+        gradient_bytes: one gradient per trainable parameter, in its dtype.
+        state_bytes: optimizer state (None: no state model for this optimizer name).
+        notes: assumptions worth showing.
+    """
+
+    model_id: str
+    config_source: str
+    method: str
+    optim: str
+    total_params: int
+    trainable_params: int
+    weights_bytes: int
+    gradient_bytes: int
+    state_bytes: int | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.gradient_bytes + (self.state_bytes or 0)
+
+
+def state_bytes(optim: str, tensors: list[TensorCount]) -> int | None:
+    """Optimizer-state bytes of ``optim`` for ``tensors`` (None when the name has no state model here)."""
+    entry = OPTIMIZER_NAMES.get(optim)
+    if entry is None:
+        count = TORCH_STATE_COUNT.get(optim)
+        return None if count is None else sum(count * t.numel * t.element_size for t in tensors)
+    total = 0
+    for t in tensors:
+        eight_bit = entry.optim_bits == 8 and t.numel >= MIN_8BIT_SIZE and not t.embedding
+        per_state = t.numel + 4 * math.ceil(t.numel / BLOCK) if eight_bit else 4 * t.numel
+        if entry.family == "adafactor":
+            if len(t.shape) >= 2:
+                total += 4 * (math.prod(t.shape[:-1]) + math.prod(t.shape[:-2] + t.shape[-1:]))
+            else:
+                total += 4 * t.numel
+            total += 4  # the RMS scalar
+            if entry.optim_bits == 8:  # adafactor_8bit keeps a first moment (beta1), 8-bit where large enough
+                total += per_state
+        else:
+            total += STATES[entry.family] * per_state
+    return total
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    import os
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_config(model_id: str):
+    """(config, source): the model's config from a local path or the HF cache, else the Hub, else the bundled
+    Llama 3.x values, else the builtin tiny model's."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from hf_optim.tiny import BUILTIN_MODEL, TINY_CHAT_SHAPE, bundled_tokenizer, tiny_llama_config
+
+    if model_id == BUILTIN_MODEL:
+        return tiny_llama_config(vocab_size=len(bundled_tokenizer()), **TINY_CHAT_SHAPE), "builtin tiny model"
+    try:
+        return AutoConfig.from_pretrained(model_id, local_files_only=True), "local config"
+    except Exception:
+        pass
+    if _hub_reachable():
+        try:
+            return AutoConfig.from_pretrained(model_id), "Hub config"
+        except Exception:
+            pass
+    known = known_architecture(model_id)
+    if known is None:
+        raise LookupError(f"no config for {model_id!r}: not cached locally, the Hub is unreachable, and it is not "
+                          f"one of the bundled architectures ({', '.join(KNOWN_ARCHITECTURES)})")
+    config = LlamaConfig(**known, rope_theta=500000.0, rms_norm_eps=1e-5)
+    return config, "bundled Llama 3.x architecture values (Hub config unreachable or gated)"
+
+
+def _dtype(name, default: torch.dtype) -> torch.dtype:
+    if name in (None, "auto"):
+        return default
+    if isinstance(name, torch.dtype):
+        return name
+    return getattr(torch, str(name).removeprefix("torch."))
+
+
+def _meta_model(config, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def estimate(recipe: Recipe) -> MemoryEstimate:
+    """The memory estimate of ``recipe`` (see the module docstring). ``auto`` precision counts as bf16, the
+    precision of the GPUs the bundled recipes target."""
+    model_id = str(recipe.model["id"])
+    config, source = load_config(model_id)
+    notes = []
+    weights_dtype = _dtype(recipe.model.get("dtype", recipe.model.get("torch_dtype")), torch.bfloat16)
+    if recipe.model.get("dtype", recipe.model.get("torch_dtype")) in (None, "auto"):
+        notes.append("dtype auto counted as bfloat16")
+    model = _meta_model(config, weights_dtype)
+    total_params = sum(p.numel() for p in model.parameters())
+    quantized: set[int] = set()
+    if recipe.method == "qlora":
+        quantized = _quantized_weights(model, recipe.quantization or {})
+    if recipe.peft is not None:
+        from peft import LoraConfig, get_peft_model
+
+        peft_kwargs = {"task_type": "CAUSAL_LM", **recipe.peft}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # peft calls a transformers API deprecated in 5.x
+            model = get_peft_model(model, LoraConfig(**peft_kwargs))
+        if recipe.method == "qlora":
+            # TRL casts QLoRA adapters to bf16; plain LoRA adapters stay fp32 (peft's autocast_adapter_dtype).
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.to(torch.bfloat16)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    tensors, weights = [], 0
+    for param in model.parameters():  # parameters() yields a tied weight once
+        if id(param) in quantized:
+            weights += _quantized_bytes(param, recipe.quantization or {})
+        else:
+            weights += param.numel() * param.element_size()
+        if param.requires_grad:
+            tensors.append(TensorCount(param.numel(), param.element_size(), tuple(param.shape),
+                                       id(param) in embeddings))
+    gradients = sum(t.numel * t.element_size for t in tensors)
+    optim = recipe.optim
+    state = state_bytes(optim, tensors)
+    if state is None:
+        notes.append(f"no state model for {optim!r}: optimizer state not included")
+    elif optim in TORCH_STATE_COUNT and tensors:
+        notes.append(f"{optim} keeps torch's state in the parameter dtype ({_dtype_names(tensors)})")
+    elif optim in OPTIMIZER_NAMES and OPTIMIZER_NAMES[optim].optim_bits == 8:
+        fp32 = sum(t.numel for t in tensors if t.embedding or t.numel < MIN_8BIT_SIZE)
+        if fp32:
+            notes.append(f"{fp32:,} trainable elements keep fp32 state (nn.Embedding weights and tensors under "
+                         f"{MIN_8BIT_SIZE} elements)")
+    if recipe.method == "qlora":
+        notes.append("quantized weights: 4-bit = 0.5 byte each plus constants per block of 64")
+    return MemoryEstimate(model_id, source, recipe.method, optim, total_params, sum(t.numel for t in tensors),
+                          weights, gradients, state, notes)
+
+
+def _dtype_names(tensors: list[TensorCount]) -> str:
+    sizes = sorted({t.element_size for t in tensors})
+    return ", ".join({2: "2 bytes: bf16/fp16", 4: "4 bytes: fp32"}.get(s, f"{s} bytes") for s in sizes)
+
+
+def _quantized_weights(model, quantization: dict) -> set[int]:
+    """ids of the weights bitsandbytes would quantize: every ``nn.Linear`` but the output head and skipped
+    modules (transformers keeps the head in full precision)."""
+    if not (quantization.get("load_in_4bit") or quantization.get("load_in_8bit")):
+        return set()
+    skip = set(quantization.get("llm_int8_skip_modules") or []) | {"lm_head"}
+    return {id(module.weight) for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and not any(part in skip for part in name.split("."))}
+
+
+def _quantized_bytes(param: torch.Tensor, quantization: dict) -> int:
+    """4-bit weights: half a byte each; one absmax per 64 (fp32, or 8-bit with an fp32 absmax per 256 of them).
+    8-bit (LLM.int8) weights: a byte each and an fp32 scale per output row."""
+    numel = param.numel()
+    if not quantization.get("load_in_4bit"):
+        return numel + 4 * param.shape[0]
+    double_quant = bool(quantization.get("bnb_4bit_use_double_quant"))
+    blocks = math.ceil(numel / NF4_BLOCK)
+    constants = blocks + 4 * math.ceil(blocks / 256) if double_quant else 4 * blocks
+    return math.ceil(numel / 2) + constants

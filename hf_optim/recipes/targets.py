@@ -1,0 +1,96 @@
+"""What each pass-through section accepts, read from the installed classes (never a hard-coded list).
+
+``model`` -> ``PreTrainedModel.from_pretrained`` (its signature and the keyword arguments its body pops),
+``quantization`` -> ``BitsAndBytesConfig.__init__``, ``peft`` -> ``LoraConfig`` fields, ``training`` ->
+``SFTConfig`` fields. Each field maps to its type annotation, or ``None`` when the class gives no usable type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import re
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+_NO_TYPE = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """A class a recipe section passes its keys to.
+
+    Attributes:
+        section: recipe section name.
+        label: how errors name the class (``LoraConfig``).
+        fields: accepted key -> type annotation (``None``: any value).
+    """
+
+    section: str
+    label: str
+    fields: dict[str, Any]
+
+
+def _dataclass_fields(cls: type) -> dict[str, Any]:
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # an annotation the running Python cannot evaluate: fall back to the raw field types
+        hints = {}
+    return {f.name: hints.get(f.name, f.type if not isinstance(f.type, str) else _NO_TYPE)
+            for f in dataclasses.fields(cls) if f.init}
+
+
+def _signature_fields(func, skip: set[str]) -> dict[str, Any]:
+    """Parameters of ``func``; unannotated ones are typed by their default (bool, int, float, str)."""
+    fields = {}
+    for name, param in inspect.signature(func).parameters.items():
+        if name in skip or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.annotation is not param.empty:
+            fields[name] = param.annotation
+        elif type(param.default) in (bool, int, float, str):
+            fields[name] = type(param.default)
+        else:
+            fields[name] = _NO_TYPE
+    return fields
+
+
+@functools.cache
+def model_target() -> Target:
+    from transformers import PreTrainedModel
+
+    func = PreTrainedModel.from_pretrained
+    fields = _signature_fields(func, {"cls", "pretrained_model_name_or_path", "config"})
+    # from_pretrained takes most options through **kwargs and pops them by name in its body.
+    popped = set(re.findall(r"""kwargs\.pop\(\s*["']([A-Za-z]\w*)["']""", inspect.getsource(func)))
+    for name in sorted(popped - set(fields)):
+        fields[name] = _NO_TYPE
+    fields.pop("quantization_config", None)  # the quantization section builds it
+    return Target("model", "from_pretrained argument", fields)
+
+
+@functools.cache
+def quantization_target() -> Target:
+    from transformers import BitsAndBytesConfig
+
+    return Target("quantization", "BitsAndBytesConfig field", _signature_fields(BitsAndBytesConfig.__init__, {"self"}))
+
+
+@functools.cache
+def peft_target() -> Target:
+    from peft import LoraConfig
+
+    return Target("peft", "LoraConfig field", _dataclass_fields(LoraConfig))
+
+
+@functools.cache
+def training_target() -> Target:
+    from trl import SFTConfig
+
+    return Target("training", "SFTConfig field", _dataclass_fields(SFTConfig))
+
+
+def pass_through_targets() -> dict[str, Target]:
+    return {t.section: t for t in (model_target(), quantization_target(), peft_target(), training_target())}

@@ -1,0 +1,133 @@
+"""``hf-optim train``: one run of a recipe, or a sweep over one key (optimizers) followed by a comparison."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from hf_optim.recipes.build import build_datasets, build_lora_config, build_model, build_sft_config, build_tokenizer
+from hf_optim.recipes.hardware import resolve_auto
+from hf_optim.recipes.schema import Recipe
+
+logger = logging.getLogger("hf_optim")
+
+
+@dataclass
+class RunResult:
+    """What one run produced.
+
+    Attributes:
+        output_dir: the run directory (recipe.yaml, the monitor's files, the saved model or adapter).
+        status: ``"ok"`` or ``"oom"``.
+        optimizer: the optimizer class that ran (``hf_optim.PagedAdamW8bit``), None when it never got built.
+        train_loss: the Trainer's run-mean training loss, None after an OOM.
+    """
+
+    output_dir: Path
+    status: str
+    optimizer: str | None = None
+    train_loss: float | None = None
+
+
+def default_output_dir(recipe: Recipe) -> Path:
+    """``training.output_dir`` when the recipe sets it, else ``runs/<recipe name>``."""
+    configured = recipe.training.get("output_dir")
+    return Path(configured) if configured else Path("runs") / Path(recipe.source).stem
+
+
+def write_recipe(recipe: Recipe, output_dir: Path) -> Path:
+    """Write the resolved recipe to ``output_dir/recipe.yaml``: it reruns the same job with ``hf-optim train``."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    header = [f"# Resolved from {recipe.source} by hf-optim train.", "# It reruns this job: hf-optim train recipe.yaml"]
+    header += [f"# {note}" for note in recipe.notes]
+    path = output_dir / "recipe.yaml"
+    body = yaml.safe_dump(recipe.to_dict(), sort_keys=False, default_flow_style=False)
+    path.write_text("\n".join(header) + "\n" + body)
+    return path
+
+
+def class_path(optimizer: torch.optim.Optimizer) -> str:
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+    cls = type(inner)
+    module = cls.__module__.split(".")[0]
+    return f"{module}.{cls.__qualname__}"
+
+
+def _optimizer_reporter(found: dict):
+    from transformers import TrainerCallback
+
+    class OptimizerReport(TrainerCallback):
+        """Logs the optimizer class the Trainer built from ``training.optim`` (once, at train start)."""
+
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            if optimizer is not None:
+                found["optimizer"] = class_path(optimizer)
+                logger.info("optimizer: training.optim=%r -> %s", str(getattr(args.optim, "value", args.optim)),
+                            found["optimizer"])
+
+    return OptimizerReport()
+
+
+def run(recipe: Recipe, output_dir: str | Path | None = None) -> RunResult:
+    """Train ``recipe`` once (``auto`` resolved for this machine) into ``output_dir`` (default:
+    :func:`default_output_dir`). A CUDA out-of-memory error is recorded by the monitor and returned as
+    ``status="oom"``; any other error propagates."""
+    from trl import SFTTrainer
+
+    from hf_optim.monitor import TrainingMonitor
+
+    recipe = resolve_auto(recipe)
+    out = Path(output_dir) if output_dir is not None else default_output_dir(recipe)
+    write_recipe(recipe, out)
+    for note in recipe.notes:
+        logger.info("%s", note)
+    found: dict = {}
+    callbacks = [_optimizer_reporter(found)]
+    monitor = None
+    if recipe.logging.monitor:
+        monitor = TrainingMonitor(out, run_name=recipe.logging.run_name, recipe=recipe.to_dict())
+        callbacks.insert(0, monitor)
+    tokenizer = build_tokenizer(recipe)
+    train_data, eval_data = build_datasets(recipe)
+    try:
+        model = build_model(recipe)
+        trainer = SFTTrainer(model=model, args=build_sft_config(recipe, out), train_dataset=train_data,
+                             eval_dataset=eval_data, processing_class=tokenizer,
+                             peft_config=build_lora_config(recipe), callbacks=callbacks)
+        del model
+        output = trainer.train()
+    except torch.OutOfMemoryError as exc:
+        logger.error("out of memory: %s", str(exc).splitlines()[0] if str(exc) else "CUDA out of memory")
+        if monitor is not None:
+            monitor.record_oom(exc)
+        return RunResult(out, "oom", found.get("optimizer"))
+    trainer.save_model(str(out))
+    return RunResult(out, "ok", found.get("optimizer"), output.training_loss)
+
+
+def sweep_values(spec: str) -> tuple[str, list[str]]:
+    """``"training.optim=adamw_torch,paged_adamw_8bit"`` -> (``"training.optim"``, ``[...]``)."""
+    key, sep, values = spec.partition("=")
+    items = [v.strip() for v in values.split(",") if v.strip()]
+    if not sep or not key.strip() or not items:
+        raise ValueError(f"--sweep takes KEY=V1,V2,..., e.g. training.optim=adamw_torch,paged_adamw_8bit; "
+                         f"got {spec!r}")
+    return key.strip(), items
+
+
+def run_dir_name(value: str) -> str:
+    """A directory name for one sweep value."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", value).strip("_") or "value"
+
+
+def free_memory() -> None:
+    """Release what a finished (or out-of-memory) run left, before the next run of a sweep starts."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
