@@ -16,12 +16,16 @@ from pathlib import Path
 
 import torch
 
+from hf_optim.monitor.accounting import unwrap_optimizer
+
 SMOKE_ENV = "HF_OPTIM_SMOKE"
 GIB = 2**30
 
-# Smoke runs use hf_optim.tiny's model (hidden 64). Its LoRA matrices must reach bitsandbytes' 4096-element
-# threshold, or 8-bit optimizers silently keep 32-bit state for all of them: hidden 64 x rank 64 = 4096.
-SMOKE_LORA_R = 64
+# Smoke runs use the builtin tiny model of the recipes (hf_optim.tiny.TINY_CHAT_SHAPE: hidden 256, k/v 128 wide).
+# Its LoRA tensors must reach bitsandbytes' 4096-element threshold, or 8-bit optimizers silently keep 32-bit state:
+# rank 32 x 128 = 4096 for the narrowest (k/v lora_B), as in recipes/quickstart.yaml.
+SMOKE_LORA_R = 32
+SMOKE_EXAMPLES = 128  # of the 600 bundled chats: plenty for a few steps, quick for the trainers to tokenize
 SMOKE_BANNER = (
     "SMOKE RUN: the outputs below are from a CPU smoke run (tiny model, bundled data, a few steps), not a T4. "
     "Run the notebook on a GPU for real figures."
@@ -47,41 +51,26 @@ class SmokeAssets:
     dataset_dir: str
 
 
-def _guanaco_style_texts(count: int, seed: int) -> list[str]:
-    """Short exchanges in the openassistant-guanaco format the notebooks train on, from the tiny grammar."""
-    from hf_optim.tiny import tiny_texts
+def smoke_assets(root: str | os.PathLike = "smoke_assets") -> SmokeAssets:
+    """Save the builtin tiny Llama-3-shaped checkpoint (with the bundled tokenizer) and the bundled chat data.
 
-    return [f"### Human: Tell me something.### Assistant: {text}" for text in tiny_texts(count, seed)]
-
-
-def smoke_assets(root: str | os.PathLike = "smoke_assets", texts: int = 64) -> SmokeAssets:
-    """Save a tiny Llama-3-shaped checkpoint (with tokenizer) and a text dataset under ``root``.
-
-    ``AutoModelForCausalLM.from_pretrained(assets.model_dir)`` and ``load_dataset(assets.dataset_dir)`` then run
-    the same lines a notebook runs for a Hub model and dataset.
+    The same model, tokenizer and data as ``recipes/quickstart.yaml`` and the recipes' smoke mode, written where
+    ``AutoModelForCausalLM.from_pretrained(assets.model_dir)`` and ``load_dataset(assets.dataset_dir)`` load them:
+    the notebook then runs the very lines it runs for a Hub model and dataset.
 
     Args:
         root: directory to write into (default ``"smoke_assets"``, relative to the working directory).
-        texts: number of training texts (default 64).
     """
-    import json
-
-    from hf_optim.tiny import tiny_llama, tiny_tokenizer
+    from hf_optim.tiny import CHAT_FILE, bundled_tokenizer, save_builtin_model
 
     root = Path(root)
-    model_dir, dataset_dir = root / "tiny-llama", root / "data"
+    model_dir, dataset_dir = root / "tiny-llama-3", root / "tiny-chat"
     if not (model_dir / "config.json").exists():
-        tokenizer = tiny_tokenizer()
-        model = tiny_llama()
-        for config in (model.config, model.generation_config):  # the ids the tokenizer uses, as a Hub model has
-            config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-            config.pad_token_id = tokenizer.pad_token_id
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
+        save_builtin_model(model_dir)
+        bundled_tokenizer().save_pretrained(model_dir)
     dataset_dir.mkdir(parents=True, exist_ok=True)
-    with open(dataset_dir / "train.jsonl", "w") as handle:
-        for text in _guanaco_style_texts(texts, seed=0):
-            handle.write(json.dumps({"text": text}) + "\n")
+    lines = CHAT_FILE.read_text().splitlines()[:SMOKE_EXAMPLES]
+    (dataset_dir / "train.jsonl").write_text("\n".join(lines) + "\n")
     return SmokeAssets(str(model_dir), str(dataset_dir))
 
 
@@ -108,23 +97,6 @@ def device_summary(smoke: bool = False) -> str:
     return f"No GPU: CPU smoke run ({os.cpu_count()} CPU cores, torch {torch.__version__})"
 
 
-def _host_rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def _nvml_used(index: int = 0) -> int | None:
-    """Device-level memory in use (sees CUDA managed / paged memory that torch's counters miss)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
-    except Exception:  # NVML missing or unusable (some containers): the torch counters still print
-        return None
-
-
 def model_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters and buffers (4-bit weights count as their packed uint8 storage)."""
     tensors = list(model.parameters()) + list(model.buffers())
@@ -138,7 +110,10 @@ def memory_report(label: str, model: torch.nn.Module | None = None) -> dict:
         label: what moment this is (``"after loading"``).
         model: when given (default ``None``), its weights' size is included.
     """
-    report: dict = {"label": label, "host_rss_gib": _host_rss() / GIB}
+    from hf_optim.monitor.nvml_memory import NvmlMemory
+    from hf_optim.monitor.sampling import host_rss_bytes
+
+    report: dict = {"label": label, "host_rss_gib": host_rss_bytes() / GIB}
     parts = []
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
@@ -151,7 +126,7 @@ def memory_report(label: str, model: torch.nn.Module | None = None) -> dict:
         parts.append(f"GPU allocated {report['allocated_gib']:.2f} GiB, reserved {report['reserved_gib']:.2f} GiB "
                      f"(peak {report['peak_reserved_gib']:.2f} GiB = "
                      f"{100 * report['peak_reserved_gib'] / report['total_gib']:.0f}% of {report['total_gib']:.1f})")
-        used = _nvml_used()
+        used = NvmlMemory().sample()["nvml_used_bytes"]  # sees paged (managed) memory torch's counters miss
         if used is not None:
             report["nvml_used_gib"] = used / GIB
             parts.append(f"device in use (NVML) {used / GIB:.2f} GiB")
@@ -163,11 +138,6 @@ def memory_report(label: str, model: torch.nn.Module | None = None) -> dict:
         parts.append(f"model weights {model_bytes(model) / 2**20:,.1f} MiB")
     print(f"[{label}] " + "; ".join(parts))
     return report
-
-
-def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer inside accelerate's wrapper (``trainer.optimizer``), or ``optimizer`` itself."""
-    return getattr(optimizer, "optimizer", optimizer)
 
 
 def optimizer_state_report(optimizer: torch.optim.Optimizer) -> str:
@@ -223,9 +193,11 @@ def state_table(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None 
 
 
 def _memory_now() -> tuple[str, float]:
+    from hf_optim.monitor.sampling import host_rss_bytes
+
     if torch.cuda.is_available():
         return "GPU reserved (GiB)", torch.cuda.memory_reserved() / GIB
-    return "host RSS (GiB)", _host_rss() / GIB
+    return "host RSS (GiB)", host_rss_bytes() / GIB
 
 
 def _in_notebook() -> bool:
@@ -235,14 +207,6 @@ def _in_notebook() -> bool:
         return False
     shell = get_ipython()
     return shell is not None and "IPKernelApp" in shell.config
-
-
-def _smoothed(values: list[float], weight: float = 0.8) -> list[float]:
-    out, last = [], None
-    for value in values:
-        last = value if last is None else weight * last + (1 - weight) * value
-        out.append(last)
-    return out
 
 
 def _make_live_plot_callback():
@@ -284,11 +248,13 @@ def _make_live_plot_callback():
         def figure_png(self) -> bytes:
             from matplotlib.figure import Figure
 
+            from hf_optim.monitor.series import ema
+
             fig = Figure(figsize=(10, 3.2), layout="constrained")
             loss_ax, mem_ax = fig.subplots(1, 2)
             if self.losses:
                 loss_ax.plot(self.steps, self.losses, alpha=0.35, label="loss (raw)")
-                loss_ax.plot(self.steps, _smoothed(self.losses), label="loss (EMA 0.8)")
+                loss_ax.plot(self.steps, ema(self.losses), label="loss (EMA, beta=0.9)")
                 loss_ax.legend(loc="upper right")
             else:
                 loss_ax.text(0.5, 0.5, "no loss logged yet", ha="center", va="center", transform=loss_ax.transAxes)

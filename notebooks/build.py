@@ -31,7 +31,13 @@ REPO_ROOT = NOTEBOOK_DIR.parent
 SKIP_CI = "skip-ci"  # cells CI does not run: package installs and the Hub login
 PARAMETERS = "parameters"  # papermill's tag: `papermill -p MAX_STEPS 200 ...` overrides these values
 
-DATASET_ID = "timdettmers/openassistant-guanaco"  # ~9.8k "### Human: ... ### Assistant: ..." texts, ungated
+DATASET_ID = "trl-lib/Capybara"  # multi-turn chats in the "messages" format (as the recipes use), ungated
+
+# Llama 3 tokenizers reserve a pad token but leave it unset; the recipes pick the same one.
+TOKENIZER = """
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_ID)
+    tokenizer.pad_token = tokenizer.pad_token or "<|finetune_right_pad_id|>"
+    """
 
 
 def colab_url(name: str) -> str:
@@ -50,8 +56,10 @@ def md(text: str, tags: tuple[str, ...] = ()):
     return nbformat.v4.new_markdown_cell(_src(text), metadata={"tags": list(tags)} if tags else {})
 
 
-def code(text: str, tags: tuple[str, ...] = ()):
-    return nbformat.v4.new_code_cell(_src(text), metadata={"tags": list(tags)} if tags else {})
+def code(*parts: str, tags: tuple[str, ...] = ()):
+    """A code cell from one or more source parts (each dedented on its own, so shared snippets can be spliced in)."""
+    source = "\n".join(_src(part) for part in parts)
+    return nbformat.v4.new_code_cell(source, metadata={"tags": list(tags)} if tags else {})
 
 
 # ------------------------------------------------------------------------------------------------ shared cells
@@ -66,11 +74,11 @@ def header(name: str, title: str, intro: str):
     return md("\n\n".join([f"# {title}", colab_badge(name), _src(intro), note]))
 
 
-def install(extra: str = ""):
-    packages = f'"hf_optim[hf] @ git+https://github.com/{REPOSITORY}" peft bitsandbytes datasets{extra}'
+def install():
     return code(f"""
-        # Colab: install hf_optim with the Hugging Face stack (transformers, TRL, PEFT, bitsandbytes for 4-bit weights).
-        %pip install -q {packages}
+        # hf_optim with the recipes' Hugging Face stack (transformers, TRL, PEFT, bitsandbytes, datasets) and the
+        # monitor's plotting and memory readers (matplotlib, psutil, nvidia-ml-py).
+        %pip install -q "hf_optim[recipes,monitor] @ git+https://github.com/{REPOSITORY}"
         """, tags=(SKIP_CI,))
 
 
@@ -120,13 +128,15 @@ def gpu_check():
     ]
 
 
-def load_guanaco():
-    return code("""
+def load_chats(rows: str):
+    """The dataset cell: one pass worth of shuffled chats (``rows`` is the expression for how many)."""
+    return code(f"""
         from datasets import load_dataset
 
         dataset = load_dataset(DATASET_ID, split="train")
+        dataset = dataset.shuffle(seed=0).select(range(min(len(dataset), {rows})))  # one pass
         print(dataset)
-        print(dataset[0]["text"][:400])
+        print(dataset[0]["messages"][:2])
         """)
 
 
@@ -136,11 +146,15 @@ def try_model(model_expr: str):
         code(f"""
             model = {model_expr}
             model.eval()
-            inputs = tokenizer(PROMPT, return_tensors="pt").to(model.device)
+            messages = [{{"role": "user", "content": PROMPT}}]
+            inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                   return_dict=True).to(model.device)
             with torch.no_grad():
                 output = model.generate(**inputs, max_new_tokens=64, do_sample=False,
-                                        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-            print(PROMPT + tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+                                        pad_token_id=tokenizer.pad_token_id)
+            print("user:", PROMPT)
+            reply = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            print("assistant:", reply.strip())
             """),
     ]
 
@@ -154,7 +168,7 @@ def show_saved(directory_expr: str) -> str:
 # ------------------------------------------------------------------------------------------------ QLoRA notebooks
 
 
-def qlora_notebook(name: str, title: str, intro: str, params: str, target: str):
+def qlora_notebook(name: str, title: str, intro: str, params: str, target: str, recipe: str):
     """Quickstart (1B) and 8B on a T4 share their flow; the parameters and the words around them differ."""
     return [
         header(name, title, intro),
@@ -163,7 +177,7 @@ def qlora_notebook(name: str, title: str, intro: str, params: str, target: str):
         md("## Parameters\nEverything a run depends on (papermill can override this cell)."),
         parameters(params),
         smoke_switch("MAX_STEPS, MAX_LENGTH, BATCH_SIZE, GRAD_ACCUM, LEARNING_RATE = 8, 128, 2, 1, 3e-3\n"
-                     "LORA_R = LORA_ALPHA = nb.SMOKE_LORA_R  # adapters big enough for 8-bit state"),
+                     "LORA_R = LORA_ALPHA = nb.SMOKE_LORA_R  # tiny model: rank 32 makes every adapter 8-bit"),
         *gpu_check(),
         md(f"""
             ## Load the model in 4-bit
@@ -181,12 +195,12 @@ def qlora_notebook(name: str, title: str, intro: str, params: str, target: str):
             model = AutoModelForCausalLM.from_pretrained(
                 MODEL_ID, quantization_config=bnb_config, dtype=COMPUTE_DTYPE, device_map=DEVICE_MAP
             )
-            tokenizer = AutoTokenizer.from_pretrained(MODEL_ID)
+            """, TOKENIZER, """
             print(f"{MODEL_ID}: {sum(p.numel() for p in model.parameters()):,} parameters (4-bit ones count packed)")
             """),
-        md("## Prepare the data\nopenassistant-guanaco: one `text` column in the `### Human: ... ### Assistant: ...` "
-           "format, which works with a base model (no chat template needed)."),
-        load_guanaco(),
+        md("## Prepare the data\nCapybara's multi-turn chats in the `messages` format: `SFTTrainer` renders them with "
+           "the model's chat template. One pass of `MAX_STEPS` is selected, so tokenizing stays quick."),
+        load_chats("MAX_STEPS * BATCH_SIZE * GRAD_ACCUM"),
         md("## Memory before training"),
         code("""
             before = nb.memory_report("after loading", model)
@@ -217,7 +231,6 @@ def qlora_notebook(name: str, title: str, intro: str, params: str, target: str):
                 lr_scheduler_type="cosine",
                 warmup_steps=0.05,
                 max_length=MAX_LENGTH,
-                dataset_text_field="text",
                 gradient_checkpointing=True,
                 fp16=GPU and not BF16,
                 bf16=BF16,
@@ -251,18 +264,28 @@ def qlora_notebook(name: str, title: str, intro: str, params: str, target: str):
         *try_model("trainer.model"),
         md("## Save\nOnly the LoRA adapter is saved (tens of MB); load it with "
            "`PeftModel.from_pretrained(base, path)`."),
-        code(_src("""
+        code("""
             from pathlib import Path
 
             trainer.save_model(f"{OUTPUT_DIR}/adapter")
             tokenizer.save_pretrained(f"{OUTPUT_DIR}/adapter")
             # trainer.model.push_to_hub("your-name/adapter-name")  # after notebook_login() with a write token
-            """) + "\n" + show_saved('f"{OUTPUT_DIR}/adapter"')),
+            """, show_saved('f"{OUTPUT_DIR}/adapter"')),
+        md(f"""
+            ## The same run from the command line
+            The bundled recipe `{recipe}` is this notebook's command-line counterpart (same model, data and
+            optimizer; its own full-length schedule). `hf-optim validate {recipe}` estimates its memory without
+            downloading the weights, `hf-optim ls` lists every recipe:
+
+            ```bash
+            hf-optim train {recipe} training.max_steps=60
+            ```
+            """),
     ]
 
 
 QUICKSTART_PARAMS = f"""
-    MODEL_ID = "meta-llama/Llama-3.2-1B"
+    MODEL_ID = "meta-llama/Llama-3.2-1B-Instruct"
     DATASET_ID = "{DATASET_ID}"
     OPTIM = "paged_adamw_8bit"
     MAX_STEPS = 60
@@ -273,12 +296,12 @@ QUICKSTART_PARAMS = f"""
     LORA_R = 16
     LORA_ALPHA = 16
     OUTPUT_DIR = "outputs/quickstart"
-    PROMPT = "### Human: Give me three tips for a good night's sleep.### Assistant:"
+    PROMPT = "Give me three tips for a good night's sleep."
     SMOKE = None  # None: follow HF_OPTIM_SMOKE; True: tiny model on the CPU, a few steps (what CI runs)
     """
 
 QLORA_8B_PARAMS = f"""
-    MODEL_ID = "meta-llama/Llama-3.1-8B"
+    MODEL_ID = "meta-llama/Llama-3.1-8B-Instruct"
     DATASET_ID = "{DATASET_ID}"
     OPTIM = "paged_adamw_8bit"
     MAX_STEPS = 60
@@ -289,7 +312,7 @@ QLORA_8B_PARAMS = f"""
     LORA_R = 16
     LORA_ALPHA = 16
     OUTPUT_DIR = "outputs/qlora_8b"
-    PROMPT = "### Human: Explain what a learning rate is, in two sentences.### Assistant:"
+    PROMPT = "Explain what a learning rate is, in two sentences."
     SMOKE = None  # None: follow HF_OPTIM_SMOKE; True: tiny model on the CPU, a few steps (what CI runs)
     """
 
@@ -305,6 +328,7 @@ def quickstart():
         """,
         QUICKSTART_PARAMS,
         "On a T4 the 1B model takes about 1 GB in 4-bit and leaves plenty of room for batch 2 x 1024 tokens.",
+        "llama-3.2-1b-qlora",
     )
 
 
@@ -321,6 +345,7 @@ def qlora_8b():
         QLORA_8B_PARAMS,
         "Loading quantizes shard by shard, so the 16 GB of fp16 weights never sit in the T4's 15 GB at once; "
         "Colab's free tier has about 12.7 GB of system RAM, which is enough.",
+        "llama-3.1-8b-qlora",
     )
 
 
@@ -341,7 +366,7 @@ def shootout():
         *login(),
         md("## Parameters"),
         parameters(f"""
-            MODEL_ID = "meta-llama/Llama-3.2-1B"
+            MODEL_ID = "meta-llama/Llama-3.2-1B-Instruct"
             DATASET_ID = "{DATASET_ID}"
             OPTIMIZERS = ["adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor",
                           "lamb_8bit", "ademamix_8bit"]
@@ -352,7 +377,7 @@ def shootout():
             MAX_LENGTH = 512
             LEARNING_RATE = 1e-5
             OUTPUT_DIR = "outputs/shootout"
-            PROMPT = "### Human: Give me three tips for a good night's sleep.### Assistant:"
+            PROMPT = "Give me three tips for a good night's sleep."
             SMOKE = None  # None: follow HF_OPTIM_SMOKE; True: tiny model on the CPU, a few steps (what CI runs)
             """),
         smoke_switch("MAX_STEPS, MAX_LENGTH, BATCH_SIZE, GRAD_ACCUM, LEARNING_RATE = 4, 128, 2, 1, 1e-3"),
@@ -361,15 +386,14 @@ def shootout():
            "the dataset are loaded once."),
         code("""
             from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(MODEL_ID)
+            """, "", TOKENIZER, """
             WEIGHTS_DTYPE = torch.bfloat16 if BF16 else torch.float32  # fp16 AMP (T4) needs fp32 master weights
 
 
             def load_model():
                 return AutoModelForCausalLM.from_pretrained(MODEL_ID, dtype=WEIGHTS_DTYPE, device_map=DEVICE_MAP)
             """),
-        load_guanaco(),
+        load_chats("MAX_STEPS * BATCH_SIZE * GRAD_ACCUM"),
         md("## Memory before training\nThe weights alone, loaded once and released again."),
         code("""
             model = load_model()
@@ -403,7 +427,6 @@ def shootout():
                     learning_rate=LEARNING_RATE,
                     lr_scheduler_type="constant",
                     max_length=MAX_LENGTH,
-                    dataset_text_field="text",
                     gradient_checkpointing=True,
                     fp16=GPU and not BF16,
                     bf16=BF16,
@@ -453,11 +476,13 @@ def shootout():
                 display(Image(filename=str(png)))
             """),
         *try_model_best(),
-        md("## Save\nThe best run's model was saved by the loop (full weights, as a full fine-tune produces):"),
-        code(_src("""
+        md("## Save\nThe best run's model was saved by the loop (full weights, as a full fine-tune produces). "
+           "The same sweep from the command line, one run per optimizer and the comparison at the end: "
+           "`hf-optim train llama-3.2-1b-full --sweep training.optim=adamw_torch,adamw_8bit,paged_adamw_8bit`."),
+        code("""
             tokenizer.save_pretrained(BEST_DIR)
             print(f"best optimizer: {best[1]} (final loss {best[0]:.4f}), saved in {BEST_DIR}")
-            """) + "\n" + show_saved("BEST_DIR")),
+            """, show_saved("BEST_DIR")),
     ]
 
 
@@ -484,7 +509,7 @@ def byo_trainer():
         *login(),
         md("## Parameters"),
         parameters(f"""
-            MODEL_ID = "meta-llama/Llama-3.2-1B"
+            MODEL_ID = "meta-llama/Llama-3.2-1B-Instruct"
             DATASET_ID = "{DATASET_ID}"
             MAX_STEPS = 20
             BATCH_SIZE = 2
@@ -492,11 +517,11 @@ def byo_trainer():
             LEARNING_RATE = 2e-4
             LORA_R = 16
             OUTPUT_DIR = "outputs/byo_trainer"
-            PROMPT = "### Human: What is an optimizer?### Assistant:"
+            PROMPT = "What does an optimizer do when training a neural network?"
             SMOKE = None  # None: follow HF_OPTIM_SMOKE; True: tiny model on the CPU, a few steps (what CI runs)
             """),
         smoke_switch("MAX_STEPS, MAX_LENGTH, BATCH_SIZE, LEARNING_RATE = 4, 128, 2, 1e-3\n"
-                     "LORA_R = nb.SMOKE_LORA_R  # adapters big enough for 8-bit state"),
+                     "LORA_R = nb.SMOKE_LORA_R  # tiny model: rank 32 makes every adapter 8-bit"),
         *gpu_check(),
         md("""
             ## The `optim=` names
@@ -519,9 +544,7 @@ def byo_trainer():
         code("""
             from peft import LoraConfig, get_peft_model
             from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(MODEL_ID)
-            tokenizer.pad_token = tokenizer.pad_token or "<|finetune_right_pad_id|>"  # Llama 3 reserves it, unset
+            """, "", TOKENIZER, """
             lora_config = LoraConfig(r=LORA_R, lora_alpha=LORA_R, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
@@ -529,10 +552,15 @@ def byo_trainer():
                 model = AutoModelForCausalLM.from_pretrained(MODEL_ID, dtype=COMPUTE_DTYPE, device_map=DEVICE_MAP)
                 return get_peft_model(model, lora_config)
             """),
-        load_guanaco(),
+        load_chats("MAX_STEPS * BATCH_SIZE"),
+        md("A plain `Trainer` needs token ids: render each chat with the chat template, then tokenize."),
         code("""
-            tokenized = dataset.map(lambda batch: tokenizer(batch["text"], truncation=True, max_length=MAX_LENGTH),
-                                    batched=True, remove_columns=dataset.column_names)
+            def tokenize(example):
+                text = tokenizer.apply_chat_template(example["messages"], tokenize=False)
+                return tokenizer(text, add_special_tokens=False, truncation=True, max_length=MAX_LENGTH)
+
+
+            tokenized = dataset.map(tokenize, remove_columns=dataset.column_names)
             model = load_model()
             before = nb.memory_report("after loading", model)
             """),
@@ -590,7 +618,7 @@ def byo_trainer():
             model = load_model()
             sft_args = SFTConfig(output_dir=f"{OUTPUT_DIR}/ademamix_8bit", optim="ademamix_8bit",
                                  optim_args=f"alpha=5,t_alpha={MAX_STEPS},t_beta3={MAX_STEPS}",
-                                 max_length=MAX_LENGTH, dataset_text_field="text", **train_args)
+                                 max_length=MAX_LENGTH, **train_args)
             trainer = SFTTrainer(model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer,
                                  callbacks=[TrainingMonitor(sft_args.output_dir), nb.LivePlot(title="ademamix_8bit")])
             stats = trainer.train()
@@ -639,10 +667,10 @@ def byo_trainer():
         *try_model("trainer.model"),
         md("## Save\nThe adapter, and the optimizer state in bitsandbytes' format (a Trainer checkpoint's "
            "`optimizer.pt` has the same layout)."),
-        code(_src("""
+        code("""
             trainer.save_model(f"{OUTPUT_DIR}/adapter")
             torch.save(optimizer.state_dict(), f"{OUTPUT_DIR}/adapter/hf_optim_adamw8bit.pt")
-            """) + "\n" + show_saved('f"{OUTPUT_DIR}/adapter"')),
+            """, show_saved('f"{OUTPUT_DIR}/adapter"')),
     ]
 
 
@@ -676,14 +704,17 @@ def execute(notebook: nbformat.NotebookNode, workdir: str | os.PathLike, timeout
     """Run ``notebook`` in smoke mode in ``workdir``, skipping ``skip-ci`` cells; returns it with outputs.
 
     A failing cell raises ``nbclient.exceptions.CellExecutionError`` naming the cell. The kernel imports hf_optim
-    from this checkout (``PYTHONPATH``), so the notebooks test the code next to them.
+    from this checkout (``PYTHONPATH``), so the notebooks test the code next to them, and runs offline with the
+    eager CPU kernels (``HF_OPTIM_COMPILE=0``).
     """
     from nbclient import NotebookClient
 
     runnable = copy.deepcopy(notebook)
     runnable.cells = [c for c in runnable.cells if SKIP_CI not in c.metadata.get("tags", [])]
-    env_before = {k: os.environ.get(k) for k in ("HF_OPTIM_SMOKE", "HF_HUB_OFFLINE", "PYTHONPATH", "MPLBACKEND")}
-    os.environ.update(HF_OPTIM_SMOKE="1", HF_HUB_OFFLINE="1", MPLBACKEND="Agg",
+    keys = ("HF_OPTIM_SMOKE", "HF_HUB_OFFLINE", "HF_OPTIM_COMPILE", "PYTHONPATH", "MPLBACKEND")
+    env_before = {k: os.environ.get(k) for k in keys}
+    # HF_OPTIM_COMPILE=0: for a few tiny steps, compiling the CPU kernels costs far more than it saves (as in tests).
+    os.environ.update(HF_OPTIM_SMOKE="1", HF_HUB_OFFLINE="1", HF_OPTIM_COMPILE="0", MPLBACKEND="Agg",
                       PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env_before["PYTHONPATH"]])))
     try:
         NotebookClient(runnable, timeout=timeout, kernel_name="python3",
