@@ -85,7 +85,7 @@ def device_summary(smoke: bool = False) -> str:
     """
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        bf16 = torch.cuda.is_bf16_supported()
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # emulated bf16 (T4) does not count
         return (f"GPU: {props.name}, {props.total_memory / GIB:.1f} GiB, compute capability "
                 f"{props.major}.{props.minor}, bf16 {'yes' if bf16 else 'no (training in fp16)'}; "
                 f"torch {torch.__version__}, CUDA {torch.version.cuda}")
