@@ -10,12 +10,14 @@ from monitor_helpers import (
     RaiseOomAt,
     assert_png_drawn,
     figure_texts,
+    fixed_length_dataset,
     plain_trainer,
     read_records,
     read_summary,
     sft_run,
 )
 from trainer_helpers import common_args, text_dataset
+from transformers import Trainer, TrainingArguments
 from trl import SFTConfig, SFTTrainer
 
 from hf_optim.monitor import TrainingMonitor, load_run, plot_run
@@ -208,3 +210,27 @@ def test_resume_from_checkpoint_continues_the_same_files(tmp_path):
     summary = read_summary(run_dir)
     assert summary["final_loss"] == records[-1]["loss"] and summary["global_step"] == 4
     assert summary["phases"]["after_first_step"]["step"] == 3  # the first step of the resumed run
+
+
+def test_tokens_come_from_the_trainer_when_it_counts_them(tmp_path):
+    monitor = TrainingMonitor(tmp_path / "run", plots=False)
+    args = TrainingArguments(**common_args(tmp_path, "adamw_torch", max_steps=2, per_device_train_batch_size=2,
+                                           include_num_input_tokens_seen="all"))
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=fixed_length_dataset(4, 16), callbacks=[monitor])
+    trainer.train()
+    summary = read_summary(tmp_path / "run")
+    assert summary["tokens_source"] == "trainer"
+    assert summary["tokens_seen"] == trainer.state.num_input_tokens_seen == 2 * 2 * 16
+    assert [r["tokens"] for r in read_records(tmp_path / "run")] == [32, 32]
+
+
+def test_gradient_accumulation_counts_every_micro_batch(tmp_path):
+    monitor = TrainingMonitor(tmp_path / "run", plots=False)
+    args = TrainingArguments(**common_args(tmp_path, "adamw_torch", max_steps=2, per_device_train_batch_size=2,
+                                           gradient_accumulation_steps=3))
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=fixed_length_dataset(12, 16), callbacks=[monitor])
+    trainer.train()
+    records = read_records(tmp_path / "run")
+    # One optimizer step = 3 micro-batches of 2 rows x 16 tokens; the hook sees each forward.
+    assert [(r["step"], r["tokens"], r["steps_in_window"]) for r in records] == [(1, 96, 1), (2, 96, 1)]
+    assert read_summary(tmp_path / "run")["tokens_source"] == "forward_hook"

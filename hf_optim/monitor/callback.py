@@ -29,7 +29,9 @@ logger = logging.getLogger("hf_optim")
 
 # Keys of the Trainer's logs that become named fields of a record; any other scalar goes under "trainer_logs".
 _TRAIN_KEYS = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate", "epoch": "epoch"}
-_FINAL_KEY = "train_runtime"  # only the Trainer's end-of-training log has it (with the run-mean train_loss)
+# The Trainer's end-of-training log has the run-mean "train_loss" and no "loss". ("train_runtime" is no marker:
+# with include_num_input_tokens_seen every log step carries it.)
+_FINAL_KEY = "train_loss"
 
 
 def _now() -> str:
@@ -134,14 +136,15 @@ class TrainingMonitor(TrainerCallback):
         self.optimizer = optimizer
         self.weights = weight_bytes(model) if model is not None else {}
         self.sampler.start_run()
-        if model is not None:
-            self.tokens.attach(model)
         self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False, None)
+        if model is not None and not self._trainer_counts_tokens:
+            self.tokens.attach(model)
         self._tokens_at_begin = self._tokens_seen(state)
         self._window = {"steps": 0, "seconds": 0.0, "tokens_at_start": self._tokens_at_begin}
         self._first_step = state.global_step + 1
         # A monitor may see several train() calls: each starts its own run record.
         self.losses, self.gradients, self.final_metrics = [], {}, {}
+        self.phases = {name: snapshot for name, snapshot in self.phases.items() if name == "model_loaded"}
         self.error, self._oom_step, self._run_steps, self._run_seconds = None, None, 0, 0.0
         self.started_at = _now()
         self._t_start = time.perf_counter()
@@ -182,7 +185,7 @@ class TrainingMonitor(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = dict(logs or {})
         self._global_step = state.global_step
-        if _FINAL_KEY in logs:
+        if _FINAL_KEY in logs and "loss" not in logs:
             self.final_metrics = logs
             return
         if "loss" in logs:

@@ -85,15 +85,22 @@ def _unit_for(values) -> tuple[str, int]:
     return byte_unit(max((v for v in values if v is not None), default=0))
 
 
+def _amount(number: float, sign: bool = False) -> str:
+    """Three significant digits, trailing zeros kept (``1.00``, ``0.509``, ``673``), no scientific notation."""
+    magnitude = abs(number)
+    decimals = 0 if magnitude >= 100 else 1 if magnitude >= 10 else 2 if magnitude >= 1 else 3
+    return format(number, ("+" if sign else "") + f".{decimals}f")
+
+
 def _bytes_cell(value, size) -> str:
-    return "-" if value is None else f"{value / size:.3g}"
+    return "-" if value is None else _amount(value / size)
 
 
-def _delta(value, base, *, size: int = 1, relative: bool = True, fmt: str = "+.3g") -> str:
+def _delta(value, base, *, size: int = 1, relative: bool = True, fmt: str | None = None) -> str:
     if value is None or base is None:
         return "-"
     diff = (value - base) / size
-    text = format(diff, fmt)
+    text = _amount(diff, sign=True) if fmt is None else format(diff, fmt)
     if relative and base:
         text += f" ({100.0 * (value - base) / base:+.1f}%)"
     return text
@@ -199,7 +206,7 @@ def _memory_bars(rows: list[_Row]):
     whole, model_side = fig.subplots(1, 2)
     unit, size = _unit_for([r.peak for r in rows] + [sum(r.breakdown.get(k) or 0 for k, *_ in _PARTS) for r in rows])
     tops = _stacked_bars(whole, rows, _PARTS, size)
-    _annotate_bars(whole, rows, tops, [f"{r.peak / size:.3g} {unit}" if r.peak is not None else "" for r in rows])
+    _annotate_bars(whole, rows, tops, [f"{_amount(r.peak / size)} {unit}" if r.peak is not None else "" for r in rows])
     bases = {row.breakdown.get("basis") for row in rows if row.breakdown}
     basis = bases.pop() if len(bases) == 1 else "mixed bases: not comparable"
     whole.set_title(f"peak memory ({basis})", fontsize=10)
@@ -209,7 +216,7 @@ def _memory_bars(rows: list[_Row]):
     sums = [sum(r.breakdown.get(k) or 0 for k, *_ in parts) for r in rows]
     unit, size = _unit_for(sums)
     tops = _stacked_bars(model_side, rows, parts, size)
-    _annotate_bars(model_side, rows, tops, [f"state {(r.breakdown.get('optimizer_state_bytes') or 0) / size:.3g}"
+    _annotate_bars(model_side, rows, tops, [f"state {_amount((r.breakdown.get('optimizer_state_bytes') or 0) / size)}"
                                             f" {unit}" for r in rows])
     model_side.set_title("weights + gradients + optimizer state (zoomed)", fontsize=10)
     model_side.set_ylabel(unit)
