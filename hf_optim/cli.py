@@ -96,7 +96,11 @@ def cmd_validate(args, console: Console) -> int:
         return 0
     from hf_optim.recipes.estimate import estimate
 
-    est = estimate(recipe)
+    try:
+        est = estimate(recipe)
+    except LookupError as exc:  # an unknown architecture offline: the keys are still valid
+        console.print(f"no memory estimate: {exc}")
+        return 0
     table = Table(title=f"Training memory estimate: {est.model_id}, {est.method}, optim={est.optim}")
     table.add_column("part")
     table.add_column("bytes", justify="right")
@@ -133,6 +137,9 @@ def cmd_train(args, console: Console) -> int:
         console.print(f"[red]out of memory[/red]; recorded in {result.output_dir / 'summary.json'}")
         return 3
     console.print(f"done: optimizer {result.optimizer}, train loss (run mean) {result.train_loss:.4f}")
+    if result.state is not None:
+        parts = ", ".join(f"{dtype} {nbytes / 2**20:.2f}" for dtype, nbytes in sorted(result.state.by_dtype.items()))
+        console.print(f"optimizer state: {result.state.total_bytes / 2**20:.2f} MiB ({parts})")
     console.print(f"run directory: {result.output_dir}  (recipe.yaml, metrics.jsonl, summary.json, loss.png, "
                   "memory.png, dashboard.png)")
     return 0
@@ -215,8 +222,17 @@ COMMANDS = {"train": cmd_train, "validate": cmd_validate, "ls": cmd_ls, "cp": cm
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default: ``sys.argv[1:]``); returns the exit status (2: invalid recipe,
     3: a run ran out of memory)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also come after options (train RECIPE --smoke training.optim=x): argparse leaves those over.
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     console = Console(soft_wrap=True)
+    if not console.is_terminal:  # piped or captured: no wrapping of table cells at 80 columns
+        console = Console(soft_wrap=True, width=200)
     try:
         return COMMANDS[args.verb](args, console)
     except RecipeError as exc:

@@ -3,8 +3,9 @@
 The model is built from its config on the meta device (no weights, no download), LoRA is applied there too,
 and every trainable tensor is counted with the state format of the chosen optimizer name:
 
-* hf_optim's (and bitsandbytes') 8-bit names: per state, 1 byte per element plus a 4-byte absmax per block of 256,
-  except tensors under 4096 elements and ``nn.Embedding`` weights, which keep fp32 state (4 bytes per element);
+* hf_optim's (and bitsandbytes') 8-bit names: per state, 1 byte per element plus a 4-byte absmax per block of 256
+  and the 1 KiB quantization map, except tensors under 4096 elements and ``nn.Embedding`` weights, which keep
+  fp32 state (4 bytes per element);
 * their 32-bit names: 4 bytes per element per state, whatever the parameter dtype;
 * torch's AdamW (``adamw_torch``, ``adamw_torch_fused``, ...): two states in the parameter's dtype;
 * Adafactor: factored second moment (rows + columns, fp32) for matrices, full for vectors, plus an 8-bit or no
@@ -27,6 +28,7 @@ from hf_optim.recipes.schema import Recipe
 
 MIN_8BIT_SIZE = 4096
 BLOCK = 256
+QMAP_BYTES = 256 * 4  # each 8-bit state of a tensor holds its 256-entry fp32 quantization map
 STATES = {"adamw": 2, "lamb": 2, "ademamix": 3, "lion": 1, "rmsprop": 1}
 # transformers' own (non-bitsandbytes) names whose state is torch's: count of states kept in the parameter dtype.
 TORCH_STATE_COUNT = {"adamw_torch": 2, "adamw_torch_fused": 2, "adamw_torch_xla": 2, "adamw_torch_npu_fused": 2,
@@ -105,7 +107,7 @@ def state_bytes(optim: str, tensors: list[TensorCount]) -> int | None:
     total = 0
     for t in tensors:
         eight_bit = entry.optim_bits == 8 and t.numel >= MIN_8BIT_SIZE and not t.embedding
-        per_state = t.numel + 4 * math.ceil(t.numel / BLOCK) if eight_bit else 4 * t.numel
+        per_state = t.numel + 4 * math.ceil(t.numel / BLOCK) + QMAP_BYTES if eight_bit else 4 * t.numel
         if entry.family == "adafactor":
             if len(t.shape) >= 2:
                 total += 4 * (math.prod(t.shape[:-1]) + math.prod(t.shape[:-2] + t.shape[-1:]))

@@ -24,10 +24,8 @@ def bundled_dir() -> Path:
     package = Path(__file__).resolve().parent.parent
     checkout = package.parent / "recipes"
     if (package.parent / "pyproject.toml").is_file() and checkout.is_dir():
-        return checkout
-    from importlib.resources import files
-
-    return Path(str(files("hf_optim.bundled_recipes")))
+        return checkout  # a source checkout or an editable install
+    return package / "bundled_recipes"  # a wheel (setup.py maps recipes/ there)
 
 
 def bundled_names() -> list[str]:

@@ -7,6 +7,7 @@ are checked against the installed Hugging Face classes (:mod:`hf_optim.recipes.t
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,9 +167,15 @@ def check_value(annotation: Any, value: Any) -> tuple[bool, Any]:
 
 
 def _did_you_mean(key: str, candidates: list[str]) -> str:
-    close = suggest(key, candidates, count=1)
-    if close:
-        return f"; did you mean {close[0]!r}?"
+    """``; did you mean 'r'?``: the candidate closest to the key or to the key without its leading words
+    (``lora_rr`` -> ``rr`` -> ``r``), else one the key contains or is contained in; empty if none."""
+    parts = key.split("_")
+    scored = []
+    for variant in ["_".join(parts[i:]) for i in range(len(parts))]:
+        for close in suggest(variant, candidates, count=1):
+            scored.append((difflib.SequenceMatcher(None, variant, close).ratio(), close))
+    if scored:
+        return f"; did you mean {max(scored)[1]!r}?"
     lowered = [c for c in candidates if key.lower() in c.lower() or c.lower() in key.lower()]
     return f"; did you mean {lowered[0]!r}?" if lowered else ""
 

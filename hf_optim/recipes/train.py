@@ -5,12 +5,13 @@ from __future__ import annotations
 import gc
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
 
+from hf_optim.memory import StateMemory, state_memory
 from hf_optim.recipes.build import build_datasets, build_lora_config, build_model, build_sft_config, build_tokenizer
 from hf_optim.recipes.hardware import resolve_auto
 from hf_optim.recipes.schema import Recipe
@@ -27,12 +28,16 @@ class RunResult:
         status: ``"ok"`` or ``"oom"``.
         optimizer: the optimizer class that ran (``hf_optim.PagedAdamW8bit``), None when it never got built.
         train_loss: the Trainer's run-mean training loss, None after an OOM.
+        state: the optimizer-state footprint at the end of training (``hf_optim.state_memory``).
+        state_dtypes: per trainable tensor, (elements, dtype of its first state tensor), at the end of training.
     """
 
     output_dir: Path
     status: str
     optimizer: str | None = None
     train_loss: float | None = None
+    state: StateMemory | None = None
+    state_dtypes: list[tuple[int, str]] = field(default_factory=list)
 
 
 def default_output_dir(recipe: Recipe) -> Path:
@@ -59,17 +64,36 @@ def class_path(optimizer: torch.optim.Optimizer) -> str:
     return f"{module}.{cls.__qualname__}"
 
 
+def state_dtypes(optimizer: torch.optim.Optimizer) -> list[tuple[int, str]]:
+    """(elements, dtype) of each parameter's per-element state (uint8 for 8-bit state, float32 for 32-bit)."""
+    out = []
+    for param, state in optimizer.state.items():
+        per_element = [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() >= param.numel() > 0
+                       and v.numel() % param.numel() == 0]
+        if per_element:
+            out.append((param.numel(), str(per_element[0].dtype).removeprefix("torch.")))
+    return out
+
+
 def _optimizer_reporter(found: dict):
     from transformers import TrainerCallback
 
     class OptimizerReport(TrainerCallback):
-        """Logs the optimizer class the Trainer built from ``training.optim`` (once, at train start)."""
+        """Logs the optimizer class the Trainer built from ``training.optim`` (at train start) and keeps its state
+        footprint (at train end)."""
 
         def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
             if optimizer is not None:
                 found["optimizer"] = class_path(optimizer)
                 logger.info("optimizer: training.optim=%r -> %s", str(getattr(args.optim, "value", args.optim)),
                             found["optimizer"])
+
+        def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if inner is None:
+                return
+            found["state"] = state_memory(inner)
+            found["state_dtypes"] = state_dtypes(inner)
 
     return OptimizerReport()
 
@@ -84,6 +108,7 @@ def run(recipe: Recipe, output_dir: str | Path | None = None) -> RunResult:
 
     recipe = resolve_auto(recipe)
     out = Path(output_dir) if output_dir is not None else default_output_dir(recipe)
+    recipe.training["output_dir"] = str(out)  # recipe.yaml names where this run really went
     write_recipe(recipe, out)
     for note in recipe.notes:
         logger.info("%s", note)
@@ -108,7 +133,8 @@ def run(recipe: Recipe, output_dir: str | Path | None = None) -> RunResult:
             monitor.record_oom(exc)
         return RunResult(out, "oom", found.get("optimizer"))
     trainer.save_model(str(out))
-    return RunResult(out, "ok", found.get("optimizer"), output.training_loss)
+    return RunResult(out, "ok", found.get("optimizer"), output.training_loss, found.get("state"),
+                     found.get("state_dtypes", []))
 
 
 def sweep_values(spec: str) -> tuple[str, list[str]]:

@@ -1,7 +1,8 @@
-"""Train a tiny Llama-3-shaped model on CPU with hf_optim optimizers, next to torch's AdamW, offline.
+"""A plain PyTorch loop (no Trainer): a tiny Llama-3-shaped model on CPU with an hf_optim optimizer next to
+torch's AdamW, offline. The main job is ``hf-optim train quickstart``; this shows the optimizers without it.
 
-    python examples/quickstart.py                        # AdamW8bit vs torch AdamW, 120 steps
-    python examples/quickstart.py --optim PagedAdEMAMix8bit --steps 200 --lr 2e-3
+    python examples/plain_training_loop.py                        # AdamW8bit vs torch AdamW, 120 steps
+    python examples/plain_training_loop.py --optim PagedAdEMAMix8bit --steps 200 --lr 2e-3
 
 Prints the loss curve of each run, the final losses, and the optimizer-state bytes each one kept.
 """

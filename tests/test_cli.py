@@ -1,0 +1,158 @@
+"""The hf-optim CLI: every verb, every bundled recipe in smoke mode, the quickstart, a sweep with an OOM run.
+
+Runs go through ``hf_optim.cli.main`` in-process (a fresh process spends ~15 s importing); one test starts a real
+process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+import yaml
+
+from hf_optim import cli
+from hf_optim.recipes import api, bundled_names, load_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("verb", [None, "train", "validate", "ls", "cp", "plot", "compare", "optimizers"])
+def test_help_on_every_verb(verb, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([verb, "--help"] if verb else ["--help"])
+    assert info.value.code == 0
+    assert "usage: hf-optim" in capsys.readouterr().out
+
+
+def test_entry_point_declared():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, function = scripts["hf-optim"].partition(":")
+    assert (module, function) == ("hf_optim.cli", "main")
+
+
+def test_real_process_validates_and_fails_on_a_bad_recipe(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {id: builtin:tiny-llama-3}\ndata: {path: builtin:tiny-chat}\npeft: {lora_rr: 8}\n")
+    result = subprocess.run([sys.executable, "-m", "hf_optim.cli", "validate", str(bad)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2, result.stderr
+    assert f"{bad}: peft.lora_rr: unknown LoraConfig field; did you mean 'r'?" in result.stderr
+
+
+def test_validate_prints_estimate(capsys):
+    assert cli.main(["validate", "llama-3.1-8b-full", "training.optim=adamw_torch"]) == 0
+    out = capsys.readouterr().out
+    assert "ok recipes/llama-3.1-8b-full.yaml" in out or "llama-3.1-8b-full.yaml: keys, types" in out
+    assert "16,060,522,496" in out and "32,121,044,992" in out  # bf16 weights; torch AdamW's bf16 state
+    assert "8,030,261,248 trainable" in out and "bundled Llama 3.x architecture values" in out
+
+
+def test_validate_reports_every_error(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {id: builtin:tiny-llama-3}\ndata: {path: builtin:tiny-chat}\n"
+                   "training: {optim: lamb8bit, learning_rat: 1}\n")
+    assert cli.main(["validate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "invalid recipe (2 problems)" in err
+    assert f"{bad}: training.optim: unknown optimizer 'lamb8bit'; did you mean 'lamb_8bit'" in err
+    assert f"{bad}: training.learning_rat: unknown SFTConfig field; did you mean 'learning_rate'?" in err
+
+
+def test_ls_cp_optimizers(tmp_path, capsys, monkeypatch):
+    assert cli.main(["ls"]) == 0
+    out = capsys.readouterr().out
+    for name in bundled_names():
+        assert name in out
+    assert cli.main(["cp", "llama-3.1-8b-qlora", str(tmp_path)]) == 0
+    copied = tmp_path / "llama-3.1-8b-qlora.yaml"
+    monkeypatch.chdir(tmp_path)  # the copy extends the bundled LoRA recipe by name, from anywhere
+    assert load_recipe(copied).method == "qlora"
+    assert cli.main(["cp", "llama-3.1-8b-qlora", str(tmp_path)]) == 1  # never overwrites
+    assert cli.main(["cp", "llama-3.1-8b-qlroa", str(tmp_path)]) == 2
+    capsys.readouterr()
+    assert cli.main(["optimizers"]) == 0
+    out = capsys.readouterr().out
+    for name in ("paged_adamw_8bit", "lamb_8bit", "adafactor_8bit", "hf_optim.PagedLAMB8bit"):
+        assert name in out
+
+
+@pytest.mark.parametrize("name", bundled_names())
+def test_every_bundled_recipe_runs_in_smoke_mode(name, tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(["train", name, "--smoke", f"training.output_dir={out}"]) == 0
+    written = yaml.safe_load((out / "recipe.yaml").read_text())
+    original = load_recipe(name)
+    assert (written["quantization"] is None) == (original.quantization is None)  # the method is kept
+    assert written["peft"] == original.peft and written["training"]["optim"] == original.optim
+    assert written["training"]["use_cpu"] is True
+    assert json.loads((out / "summary.json").read_text())["status"] == "ok"
+    assert (out / "metrics.jsonl").stat().st_size > 0
+    # the resolved recipe reruns the same job
+    assert load_recipe(out / "recipe.yaml").to_dict() == written
+
+
+def test_quickstart_keeps_real_8bit_state_and_writes_its_files(tmp_path):
+    result = api.train("quickstart", ["training.max_steps=4", f"training.output_dir={tmp_path}"])
+    assert result.status == "ok" and result.optimizer == "hf_optim.PagedAdamW8bit"
+    assert result.train_loss is not None and result.train_loss == result.train_loss  # finite
+    # every trainable tensor is a LoRA matrix of >= 4096 elements: all of them keep uint8 state
+    assert len(result.state_dtypes) == 2 * 7 * 2  # 2 layers x 7 modules x (A, B)
+    assert all(numel >= 4096 and dtype == "uint8" for numel, dtype in result.state_dtypes), result.state_dtypes
+    assert result.state.by_dtype["uint8"] == 2 * sum(numel for numel, _ in result.state_dtypes)
+    written = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    assert written["training"]["bf16"] is False  # auto resolved for the CPU
+    for name in ("recipe.yaml", "metrics.jsonl", "summary.json", "loss.png", "memory.png", "dashboard.png",
+                 "adapter_model.safetensors"):
+        assert (tmp_path / name).stat().st_size > 0, name
+
+
+def test_sweep_runs_each_value_and_keeps_going_after_oom(tmp_path, monkeypatch, capsys):
+    from trl import SFTTrainer
+
+    real_train = SFTTrainer.train
+
+    def train_or_oom(self, *args, **kwargs):
+        if self.args.optim == "adamw_8bit":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return real_train(self, *args, **kwargs)
+
+    monkeypatch.setattr(SFTTrainer, "train", train_or_oom)
+    code = cli.main(["train", "quickstart", "--smoke", "--sweep", "training.optim=adamw_torch,adamw_8bit,lion_8bit",
+                     f"training.output_dir={tmp_path}", "training.max_steps=2"])
+    assert code == 3  # one run ran out of memory
+    statuses = {d: json.loads((tmp_path / d / "summary.json").read_text())["status"]
+                for d in ("adamw_torch", "adamw_8bit", "lion_8bit")}
+    assert statuses == {"adamw_torch": "ok", "adamw_8bit": "oom", "lion_8bit": "ok"}
+    report = (tmp_path / "compare.md").read_text()
+    oom_rows = [line for line in report.splitlines() if "adamw_8bit" in line]
+    assert oom_rows and "oom" in oom_rows[0].lower()
+    assert str(tmp_path / "compare.md") in capsys.readouterr().out
+
+
+def test_plot_and_compare_verbs(tmp_path, capsys):
+    runs = []
+    for optim in ("adamw_torch", "paged_adamw_8bit"):
+        run_dir = tmp_path / optim
+        assert cli.main(["train", "quickstart", "--smoke", f"training.optim={optim}", "training.max_steps=2",
+                         f"training.output_dir={run_dir}"]) == 0
+        runs.append(str(run_dir))
+    assert cli.main(["plot", runs[0]]) == 0
+    assert cli.main(["compare", *runs, "--out", str(tmp_path / "cmp")]) == 0
+    assert (tmp_path / "cmp" / "compare.md").is_file()
+
+
+def test_validate_unknown_architecture_offline_still_checks_keys(tmp_path, capsys):
+    recipe = tmp_path / "other.yaml"
+    recipe.write_text("model: {id: someone/unknown-model}\ndata: {path: builtin:tiny-chat}\n"
+                      "training: {optim: adamw_8bit}\n")
+    assert cli.main(["validate", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "keys, types and optimizer 'adamw_8bit' are valid" in out
+    assert "no memory estimate: no config for 'someone/unknown-model'" in out

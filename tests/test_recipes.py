@@ -1,0 +1,216 @@
+"""Recipe files: validation against the installed classes, error reports, extends, overrides, auto, smoke mode."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from hf_optim.recipes import RecipeError, bundled_names, load_recipe
+from hf_optim.recipes.hardware import best_dtype, resolve_auto
+from hf_optim.recipes.loading import parse_value
+from hf_optim.tiny import BUILTIN_DATA, BUILTIN_MODEL
+
+GOOD = """
+model: {id: builtin:tiny-llama-3, dtype: float32}
+peft: {r: 32, lora_alpha: 32, target_modules: [q_proj, v_proj]}
+training: {optim: adamw_8bit, learning_rate: 2e-4, max_steps: 2}
+data: {path: builtin:tiny-chat}
+"""
+
+
+def write(tmp_path, text: str, name: str = "r.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def errors_of(path, *overrides, smoke=False) -> list[str]:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, overrides, smoke=smoke)
+    return str(info.value).splitlines()
+
+
+def test_every_bundled_recipe_validates():
+    names = bundled_names()
+    assert {"quickstart", "llama-3.2-1b-lora", "llama-3.2-1b-qlora", "llama-3.2-1b-full", "llama-3.2-3b-lora",
+            "llama-3.2-3b-qlora", "llama-3.2-3b-full", "llama-3.1-8b-lora", "llama-3.1-8b-qlora",
+            "llama-3.1-8b-full", "llama-3.3-70b-qlora"} <= set(names)
+    for name in names:
+        recipe = load_recipe(name)
+        assert recipe.hardware, name  # every bundled recipe says what it targets
+        assert recipe.method == ("full" if name.endswith("full") else "qlora" if "qlora" in name or
+                                 name == "quickstart" else "lora"), name
+
+
+def test_misspelled_key_in_each_section_is_reported_with_file_key_and_suggestion(tmp_path):
+    path = write(tmp_path, """
+        trainig: {}
+        model: {id: x, dtyp: bfloat16}
+        quantization: {load_in_4bitt: true}
+        peft: {lora_rr: 8}
+        training: {learning_rat: 1.0e-4}
+        data: {pth: x.jsonl}
+        logging: {run_nam: x}
+        """)
+    lines = errors_of(path)
+    expected = [
+        "trainig: unknown section; did you mean 'training'?",
+        "model.dtyp: unknown from_pretrained argument; did you mean 'dtype'?",
+        "quantization.load_in_4bitt: unknown BitsAndBytesConfig field; did you mean 'load_in_4bit'?",
+        "peft.lora_rr: unknown LoraConfig field; did you mean 'r'?",
+        "training.learning_rat: unknown SFTConfig field; did you mean 'learning_rate'?",
+        "data.pth: unknown key; did you mean 'path'?",
+        "logging.run_nam: unknown key; did you mean 'run_name'?",
+    ]
+    for message in expected:
+        assert f"{path}: {message}" in lines, (message, lines)
+    assert f"{path}: data.path: Field required" in lines  # everything is collected, not only the first error
+
+
+def test_wrong_types_are_reported(tmp_path):
+    path = write(tmp_path, """
+        model: {id: 7}
+        peft: {r: sixteen}
+        training: {learning_rate: fast, num_train_epochs: [1], gradient_checkpointing: maybe}
+        quantization: {load_in_4bit: "no way"}
+        data: {path: x, max_samples: -3}
+        logging: {monitor: 12}
+        """)
+    lines = errors_of(path)
+    for message in ["model.id: expected str, got int 7", "peft.r: expected int, got str 'sixteen'",
+                    "training.learning_rate: expected float, got str 'fast'",
+                    "training.num_train_epochs: expected float, got list [1]",
+                    "training.gradient_checkpointing: expected bool, got str 'maybe'",
+                    "quantization.load_in_4bit: expected bool, got str 'no way'",
+                    "data.max_samples: Input should be greater than 0",
+                    "logging.monitor: Input should be a valid boolean"]:
+        assert any(line.startswith(f"{path}: {message}") for line in lines), (message, lines)
+
+
+def test_unknown_optimizer_suggests_names(tmp_path):
+    path = write(tmp_path, GOOD)
+    (line,) = errors_of(path, "training.optim=paged_adamw_8bt")
+    assert line.startswith("command line: training.optim: unknown optimizer 'paged_adamw_8bt'; did you mean "
+                           "'paged_adamw_8bit'")
+    load_recipe(path, ["training.optim=adamw_torch"])  # transformers' own names are valid too
+    load_recipe(path, ["training.optim=lamb_8bit"])
+
+
+def test_not_a_mapping(tmp_path):
+    (line,) = errors_of(write(tmp_path, "- model\n- training\n", "list.yaml"))
+    assert line.startswith(f"{tmp_path / 'list.yaml'}: a recipe must be a mapping of sections")
+    path = write(tmp_path, GOOD + "logging: 16\n")
+    lines = errors_of(path, "peft=16")
+    assert "command line: peft: must be a mapping of keys, got int 16" in lines
+    assert f"{path}: logging: must be a mapping of keys, got int 16" in lines
+
+
+def test_values_checked_by_the_class_itself(tmp_path):
+    (line,) = errors_of(write(tmp_path, GOOD), "peft.bias=some")
+    assert "peft.bias" in line
+    (line,) = errors_of(write(tmp_path, GOOD), "quantization.load_in_4bit=true", "quantization.load_in_8bit=true")
+    assert "quantization: BitsAndBytesConfig rejected these values" in line
+
+
+def test_yaml_number_strings_become_numbers(tmp_path):
+    recipe = load_recipe(write(tmp_path, GOOD))  # YAML 1.1 reads 2e-4 as a string
+    assert recipe.training["learning_rate"] == 2e-4 and isinstance(recipe.training["learning_rate"], float)
+    assert parse_value("1e-4") == 1e-4 and parse_value("[q_proj, v_proj]") == ["q_proj", "v_proj"]
+    assert parse_value("null") is None and parse_value("true") is True and parse_value("lamb_8bit") == "lamb_8bit"
+
+
+def test_overrides(tmp_path):
+    path = write(tmp_path, GOOD)
+    recipe = load_recipe(path, ["training.optim=lamb_8bit", "training.learning_rate=1e-4", "peft.r=64",
+                                "peft.target_modules=[q_proj, k_proj]", "logging.run_name=x"])
+    assert recipe.optim == "lamb_8bit" and recipe.training["learning_rate"] == 1e-4
+    assert recipe.peft["r"] == 64 and recipe.peft["target_modules"] == ["q_proj", "k_proj"]
+    assert recipe.logging.run_name == "x"
+    assert load_recipe(path, ["peft=null"]).method == "full"
+    (line,) = errors_of(path, "training.optim")
+    assert line.startswith("command line: training.optim: an override is KEY.PATH=VALUE")
+
+
+def test_extends_deep_merges_and_names_the_file_of_each_error(tmp_path):
+    parent = write(tmp_path, GOOD.replace("max_steps: 2", "max_steps: 2, warmup_stepz: 1"), "parent.yaml")
+    child = write(tmp_path, """
+        extends: parent.yaml
+        peft: {r: 16}
+        training: {optim: lion_8bit}
+        data: {max_sampels: 4}
+        """, "child.yaml")
+    lines = errors_of(child)
+    assert f"{parent}: training.warmup_stepz: unknown SFTConfig field; did you mean 'warmup_steps'?" in lines
+    assert f"{child}: data.max_sampels: unknown key; did you mean 'max_samples'?" in lines
+    write(tmp_path, GOOD, "parent.yaml")
+    recipe = load_recipe(write(tmp_path, "extends: parent.yaml\npeft: {r: 16}\ntraining: {optim: lion_8bit}\n",
+                               "child.yaml"))
+    assert recipe.peft == {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]}
+    assert recipe.optim == "lion_8bit" and recipe.training["max_steps"] == 2
+    # a bundled recipe extends another bundled one by name
+    qlora = load_recipe("llama-3.1-8b-qlora")
+    assert qlora.model["id"] == "meta-llama/Llama-3.1-8B-Instruct" and qlora.peft["r"] == 16
+    assert qlora.training["gradient_checkpointing"] is True  # inherited from the LoRA recipe
+
+
+def test_extends_cycle_and_missing_file(tmp_path):
+    write(tmp_path, "extends: b.yaml\n", "a.yaml")
+    write(tmp_path, "extends: a.yaml\n", "b.yaml")
+    (line,) = errors_of(tmp_path / "a.yaml")
+    assert "circular extends" in line
+    (line,) = errors_of("llama-3.1-8b-lroa")
+    assert "did you mean 'llama-3.1-8b-lora'" in line
+
+
+def test_auto_resolves_to_the_hardware(tmp_path):
+    assert best_dtype() == ("float32" if not torch.cuda.is_available() else best_dtype())
+    assert best_dtype(use_cpu=True) == "float32"
+    qlora = load_recipe("llama-3.1-8b-qlora")
+    full = load_recipe("llama-3.1-8b-full")
+    for dtype, bf16, fp16 in (("bfloat16", True, False), ("float16", False, True), ("float32", False, False)):
+        resolved = resolve_auto(qlora, dtype)
+        assert resolved.model["dtype"] == dtype and resolved.quantization["bnb_4bit_compute_dtype"] == dtype
+        assert (resolved.training["bf16"], resolved.training["fp16"]) == (bf16, fp16)
+        assert qlora.model["dtype"] == "auto"  # the original is untouched
+    # a full fine-tune on an fp16-only GPU keeps fp32 weights under fp16 autocast
+    assert resolve_auto(full, "float16").model["dtype"] == "float32"
+    assert resolve_auto(full, "float16").training["fp16"] is True
+
+
+@pytest.mark.parametrize("name", ["llama-3.3-70b-qlora", "llama-3.2-1b-lora", "llama-3.1-8b-full"])
+def test_smoke_mode_keeps_method_lora_and_optimizer(name, monkeypatch):
+    original = load_recipe(name)
+    smoke = load_recipe(name, smoke=True)
+    assert smoke.method == original.method and smoke.optim == original.optim
+    assert smoke.peft == original.peft
+    assert smoke.model["id"] == BUILTIN_MODEL and smoke.data.path == BUILTIN_DATA
+    assert smoke.training["use_cpu"] is True and smoke.training["max_steps"] == 3
+    if original.quantization:
+        assert smoke.quantization["load_in_4bit"] and smoke.quantization["bnb_4bit_compute_dtype"] == "float32"
+    monkeypatch.setenv("HF_OPTIM_SMOKE", "1")
+    assert load_recipe(name).model["id"] == BUILTIN_MODEL
+    assert load_recipe(name, ["training.max_steps=5"]).training["max_steps"] == 5  # overrides apply after smoke
+
+
+def test_bundled_chat_data_and_tokenizer():
+    import json
+    import re
+
+    from hf_optim.tiny import CHAT_FILE, LLAMA3_SPECIAL_TOKENS, bundled_tokenizer, tiny_chat_examples
+
+    shipped = [json.loads(line) for line in CHAT_FILE.read_text().splitlines()]
+    assert shipped == tiny_chat_examples()  # the file is the generator's output
+    for example in shipped:
+        question, answer = (turn["content"] for turn in example["messages"])
+        if match := re.fullmatch(r"What is (\d+) plus (\d+)\?", question):
+            assert answer == f"{match[1]} plus {match[2]} is {int(match[1]) + int(match[2])}."
+        elif match := re.fullmatch(r"Reverse the word '(\w+)'\.", question):
+            assert answer == f"'{match[1]}' reversed is '{match[1][::-1]}'."
+    tokenizer = bundled_tokenizer()
+    assert all(token in tokenizer.get_vocab() for token in LLAMA3_SPECIAL_TOKENS)
+    text = tokenizer.apply_chat_template(shipped[0]["messages"], tokenize=False)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n")
+    assert text.endswith("<|eot_id|>") and tokenizer.eos_token == "<|eot_id|>"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
