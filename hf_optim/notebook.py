@@ -2,8 +2,8 @@
 
 The notebooks show the Hugging Face code users write themselves (from_pretrained, LoraConfig, SFTConfig,
 SFTTrainer); what would be the same boilerplate in each of them lives here. Smoke mode (``HF_OPTIM_SMOKE=1``, used
-by CI) swaps the Hub model and dataset for a tiny local checkpoint and bundled text, so every notebook runs top to
-bottom on a CPU in seconds, offline.
+by CI) swaps the Hub model and dataset for the recipes' builtin tiny checkpoint and bundled chat data, so every
+notebook runs top to bottom on a CPU, offline.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from hf_optim.monitor.accounting import unwrap_optimizer
+from hf_optim.recipes.smoke import SMOKE_ENV, smoke_requested
 
-SMOKE_ENV = "HF_OPTIM_SMOKE"
 GIB = 2**30
 
 # Smoke runs use the builtin tiny model of the recipes (hf_optim.tiny.TINY_CHAT_SHAPE: hidden 256, k/v 128 wide).
@@ -36,11 +36,10 @@ def smoke_mode(override: bool | None = None) -> bool:
     """Whether the notebook runs in smoke mode.
 
     Args:
-        override: ``True`` / ``False`` decides; ``None`` (default) reads ``HF_OPTIM_SMOKE`` (``1``/``true``/``yes``).
+        override: ``True`` / ``False`` decides; ``None`` (default) reads ``HF_OPTIM_SMOKE`` as the ``hf-optim``
+            command does (set and not ``0``).
     """
-    if override is not None:
-        return bool(override)
-    return os.environ.get(SMOKE_ENV, "").strip().lower() in {"1", "true", "yes"}
+    return bool(override) if override is not None else smoke_requested()
 
 
 @dataclass(frozen=True)
