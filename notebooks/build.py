@@ -430,6 +430,7 @@ def shootout():
                     per_device_train_batch_size=BATCH_SIZE,
                     gradient_accumulation_steps=GRAD_ACCUM,
                     learning_rate=LEARNING_RATE,
+                    weight_decay=0.01,  # also what makes LAMB LAMB: apex applies its trust ratio to decayed weights
                     lr_scheduler_type="constant",
                     max_length=MAX_LENGTH,
                     gradient_checkpointing=True,
@@ -574,7 +575,9 @@ def byo_trainer():
             ## A plain `Trainer` with `lamb_8bit` and `optim_args`
             `optim_args` takes transformers' keys (`beta1`, `eps`, ...) and any constructor argument of the class,
             converted to its type; an unknown key is an error listing the valid ones. Here LAMB's trust ratio is
-            capped at 10 (NVIDIA apex's FusedLAMB option).
+            capped at 10 and applied to every parameter (`use_nvlamb`: by default LAMB follows NVIDIA apex's
+            FusedLAMB and applies it only to parameters with weight decay, the Trainer's default is no decay, and
+            LAMB without a trust ratio is Adam).
             """),
         code("""
             from transformers import DataCollatorForLanguageModeling, Trainer
@@ -585,7 +588,7 @@ def byo_trainer():
                               fp16=GPU and not BF16, bf16=BF16, logging_steps=1, save_strategy="no", report_to="none",
                               seed=0)
             args = TrainingArguments(output_dir=f"{OUTPUT_DIR}/lamb_8bit", optim="lamb_8bit",
-                                     optim_args="beta1=0.9,max_trust_ratio=10", **train_args)
+                                     optim_args="beta1=0.9,max_trust_ratio=10,use_nvlamb=true", **train_args)
             trainer = Trainer(model=model, args=args, train_dataset=tokenized,
                               data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
                               callbacks=[TrainingMonitor(args.output_dir), nb.LivePlot(title="lamb_8bit")])
@@ -599,7 +602,8 @@ def byo_trainer():
             """),
         code("""
             optimizer = nb.unwrap_optimizer(trainer.optimizer)
-            print(optimizer.__class__.__name__, optimizer.defaults["max_trust_ratio"], "\\n")
+            print(optimizer.__class__.__name__, {k: optimizer.defaults[k] for k in ("max_trust_ratio", "use_nvlamb")})
+            print()
             param, state = next(iter(optimizer.state.items()))
             for key, value in state.items():
                 if torch.is_tensor(value):
