@@ -199,3 +199,14 @@ def test_transposed_parameter_updates_like_its_contiguous_copy(cls):
         torch.testing.assert_close(transposed.detach(), contiguous.detach(), rtol=1e-6, atol=1e-6)
     else:
         assert torch.equal(transposed.detach(), contiguous.detach())
+
+
+def test_lamb_says_when_no_group_applies_the_trust_ratio():
+    """apex semantics: weight_decay=0 groups skip the trust ratio, so all-zero decay would silently be Adam."""
+    params = make_params([(64, 64)])
+    with pytest.warns(UserWarning, match=r"weight_decay=0 and use_nvlamb=False.*runs as Adam"):
+        hf_optim.LAMB8bit(params, weight_decay=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf_optim.LAMB8bit(params, weight_decay=0.0, use_nvlamb=True)
+        hf_optim.LAMB8bit([{"params": params[:1], "weight_decay": 0.01}, {"params": [], "weight_decay": 0.0}])

@@ -6,6 +6,7 @@ the algorithm users mean by LAMB, in 32-bit and 8-bit state alike.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -127,6 +128,15 @@ class LAMB(HfOptimizer):
             adam_w_mode=bool(adam_w_mode), use_nvlamb=bool(use_nvlamb), max_trust_ratio=max_trust_ratio,
         )
         super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged)
+        if not any(group["weight_decay"] != 0 or group["use_nvlamb"] for group in self.param_groups):
+            # The Trainer's default weight_decay is 0: LAMB would then silently be Adam (apex semantics).
+            warnings.warn(
+                f"{type(self).__name__}: every parameter group has weight_decay=0 and use_nvlamb=False, so no group "
+                "applies LAMB's trust ratio (NVIDIA apex semantics) and this runs as Adam. Set weight_decay > 0 "
+                "(e.g. TrainingArguments(weight_decay=0.01)) or use_nvlamb=True (optim_args='use_nvlamb=True').",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
