@@ -81,7 +81,7 @@ def check_adafactor_kernels() -> None:
     compile_ptx(triton_adafactor._col_stats_kernel, {**table, "col_sums": "*fp32", "eps1": "fp32"},
                 {"BR": 16, "BC": 256, **adafactor})
     scratch = {"row_factor": "*fp32", "col_factor": "*fp32"}
-    finalize = {"meta": "*i64", "row_sums": "*fp32", "param_sq": "*fp32", "col_sums": "*fp32", **scratch,
+    finalize = {**table, "row_sums": "*fp32", "param_sq": "*fp32", "col_sums": "*fp32", **scratch,
                 "lrs": "*fp32", "step_size": "fp32", "eps2": "fp32", "beta2t": "fp32", "one_minus_beta2t": "fp32"}
     for scale in (True, False):
         ptx = compile_ptx(triton_adafactor._finalize_kernel, finalize, {"SCALE": scale, "CHUNK": 1024, **adafactor})

@@ -7,8 +7,9 @@ table of addresses, sizes and offsets, and a program-to-tensor table built with
 1. row statistics: row sums of ``g*g + eps1`` and of ``p*p`` (one program per block of rows of one tensor);
 2. column statistics of factored (>= 2-D) tensors: column sums of ``g*g + eps1`` (one program per block of
    columns of one matrix of one tensor); sums run in a fixed order (no atomics);
-3. finalize (one program per tensor): ``RMS(p)``, the step's learning rate, the row and column EMAs and the
-   factors ``rsqrt(R / mean R)`` and ``rsqrt(C)`` of ``1/sqrt(V)``;
+3. finalize (one program per matrix of a factored tensor, one per unfactored tensor): ``RMS(p)`` and the step's
+   learning rate, the row and column EMAs and the factors ``rsqrt(R / mean R)`` and ``rsqrt(C)`` of
+   ``1/sqrt(V)``;
 4. update: ``u = g / sqrt(V)`` (updating the unfactored ``V`` in place) and per-tile sums of ``u*u``;
 5. clip (one program per tensor): the clipping denominator ``max(1, RMS(u) / clip_threshold)``;
 6. apply: recomputes ``u``, clips and scales it, runs the optional first moment (fp32 or 8-bit per tensor,
@@ -152,45 +153,47 @@ def _ema(state, sums, count, beta2t, one_minus_beta2t, index, mask):
 
 
 @triton.jit
-def _finalize_kernel(meta, row_sums, param_sq, col_sums, row_factor, col_factor, lrs, step_size, eps2, beta2t,
+def _finalize_kernel(meta, units, row_sums, param_sq, col_sums, row_factor, col_factor, lrs, step_size, eps2, beta2t,
                      one_minus_beta2t, SCALE: tl.constexpr, CHUNK: tl.constexpr, NCOLS: tl.constexpr):
-    tensor = tl.program_id(0)
-    row = meta + tensor.to(tl.int64) * NCOLS
+    """One program per matrix of a factored tensor (one per unfactored tensor); a tensor's first program also
+    computes its RMS and learning rate."""
+    tensor = tl.load(units + 2 * tl.program_id(0))
+    row, batch = _tensor_row(meta, units, NCOLS)
     n, rows, cols = tl.load(row + NUMEL), tl.load(row + ROWS), tl.load(row + COLS)
     row_offset = tl.load(row + ROW_OFFSET)
-    acc = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in range(0, rows, CHUNK):
-        index = start + tl.arange(0, CHUNK)
-        acc += tl.load(param_sq + row_offset + index, mask=index < rows, other=0.0)
-    rms = tl.sqrt_rn(tl.sum(acc, axis=0)) * tl.div_rn(1.0, tl.sqrt_rn(n.to(tl.float32)))  # norm / sqrt(n)
-    tl.store(pointer(tl.load(row + RMS), tl.float32, False), rms)
-    if SCALE:
-        lr = tl.maximum(rms, eps2) * step_size
-    else:
-        lr = rms * 0.0 + step_size
-    tl.store(lrs + tensor, lr)
+    if batch == 0:
+        acc = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in range(0, rows, CHUNK):
+            index = start + tl.arange(0, CHUNK)
+            acc += tl.load(param_sq + row_offset + index, mask=index < rows, other=0.0)
+        rms = tl.sqrt_rn(tl.sum(acc, axis=0)) * tl.div_rn(1.0, tl.sqrt_rn(n.to(tl.float32)))  # norm / sqrt(n)
+        tl.store(pointer(tl.load(row + RMS), tl.float32, False), rms)
+        if SCALE:
+            lr = tl.maximum(rms, eps2) * step_size
+        else:
+            lr = rms * 0.0 + step_size
+        tl.store(lrs + tensor, lr)
     if tl.load(row + FACTORED) != 0:
         height = tl.load(row + HEIGHT)
         sq_row = pointer(tl.load(row + SQ), tl.float32, False)
         sq_col = pointer(tl.load(row + SQ_COL), tl.float32, False)
-        for first in range(0, rows, height):  # one matrix at a time: its rows' mean normalizes them
-            total = tl.zeros([CHUNK], dtype=tl.float32)
-            for start in range(0, height, CHUNK):
-                index = first + start + tl.arange(0, CHUNK)
-                mask = index < first + height
-                new = _ema(sq_row, row_sums + row_offset, cols, beta2t, one_minus_beta2t, index, mask)
-                total += tl.where(mask, new, 0.0)
-            mean = tl.sum(total, axis=0) * _inverse(height)
-            for start in range(0, height, CHUNK):
-                index = first + start + tl.arange(0, CHUNK)
-                mask = index < first + height
-                value = tl.load(sq_row + index, mask=mask, other=1.0)
-                tl.store(row_factor + row_offset + index, tl.rsqrt(tl.div_rn(value, mean)), mask=mask)
+        first = batch.to(tl.int64) * height  # this matrix's rows: their mean normalizes them
+        total = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in range(0, height, CHUNK):
+            index = first + start + tl.arange(0, CHUNK)
+            mask = index < first + height
+            new = _ema(sq_row, row_sums + row_offset, cols, beta2t, one_minus_beta2t, index, mask)
+            total += tl.where(mask, new, 0.0)
+        mean = tl.sum(total, axis=0) * _inverse(height)
+        for start in range(0, height, CHUNK):
+            index = first + start + tl.arange(0, CHUNK)
+            mask = index < first + height
+            value = tl.load(sq_row + index, mask=mask, other=1.0)
+            tl.store(row_factor + row_offset + index, tl.rsqrt(tl.div_rn(value, mean)), mask=mask)
         col_offset = tl.load(row + COL_OFFSET)
-        col_count = (rows // height) * cols
-        for start in range(0, col_count, CHUNK):
-            index = start + tl.arange(0, CHUNK)
-            mask = index < col_count
+        for start in range(0, cols, CHUNK):
+            index = batch.to(tl.int64) * cols + start + tl.arange(0, CHUNK)
+            mask = start + tl.arange(0, CHUNK) < cols
             new = _ema(sq_col, col_sums + col_offset, height, beta2t, one_minus_beta2t, index, mask)
             tl.store(col_factor + col_offset + index, tl.rsqrt(new), mask=mask)
 
@@ -327,6 +330,8 @@ def step(optimizer, group: dict, key, items: list, step: int, cache: mt.PlanCach
     col_units = [(table[i][ROWS.value] // table[i][HEIGHT.value]) * triton.cdiv(table[i][COLS.value], COLS_PER_PROGRAM)
                  for i in factored]
     col_table = cache.units(col_units, 1, device, factored) if factored else None
+    matrices = [row[ROWS.value] // row[HEIGHT.value] if row[FACTORED.value] else 1 for row in table]
+    matrix_table = cache.units(matrices, 1, device)
 
     row_sums = torch.empty(total_rows, dtype=torch.float32, device=device)
     param_sq = torch.empty(total_rows, dtype=torch.float32, device=device)
@@ -347,10 +352,10 @@ def step(optimizer, group: dict, key, items: list, step: int, cache: mt.PlanCach
         _col_stats_kernel[(sum(col_units),)](
             meta, col_table, col_sums, eps1, BR=ROWS_PER_PROGRAM, BC=COLS_PER_PROGRAM, NCOLS=META_COLS, **kwargs,
         )
-    _finalize_kernel[(len(table),)](
-        meta, row_sums, param_sq, col_sums, row_factor, col_factor, lrs, float(optimizer._step_size(group, step)),
-        eps2, beta2t, 1.0 - beta2t, SCALE=bool(group["scale_parameter"]), CHUNK=REDUCE_CHUNK, NCOLS=META_COLS,
-        **kwargs,
+    _finalize_kernel[(sum(matrices),)](
+        meta, matrix_table, row_sums, param_sq, col_sums, row_factor, col_factor, lrs,
+        float(optimizer._step_size(group, step)), eps2, beta2t, 1.0 - beta2t, SCALE=bool(group["scale_parameter"]),
+        CHUNK=REDUCE_CHUNK, NCOLS=META_COLS, **kwargs,
     )
     _update_sq_kernel[(num_tiles,)](
         meta, tiles_table, row_factor, col_factor, partials, beta2t, 1.0 - beta2t, eps1, BLOCKS=TILE_BLOCKS,
