@@ -292,14 +292,18 @@ def test_adafactor_passes_match_pytorch(kwargs, device, monkeypatch, use_triton)
     so statistics agree to a few ulps, parameters within an ulp, 8-bit codes but for rare one-code steps. (From
     the second step on, such a one-code step moves the parameter by a code's width, so each step starts from the
     PyTorch path's state.)"""
+    compare_adafactor(ADAFACTOR_SHAPES, ADAFACTOR_DTYPES, kwargs, device, monkeypatch)
+
+
+def compare_adafactor(shapes, dtypes, kwargs, device, monkeypatch, steps=2):
     gen = torch.Generator().manual_seed(0)
-    start = [torch.randn(s, generator=gen).to(dt).to(device) for s, dt in zip(ADAFACTOR_SHAPES, ADAFACTOR_DTYPES)]
+    start = [torch.randn(s, generator=gen).to(dt).to(device) for s, dt in zip(shapes, dtypes)]
     ref_params = [torch.nn.Parameter(t.clone()) for t in start]
     params = [torch.nn.Parameter(t.clone()) for t in start]
     monkeypatch.setenv("HF_OPTIM_BACKEND", "torch")
     ref_opt = hf_optim.Adafactor(ref_params, **kwargs)
     opt = hf_optim.Adafactor(params, **kwargs)
-    for step in range(2):
+    for step in range(steps):
         if step:
             opt.load_state_dict(ref_opt.state_dict())
             for p, ref_p in zip(params, ref_params):
@@ -324,7 +328,65 @@ def test_adafactor_passes_match_pytorch(kwargs, device, monkeypatch, use_triton)
                 else:
                     torch.testing.assert_close(value, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()),
                                                msg=f"{where}: {key}")
+    return opt
 
+
+ADAFACTOR_PASSES = ("_row_stats_kernel", "_col_stats_kernel", "_finalize_kernel", "_update_sq_kernel",
+                    "_clip_kernel", "_apply_kernel")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adafactor_one_launch_per_pass(device, monkeypatch, use_triton):
+    """One group of Adafactor tensors of many shapes and dtypes (factored 2-D and 3-D, wider than a column block,
+    1-D, a scalar, tensors below min_8bit_size with an fp32 first moment) runs each pass as one launch per step,
+    not one per tensor, and matches the PyTorch path."""
+    from hf_optim.kernels import triton_adafactor
+
+    launches = []
+    for name in ADAFACTOR_PASSES:
+        kernel = getattr(triton_adafactor, name)
+
+        class Counting:
+            def __getitem__(self, grid, name=name, kernel=kernel):
+                launches.append(name)
+                return kernel[grid]
+
+        monkeypatch.setattr(triton_adafactor, name, Counting())
+    shapes = [(64, 80), (3, 20, 70), (17, 300), (10, 30), (5000,), (7,), ()]
+    dtypes = [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16, torch.float32,
+              torch.float32]
+    kwargs = {"beta1": 0.9, "optim_bits": 8, "weight_decay": 0.1, "lr": 1e-2, "relative_step": False}
+    opt = compare_adafactor(shapes, dtypes, kwargs, device, monkeypatch)
+    assert launches == list(ADAFACTOR_PASSES) * 2  # two steps, each pass once over all seven tensors
+    eight = [opt.state[p]["exp_avg"].dtype == torch.uint8 for p in opt.param_groups[0]["params"]]
+    assert eight == [True, True, True, False, True, False, False]  # 8-bit and fp32 first moments in one launch
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adafactor_lagging_step_counter(device, monkeypatch, use_triton):
+    """A tensor whose step counter lags (it had no gradient) runs the passes in its own launches, with its own
+    decay ``1 - t**decay_rate`` and relative step, and still matches the PyTorch path."""
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=gen) for s in ((40, 30), (300,), (20, 50))]
+    opts, all_params = [], []
+    for backend_name in ("torch", "triton"):
+        monkeypatch.setenv("HF_OPTIM_BACKEND", backend_name)
+        params = [torch.nn.Parameter(t.clone().to(device)) for t in start]
+        opt = hf_optim.Adafactor(params)
+        set_grads(params, 0, non_finite=False)
+        params[2].grad = None
+        opt.step()
+        set_grads(params, 1, non_finite=False)
+        opt.step()
+        opts.append(opt)
+        all_params.append(params)
+    assert [opts[1].state[p]["step"] for p in all_params[1]] == [2, 2, 1]
+    for ref_p, p in zip(*all_params):
+        assert_params_close(p, ref_p, f"{tuple(p.shape)}", steps=2)
+        for key in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "RMS"):
+            if key in opts[0].state[ref_p]:
+                ref = opts[0].state[ref_p][key]
+                torch.testing.assert_close(opts[1].state[p][key], ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
 class FakeDTensor(torch.nn.Parameter):

@@ -70,19 +70,33 @@ def check_other_kernels() -> None:
                 "table_ptr": "*i32", "n": "i32", "blocks_per_row": "i32"}, {"SIGNED": True, "BLOCKS": 4})
     compile_ptx(triton_blockwise._dequantize_kernel, {"codes_ptr": "*u8", "absmax_ptr": "*fp32", "qmap_ptr": "*fp32",
                 "out_ptr": "*fp32", "n": "i32", "blocks_per_row": "i32"}, {"BLOCKS": 4})
-    stats = {"grad": "i64", "grad_dtype": "i32", "rows": "i32", "cols": "i32", "eps1": "fp32"}
-    compile_ptx(triton_adafactor._row_stats_kernel, {**stats, "param": "i64", "param_dtype": "i32",
-                "row_sums": "*fp32", "param_sq": "*fp32"}, {"BR": 16, "BC": 256})
-    compile_ptx(triton_adafactor._col_stats_kernel, {**stats, "col_sums": "*fp32"}, {"BR": 16, "BC": 256})
-    common = {"grad": "i64", "grad_dtype": "i32", "row_factor": "*fp32", "col_factor": "*fp32", "sq": "*fp32",
-              "n": "i32", "cols": "i32", "rows_cols": "i32", "eps1": "fp32"}
-    for factored in (True, False):
-        compile_ptx(triton_adafactor._update_sq_kernel, {**common, "partials": "*fp32", "beta2t": "fp32",
-                    "one_minus_beta2t": "fp32"}, {"FACTORED": factored, "BLOCKS": 4})
-        compile_ptx(triton_adafactor._apply_kernel, {**common, "param": "i64", "param_dtype": "i32",
-                    "clip_denominator": "*fp32", "lr": "*fp32", "decay_lr": "*fp32", "m_values": "i64",
-                    "m_absmax": "i64", "m_is_8bit": "i32", "qmap": "*fp32", "table": "*i32", "beta1": "fp32",
-                    "one_minus_beta1": "fp32"}, {"FACTORED": factored, "HAS_M": True, "HAS_DECAY": True, "BLOCKS": 4})
+    check_adafactor_kernels()
+
+
+def check_adafactor_kernels() -> None:
+    table = {"meta": "*i64", "units": "*i32"}
+    adafactor = {"NCOLS": triton_adafactor.META_COLS}
+    compile_ptx(triton_adafactor._row_stats_kernel, {**table, "row_sums": "*fp32", "param_sq": "*fp32",
+                "eps1": "fp32"}, {"BR": 16, "BC": 256, **adafactor})
+    compile_ptx(triton_adafactor._col_stats_kernel, {**table, "col_sums": "*fp32", "eps1": "fp32"},
+                {"BR": 16, "BC": 256, **adafactor})
+    scratch = {"row_factor": "*fp32", "col_factor": "*fp32"}
+    finalize = {**table, "row_sums": "*fp32", "param_sq": "*fp32", "col_sums": "*fp32", **scratch,
+                "lrs": "*fp32", "step_size": "fp32", "eps2": "fp32", "beta2t": "fp32", "one_minus_beta2t": "fp32"}
+    for scale in (True, False):
+        ptx = compile_ptx(triton_adafactor._finalize_kernel, finalize, {"SCALE": scale, "CHUNK": 1024, **adafactor})
+        # IEEE RMS, means and divisions (rsqrt stays the hardware one, as torch's CUDA rsqrt)
+        assert "div.full" not in ptx and not re.search(r"(?<!r)sqrt\.approx", ptx)
+    compile_ptx(triton_adafactor._update_sq_kernel, {"meta": "*i64", "tiles": "*i32", **scratch,
+                "partials": "*fp32", "beta2t": "fp32", "one_minus_beta2t": "fp32", "eps1": "fp32"},
+                {"BLOCKS": 4, **adafactor})
+    clip = {"meta": "*i64", "partials": "*fp32", "clip_denominators": "*fp32", "inverse_clip_threshold": "fp32"}
+    ptx = compile_ptx(triton_adafactor._clip_kernel, clip, {"CHUNK": 1024, "BLOCKS": 4, **adafactor})
+    assert "div.full" not in ptx and "sqrt.approx" not in ptx
+    compile_ptx(triton_adafactor._apply_kernel, {"meta": "*i64", "tiles": "*i32", **scratch,
+                "clip_denominators": "*fp32", "lrs": "*fp32", "eps1": "fp32", "negative_decay": "fp32",
+                "qmap": "*fp32", "table": "*i32", "beta1": "fp32", "one_minus_beta1": "fp32"},
+                {"HAS_M": True, "HAS_DECAY": True, "BLOCKS": 4, **adafactor})
 
 
 if __name__ == "__main__":

@@ -77,12 +77,21 @@ def meta_rows(items, specs, tile_blocks: int, out_addresses=None) -> list[list[i
 def tile_table(numels: tuple[int, ...], tile_blocks: int) -> torch.Tensor:
     """Flat int32 (tensor index, first block) pairs covering every tensor in tiles of ``tile_blocks`` blocks
     (built with tensor ops: a 1B-parameter model has over a million tiles)."""
-    blocks = torch.tensor([num_blocks(n) for n in numels], dtype=torch.int64)
-    counts = (blocks + tile_blocks - 1) // tile_blocks
-    tensor_index = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    return unit_table([num_blocks(n) for n in numels], tile_blocks)
+
+
+def unit_table(units: list[int], per_program: int, tensors: list[int] | None = None) -> torch.Tensor:
+    """Flat int32 (tensor index, first unit) pairs giving each program ``per_program`` consecutive units of one
+    tensor, where tensor ``i`` has ``units[i]`` units (quantization blocks, blocks of rows, ...); ``tensors``
+    (default ``range(len(units))``) are the indices the table names, for a pass over some tensors only."""
+    if tensors is None:
+        tensors = range(len(units))
+    units = torch.tensor(units, dtype=torch.int64)
+    counts = (units + per_program - 1) // per_program
+    tensor_index = torch.repeat_interleave(torch.tensor(list(tensors), dtype=torch.int64), counts)
     starts = torch.cumsum(counts, 0) - counts
-    first_block = (torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)) * tile_blocks
-    return torch.stack([tensor_index, first_block], dim=1).to(torch.int32).flatten()
+    first_unit = (torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)) * per_program
+    return torch.stack([tensor_index, first_unit], dim=1).to(torch.int32).flatten()
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -128,6 +137,22 @@ class PlanCache:
             cached = (table, to_device(table, torch.int64, device))
             self._meta[key] = cached
         return Launch(cached[1], tiles, num_tiles, [row[FIRST_TILE] for row in table], all_aligned(table))
+
+    def units(self, units: list[int], per_program: int, device: torch.device, tensors: list[int] | None = None):
+        """The device :func:`unit_table` of ``units``, built and sent once per distinct set of arguments."""
+        key = ("units", tuple(units), per_program, device, None if tensors is None else tuple(tensors))
+        if key not in self._tiles:
+            self._tiles[key] = to_device(unit_table(units, per_program, tensors), torch.int32, device)
+        return self._tiles[key]
+
+    def table(self, key, values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``values`` (host ints) as a device tensor, re-sent only when they changed since the last call with
+        ``key``."""
+        cached = self._meta.get(key)
+        if cached is None or cached[0] != values:
+            cached = (values, to_device(values, dtype, device))
+            self._meta[key] = cached
+        return cached[1]
 
 
 def all_aligned(table: list[list[int]]) -> bool:

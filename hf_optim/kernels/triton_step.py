@@ -6,11 +6,13 @@ the PyTorch path, and travel as kernel arguments: nothing here reads a device va
 the GPU, and changing scalars never recompiles. Tensors whose step counters differ (a parameter that had no
 gradient for a while) go in separate launches, one per distinct step.
 
-Adafactor's statistics are per tensor: its passes (``triton_adafactor``) launch per tensor, not per group.
+Adafactor runs six passes (``triton_adafactor``: statistics, finalize, update, clip, apply), each one launch
+over every tensor of the batch.
 
 What takes the PyTorch path instead, with identical math: non-contiguous parameters; for LAMB and Adafactor,
-sharded (DTensor) parameters, whose norms and statistics need a reduction across shards; optimizers whose class
-replaces the algorithm's ``rule`` or ``_update`` (the kernels would not run that code).
+sharded (DTensor) parameters, whose norms and statistics need a reduction across shards; for Adafactor, empty
+parameters (nothing to reduce); optimizers whose class replaces the algorithm's ``rule`` or ``_update`` (the
+kernels would not run that code).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def supported(optimizer, param: torch.Tensor, sharded: bool) -> bool:
         return False
     if algorithm in ("lamb", "adafactor") and sharded:
         return False
+    if algorithm == "adafactor" and param.numel() == 0:  # no rows to reduce; the PyTorch path handles it
+        return False
     return param.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -62,17 +66,15 @@ def step_group(optimizer, group: dict, group_index: int, items: list) -> None:
     cache = optimizer.__dict__.get(CACHE_ATTR)
     if cache is None:
         cache = optimizer.__dict__[CACHE_ATTR] = mt.PlanCache()
-    if optimizer.algorithm == "adafactor":  # per-tensor statistics: launches per tensor (see triton_adafactor)
-        for param, grad, state in items:
-            with _on(param.device):
-                triton_adafactor.update(optimizer, param, grad, state, group)
-        return
     batches = defaultdict(list)
     for param, grad, state in items:
         batches[(param.device, state["step"])].append((param, grad.contiguous(), state))
     for (device, step), batch in batches.items():
         with _on(device):
-            _step_batch(optimizer, group, group_index, device, step, batch, cache)
+            if optimizer.algorithm == "adafactor":
+                triton_adafactor.step(optimizer, group, (group_index, device, step), batch, step, cache, device)
+            else:
+                _step_batch(optimizer, group, group_index, device, step, batch, cache)
 
 
 def _on(device: torch.device):

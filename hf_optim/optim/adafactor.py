@@ -125,7 +125,10 @@ class Adafactor(HfOptimizer):
         if group["beta1"] is not None:
             init_slot(state, FIRST_MOMENT, param, self._use_8bit(full, group), self._allocate)
 
-    def _learning_rate(self, group: dict, step: int, param_rms: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _step_size(group: dict, step: int) -> float:
+        """The step's learning rate before ``scale_parameter``'s RMS factor (a host float; the Triton path uses
+        it too)."""
         step_size = group["lr"]
         # A relative-step group's lr is None or what RelativeStepSchedule reports (always > 0). An lr of exactly 0
         # means "take no step": torch.distributed.checkpoint's get/set_optimizer_state_dict create missing state
@@ -133,6 +136,10 @@ class Adafactor(HfOptimizer):
         if group["relative_step"] and step_size != 0:
             floor = 1e-6 * step if group["warmup_init"] else 1e-2
             step_size = min(floor, 1.0 / math.sqrt(step))
+        return step_size
+
+    def _learning_rate(self, group: dict, step: int, param_rms: torch.Tensor) -> torch.Tensor:
+        step_size = self._step_size(group, step)
         if group["scale_parameter"]:
             return param_rms.clamp(min=group["eps"][1]) * step_size
         return torch.tensor(step_size, dtype=torch.float32, device=param_rms.device)
