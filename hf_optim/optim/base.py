@@ -141,8 +141,11 @@ class HfOptimizer(torch.optim.Optimizer):
         """Update a group's ``(local param, local grad, state, param)`` items: one fused Triton launch (per pass)
         for the tensors the backend assigns to Triton, the PyTorch path tensor by tensor for the rest."""
         fused = []
+        triton_devices: dict[torch.device, bool] = {}  # the backend choice reads the environment: once per device
         for param, grad, state, full in items:
-            if kernel_backend.uses_triton(param.device):
+            if param.device not in triton_devices:
+                triton_devices[param.device] = kernel_backend.uses_triton(param.device)
+            if triton_devices[param.device]:
                 from hf_optim.kernels import triton_step  # imports triton: only when a Triton step runs
 
                 if triton_step.supported(self, param, param is not full):
