@@ -53,6 +53,9 @@ def update(
     ``kinds`` holds, per slot, None (fp32 values) or the signedness of an 8-bit slot. If ``out`` is given the
     rule's output goes there (fp32, masked to 0 where the gradient is not finite), else into ``param``.
     """
+    # Scalars enter the rule as fp32 0-d tensors on every path, so any scalar arithmetic inside a rule rounds
+    # the same way eagerly and compiled (a Python float would be combined in double precision).
+    hyper = {name: torch.as_tensor(value, dtype=torch.float32) for name, value in hyper.items()}
     p32 = param.float().view(1, -1)
     g32 = grad.float().view(1, -1)
     finite = torch.isfinite(g32)

@@ -3,7 +3,7 @@
 Each rule is the Triton twin of the PyTorch rule in ``hf_optim/optim/<algorithm>.py`` and performs the same
 fp32 operations in the same order, so both paths round identically: one IEEE rounding per PyTorch operation
 (``tl.div_rn`` and ``tl.sqrt_rn`` for division and square root; the kernels are launched with floating-point
-contraction off), and one fused multiply-add where torch's own kernel uses one (``torch.lerp``).
+contraction off); ``lerp`` is ``hf_optim.kernels.exact_math.lerp``'s twin.
 
 Signature: ``rule(p, g, s0, s1, s2, h) -> (out, s0, s1, s2)`` on fp32 tiles, where ``s0..s2`` are the state
 rows (unused rows are zeros and come back unchanged), ``h`` the tuple of scalars named by
@@ -22,11 +22,10 @@ import triton.language as tl
 
 @triton.jit
 def lerp(start, end, weight):
-    """``torch.lerp(start, end, weight)`` for a scalar weight, as torch's CPU vector and CUDA kernels round it."""
+    """Twin of ``hf_optim.kernels.exact_math.lerp``: torch's formula, one rounding per operation."""
     diff = end - start
     small = tl.abs(weight) < 0.5
-    zeros = tl.zeros_like(diff)
-    return tl.where(small, tl.fma(zeros + weight, diff, start), tl.fma(zeros + (weight - 1.0), diff, end))
+    return tl.where(small, start + weight * diff, end + (weight - 1.0) * diff)
 
 
 @triton.jit

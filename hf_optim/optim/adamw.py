@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
+from hf_optim.kernels import exact_math
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
@@ -20,9 +21,9 @@ def adamw_rule(param, grad, states, h):
     """
     exp_avg, exp_avg_sq = states
     param = param * h["decay"]
-    exp_avg = torch.lerp(exp_avg, grad, h["one_minus_beta1"])
+    exp_avg = exact_math.lerp(exp_avg, grad, h["one_minus_beta1"])
     exp_avg_sq = exp_avg_sq * h["beta2"] + h["one_minus_beta2"] * grad * grad
-    denom = exp_avg_sq.sqrt() / h["bias_correction2_sqrt"] + h["eps"]
+    denom = exact_math.sqrt(exp_avg_sq) / h["bias_correction2_sqrt"] + h["eps"]
     param = param - h["step_size"] * (exp_avg / denom)
     return param, [exp_avg, exp_avg_sq]
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
+from hf_optim.kernels import exact_math
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import (
     as_tuple,
@@ -34,7 +35,7 @@ def ademamix_rule(param, grad, states, h):
     m1 = h["beta1"] * m1 + h["one_minus_beta1"] * grad
     m2 = h["beta3"] * m2 + h["one_minus_beta3"] * grad
     nu = h["beta2"] * nu + h["one_minus_beta2"] * grad * grad
-    denom = nu.sqrt() / h["bias_correction2_sqrt"] + h["eps"]
+    denom = exact_math.sqrt(nu) / h["bias_correction2_sqrt"] + h["eps"]
     param = param - h["lr"] * (m1 / h["bias_correction1"] + h["alpha"] * m2) / denom
     return param, [torch.cat([m1, m2], dim=0), nu]
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
+from hf_optim.kernels import exact_math
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import (
@@ -36,7 +37,7 @@ def lamb_rule(param, grad, states, h):
     grad = grad + h["l2"] * param
     exp_avg = h["beta1"] * exp_avg + h["one_minus_beta1"] * grad
     exp_avg_sq = h["beta2"] * exp_avg_sq + h["one_minus_beta2"] * grad * grad
-    direction = (exp_avg / h["bias_correction1"]) / ((exp_avg_sq / h["bias_correction2"]).sqrt() + h["eps"])
+    direction = (exp_avg / h["bias_correction1"]) / (exact_math.sqrt(exp_avg_sq / h["bias_correction2"]) + h["eps"])
     direction = direction + h["decoupled"] * param
     return direction, [exp_avg, exp_avg_sq]
 

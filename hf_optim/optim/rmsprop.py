@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from hf_optim.kernels import exact_math
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import check_beta, check_eps, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
@@ -16,7 +17,7 @@ def rmsprop_rule(param, grad, states, h):
     (square_avg,) = states
     grad = grad + h["weight_decay"] * param
     square_avg = h["alpha"] * square_avg + h["one_minus_alpha"] * grad * grad
-    param = param - h["lr"] * grad / (square_avg.sqrt() + h["eps"])
+    param = param - h["lr"] * grad / (exact_math.sqrt(square_avg) + h["eps"])
     return param, [square_avg]
 
 
