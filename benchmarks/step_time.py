@@ -1,15 +1,23 @@
-"""Optimizer step time, side by side in one run: hf_optim vs torch.optim.AdamW and bitsandbytes.
+"""Optimizer step time, side by side in one run: hf_optim vs torch.optim.AdamW and bitsandbytes, on shape sets.
 
-    python benchmarks/step_time.py                      # CPU, one 4096x4096 fp32 tensor (16.8M elements)
-    python benchmarks/step_time.py --device cuda --shapes 4096x4096 --dtype bf16      # (a) one large tensor
-    python benchmarks/step_time.py --device cuda --shapes llama-3.2-1b --dtype bf16   # (b) every Llama-3.2-1B tensor
+    python benchmarks/step_time.py                                     # CPU: every preset shape set, one table
+    python benchmarks/step_time.py --sets llama-3.2-1b-lora --steps 10 # one set
+    python benchmarks/step_time.py --device cuda --sets 4096x4096,llama-3.2-1b --dtype bf16
 
-Prints ms per step (median of timed steps after warm-up; the first step, which includes any compilation, is
-reported separately), achieved GB/s from the bytes each optimizer must stream (optimizers.md section 5: parameter
-read and write, gradient read, each state read and written, 8-bit absmax included), the % of the memory
-bandwidth peak on GPUs (from a table of known cards, or ``--peak-gbs``), and the ratios the project tracks:
-hf_optim / bitsandbytes and hf_optim / torch fused AdamW. hf_optim's backend (``triton`` on CUDA when triton is
-installed; ``HF_OPTIM_BACKEND`` forces one) is printed in the header.
+Shape sets (``--sets``, separated by commas; a set is a preset name or shapes joined by ``+``, e.g. ``64x80+5000``):
+
+- ``4096x4096``: one 16.8M-element tensor (the easiest case: one big contiguous update);
+- ``llama-3.2-1b-lora``: the 224 LoRA adapters (r=16, q/k/v/o/gate/up/down of 16 layers; A is r x in, B is
+  out x r), 11.27M elements: what the LoRA recipes step;
+- ``llama-3.2-1b``: every Llama-3.2-1B tensor (146, 1.24B elements; a full fine-tune).
+
+Prints one table: per set and optimizer, ms per step (median of ``--steps`` timed steps after ``--warmup``; the
+first step, which includes compilation, is reported separately), and the ratios the project tracks:
+``x ref`` = hf_optim / its reference (bitsandbytes' class of the same name; transformers' Adafactor) and
+``x fused`` = row / torch fused AdamW, all from the same run. ``--gbs`` adds
+achieved GB/s from the bytes each optimizer must stream (optimizers.md section 5) and the % of the memory
+bandwidth peak on GPUs. hf_optim's backend (``triton`` on CUDA when triton is installed, ``torch-compile`` on CPU;
+``HF_OPTIM_BACKEND`` and ``HF_OPTIM_COMPILE=0`` change it) is printed in the header.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -33,6 +42,32 @@ def llama_shapes(cfg: dict) -> list[tuple[int, ...]]:
     h, i, kv = cfg["hidden"], cfg["intermediate"], cfg["kv_heads"] * cfg["head_dim"]
     per_layer = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i), (h,), (h,)]
     return [(cfg["vocab"], h)] + per_layer * cfg["layers"] + [(h,)]
+
+
+def llama_lora_shapes(cfg: dict, rank: int = 16) -> list[tuple[int, ...]]:
+    """LoRA adapter shapes on every linear layer of a Llama model: A is (rank, in), B is (out, rank)."""
+    h, i, kv = cfg["hidden"], cfg["intermediate"], cfg["kv_heads"] * cfg["head_dim"]
+    linears = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]  # (in, out): q, k, v, o, gate, up, down
+    return [shape for fan_in, fan_out in linears for shape in ((rank, fan_in), (fan_out, rank))] * cfg["layers"]
+
+
+PRESETS = {
+    "4096x4096": lambda: [(4096, 4096)],
+    "llama-3.2-1b-lora": lambda: llama_lora_shapes(LLAMA_3_2_1B),
+    "llama-3.2-1b": lambda: llama_shapes(LLAMA_3_2_1B),
+}
+
+
+def shape_set(spec: str) -> list[tuple[int, ...]]:
+    """A preset's shapes, or ``AxB+C+...`` parsed; a bad spec names the presets."""
+    if spec in PRESETS:
+        return PRESETS[spec]()
+    try:
+        return [tuple(int(d) for d in shape.split("x")) for shape in spec.split("+")]
+    except ValueError:
+        raise SystemExit(
+            f"unknown shape set {spec!r}: use one of {', '.join(PRESETS)} or shapes like 64x80+5000"
+        ) from None
 
 
 PEAK_GBS = {
@@ -61,8 +96,35 @@ def bytes_per_element(name: str, param_bytes: int) -> float:
     return 3 * param_bytes + states * state[kind]
 
 
-def time_steps(make: Callable, params: list[torch.Tensor], steps: int, warmup: int) -> tuple[float, float]:
-    """(first step seconds, median seconds of the timed steps)."""
+def rss_bytes(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since the last reset) of this process, from /proc (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def track_large_allocations() -> None:
+    """Make glibc map every allocation of 64 KiB or more on its own and unmap it when freed, so the resident set
+    follows the live tensors (by default glibc keeps freed memory for reuse and the peak would hide)."""
+    import ctypes
+
+    m_mmap_threshold = -3
+    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 64 * 1024)
+
+
+def step_peak_extra_bytes(opt) -> int:
+    """How far one step's peak resident memory rises above the resident memory before it (CPU, Linux): the
+    kernel's high-water mark is reset first (``clear_refs`` 5). Temporaries, scratch and padding all count."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before = rss_bytes("VmRSS")
+    opt.step()
+    return rss_bytes("VmHWM") - before
+
+
+def time_steps(make: Callable, params: list[torch.Tensor], steps: int, warmup: int, memory: bool = False
+               ) -> tuple[float, float, int | None]:
+    """(first step seconds, median seconds of the timed steps, peak extra bytes of a step or None)."""
     opt = make(params)
     sync = torch.cuda.synchronize if params[0].is_cuda else (lambda: None)
     sync()
@@ -79,7 +141,7 @@ def time_steps(make: Callable, params: list[torch.Tensor], steps: int, warmup: i
         opt.step()
         sync()
         times.append(time.perf_counter() - start)
-    return first, statistics.median(times)
+    return first, statistics.median(times), step_peak_extra_bytes(opt) if memory else None
 
 
 def bnb_class(bnb, name: str) -> Callable:
@@ -97,82 +159,118 @@ def contenders(include_bnb: bool, device: str) -> list[tuple[str, Callable]]:
         ("torch AdamW foreach", lambda p: torch.optim.AdamW(p, foreach=True)),
     ]
     for name in ("AdamW8bit", "AdamW32bit", "AdEMAMix8bit", "AdEMAMix32bit", "Lion8bit", "Lion32bit", "LAMB8bit",
-                 "LAMB32bit", "RMSprop8bit"):
+                 "LAMB32bit", "RMSprop8bit", "RMSprop32bit"):
         rows.append((f"hf_optim {name}", getattr(hf_optim, name)))
         if include_bnb and name not in ("LAMB8bit", "LAMB32bit"):  # bitsandbytes' LAMB is another algorithm
             import bitsandbytes as bnb
 
             rows.append((f"bitsandbytes {name}", bnb_class(bnb, name)))
+    # Adafactor as the Trainer's optim="adafactor" builds it; the reference is transformers' own class.
+    adafactor = dict(lr=1e-3, relative_step=False, scale_parameter=False, warmup_init=False)
+    rows.append(("hf_optim Adafactor", lambda p: hf_optim.Adafactor(p, **adafactor)))
+    try:
+        from transformers.optimization import Adafactor as TransformersAdafactor
+    except ImportError:
+        return rows
+    rows.append(("transformers Adafactor", lambda p: TransformersAdafactor(p, **adafactor)))
     return rows
+
+
+REFERENCE_PREFIXES = ("bitsandbytes", "transformers")
+"""Rows an hf_optim row of the same algorithm name is compared with (the "x ref" column)."""
+
+
+def measure(shapes, dtype, device: str, args) -> dict[str, tuple]:
+    """{row name: (first step s, median s, peak extra bytes or None)} for every contender on fresh parameters."""
+    results = {}
+    for name, make in contenders(not args.no_bnb, device):
+        if args.only and not any(s in name for s in args.only.split(",")):
+            continue
+        gen = torch.Generator(device=device).manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype, generator=gen)) for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=gen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                results[name] = time_steps(make, params, args.steps, args.warmup, args.memory)
+            except Exception as error:  # report and go on: one failing contender must not hide the others
+                print(f"  {name}: failed: {type(error).__name__}: {error}", flush=True)
+        if name in results:
+            _, median, extra = results[name]
+            memory = "" if extra is None else f"   step peak +{extra / 2**20:.1f} MiB"
+            print(f"  {name:<28} {median * 1e3:9.1f} ms{memory}", flush=True)
+        del params
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return results
+
+
+def ratio_text(name: str, results: dict) -> list[str]:
+    """The ``x ref`` (bitsandbytes' or transformers' class of the same name) and ``x fused`` (torch fused AdamW)
+    cells of a row, from the same set's results."""
+    median = results[name][1]
+    algorithm = name.split(" ", 1)[1]
+    twins = [f"{prefix} {algorithm}" for prefix in REFERENCE_PREFIXES if f"{prefix} {algorithm}" in results]
+    parts = [f"{median / results[twins[0]][1]:.3f}" if name.startswith("hf_optim") and twins else ""]
+    fused = results.get("torch AdamW fused")
+    parts.append(f"{median / fused[1]:.2f}" if fused and name != "torch AdamW fused" else "")
+    return parts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--shapes", default="4096x4096", help="'4096x4096', comma-separated shapes, or llama-3.2-1b")
+    parser.add_argument("--sets", default="4096x4096,llama-3.2-1b-lora,llama-3.2-1b",
+                        help=f"comma-separated shape sets: presets {', '.join(PRESETS)} or shapes like 64x80+5000")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-bnb", action="store_true", help="skip bitsandbytes")
     parser.add_argument("--only", default="", help="comma-separated substrings: run only matching rows")
+    parser.add_argument("--gbs", action="store_true", help="also print GB/s (and %% of peak on known GPUs)")
+    parser.add_argument("--memory", action="store_true",
+                        help="also measure how far a step's peak RSS rises above the RSS before it (CPU, Linux)")
     parser.add_argument("--peak-gbs", type=float, default=0.0,
                         help="memory bandwidth peak in GB/s for the %% column (default: looked up by GPU name)")
     args = parser.parse_args()
 
-    if args.shapes == "llama-3.2-1b":
-        shapes = llama_shapes(LLAMA_3_2_1B)
-    else:
-        shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+    if args.memory:
+        track_large_allocations()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    numel = sum(torch.Size(s).numel() for s in shapes)
     param_bytes = torch.empty((), dtype=dtype).element_size()
     backend = hf_optim.AdamW8bit([torch.zeros(1, device=args.device)]).backend
     device_name, peak = peak_bandwidth(args.device)
-    if args.peak_gbs:
-        peak = args.peak_gbs
-    print(f"device={args.device} ({device_name}) dtype={args.dtype} tensors={len(shapes)} elements={numel:,} "
-          f"torch={torch.__version__} threads={torch.get_num_threads()} hf_optim backend={backend}"
-          + (f" peak={peak:.0f} GB/s" if peak else ""))
+    peak = args.peak_gbs or peak
+    print(f"device={args.device} ({device_name}) dtype={args.dtype} torch={torch.__version__} "
+          f"threads={torch.get_num_threads()} hf_optim backend={backend} steps={args.steps} warmup={args.warmup}")
 
-    results: dict[str, float] = {}
-    header = f"{'optimizer':<28}{'first step s':>13}{'ms/step':>10}{'GB/s':>8}"
-    print(header + (f"{'% peak':>8}" if peak else ""))
-    for name, make in contenders(not args.no_bnb, args.device):
-        if args.only and not any(s in name for s in args.only.split(",")):
-            continue
-        gen = torch.Generator(device=args.device).manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s, device=args.device, dtype=dtype, generator=gen)) for s in shapes]
-        for p in params:
-            p.grad = torch.randn(p.shape, device=args.device, dtype=dtype, generator=gen)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                first, median = time_steps(make, params, args.steps, args.warmup)
-            except Exception as error:  # report and go on: one failing contender must not hide the others
-                print(f"{name:<28}  failed: {type(error).__name__}: {error}")
+    sets = [s for s in args.sets.split(",") if s]
+    table: dict[str, dict[str, tuple]] = {}
+    for spec in sets:
+        shapes = shape_set(spec)
+        numel = sum(torch.Size(s).numel() for s in shapes)
+        print(f"{spec}: {len(shapes)} tensors, {numel:,} elements", flush=True)
+        table[spec] = measure(shapes, dtype, args.device, args)
+        if args.gbs:
+            for name, (_, median, _) in table[spec].items():
+                gbs = bytes_per_element(name, param_bytes) * numel / median / 1e9
+                print(f"  {name:<28} {gbs:8.1f} GB/s" + (f" {100 * gbs / peak:5.1f}% of peak" if peak else ""))
+
+    names = list(dict.fromkeys(name for results in table.values() for name in results))
+    header = "| optimizer | " + " | ".join(f"{spec} ms | x ref | x fused | first s" for spec in sets) + " |"
+    print("\n" + header)
+    print("|---|" + "---:|---:|---:|---:|" * len(sets))
+    for name in names:
+        cells = []
+        for spec in sets:
+            results = table[spec]
+            if name not in results:
+                cells += ["", "", "", ""]
                 continue
-        results[name] = median
-        gbs = bytes_per_element(name, param_bytes) * numel / median / 1e9
-        line = f"{name:<28}{first:>13.2f}{median * 1e3:>10.1f}{gbs:>8.1f}"
-        if peak:
-            line += f"{100 * gbs / peak:>8.1f}"
-        print(line, flush=True)
-        del params
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-
-    print("\nratios (lower is faster):")
-    fused = results.get("torch AdamW fused")
-    for name, median in results.items():
-        if not name.startswith("hf_optim"):
-            continue
-        algo = name.split(" ", 1)[1]
-        parts = []
-        if f"bitsandbytes {algo}" in results:
-            parts.append(f"{median / results[f'bitsandbytes {algo}']:.3f}x bitsandbytes")
-        if fused:
-            parts.append(f"{median / fused:.2f}x torch fused AdamW")
-        print(f"  {name:<26} " + ", ".join(parts))
+            first, median, _ = results[name]
+            cells += [f"{median * 1e3:.1f}", *ratio_text(name, results), f"{first:.2f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

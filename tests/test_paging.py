@@ -15,7 +15,7 @@ from helpers import ALL_CLASSES, make_params, run_steps
 
 import hf_optim
 import hf_optim.paging as paging
-from hf_optim.optim.base import QUANT_STATE_KEY
+from hf_optim.optim.base import QUANT_STATE_KEY, HfOptimizer
 from hf_optim.paging import managed
 
 PAGED = [cls for cls in ALL_CLASSES if cls.__name__.startswith("Paged")]
@@ -109,6 +109,9 @@ def fake_managed(monkeypatch):
 
     monkeypatch.setattr(managed, "unavailable_reason", lambda device_type, index: None)
     monkeypatch.setattr(managed, "runtime", lambda: None)
+    # Paging is real only on CUDA, where state is per tensor (Triton or the per-tensor PyTorch path); these CPU
+    # stand-ins must not take the CPU's multi-tensor path, which keeps a group's state in one flat buffer.
+    monkeypatch.setattr(HfOptimizer, "_on_multi_tensor_path", lambda self, full, param: False)
     monkeypatch.setattr(managed, "managed_zeros", fake_zeros)
     monkeypatch.setattr(managed, "prefetch", fake_prefetch)
     before = dict(managed._live)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from hf_optim.kernels import elementwise
+from hf_optim.kernels import multi_tensor
 
 ENV_VAR = "HF_OPTIM_BACKEND"
 BACKENDS = ("torch", "triton")
@@ -68,8 +68,8 @@ def uses_triton(device: torch.device) -> bool:
 
 
 def torch_backend_name(device: torch.device) -> str:
-    """The PyTorch path's name on ``device``: ``torch-compile`` (large CPU tensors compiled) or ``torch``."""
-    return "torch-compile" if device.type == "cpu" and elementwise.compile_enabled() else "torch"
+    """The PyTorch path's name on ``device``: ``torch-compile`` (CPU, compiled by inductor) or ``torch``."""
+    return "torch-compile" if device.type == "cpu" and multi_tensor.compile_enabled() else "torch"
 
 
 def backend_name(device: torch.device) -> str:

@@ -1,4 +1,4 @@
-"""Elementwise optimizer updates over 32-bit or 8-bit state: the PyTorch path (reference) and its compiled twin.
+"""Elementwise optimizer updates over 32-bit or 8-bit state: the PyTorch path, and the reference of every other.
 
 An algorithm supplies a *rule*: a pure function on fp32 tensors
 
@@ -16,7 +16,6 @@ and the rest of the tensor updates normally. One bad gradient therefore never po
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -26,13 +25,6 @@ from hf_optim.kernels import blockwise
 Rule = Callable[
     [torch.Tensor, torch.Tensor, list[torch.Tensor], dict], tuple[torch.Tensor, list[torch.Tensor]]
 ]
-
-CHUNK = 1 << 18
-"""Elements per compiled call: a multiple of the block size, small enough that temporaries stay in cache."""
-
-COMPILE_MIN_NUMEL = CHUNK
-"""Tensors smaller than this run eagerly; compiling pays off only on large tensors."""
-
 
 def slot_width(kind: bool | None) -> int:
     """How many raw tensors a slot of this kind passes (see ``state_store.slot_tensors``)."""
@@ -88,72 +80,3 @@ def update(
         param.copy_(torch.where(finite, result, p32).view(-1))
     else:
         out.copy_(torch.where(finite, result, torch.zeros_like(result)).view(-1))
-
-
-def _chunk_tensors(
-    kinds: Sequence[bool | None], tensors: Sequence[torch.Tensor], start: int, stop: int
-) -> list[torch.Tensor]:
-    chunk, index = [], 0
-    first_block, last_block = start // blockwise.BLOCK_SIZE, blockwise.num_blocks(stop)
-    for kind in kinds:
-        if kind is None:
-            chunk.append(tensors[index][:, start:stop])
-        else:
-            codes, absmax, qmap, table = tensors[index : index + 4]
-            chunk += [codes[:, start:stop], absmax[:, first_block:last_block], qmap, table]
-        index += slot_width(kind)
-    return chunk
-
-
-_compiled_update: Callable | None = None
-
-
-
-def compile_enabled() -> bool:
-    """Whether CPU updates of large tensors use ``torch.compile`` (set ``HF_OPTIM_COMPILE=0`` to disable)."""
-    return os.environ.get("HF_OPTIM_COMPILE", "1") != "0"
-
-
-def _compiled() -> Callable:
-    global _compiled_update
-    if _compiled_update is None:
-        _compiled_update = torch.compile(update, dynamic=False, fullgraph=True)
-    return _compiled_update
-
-
-def update_chunked(
-    rule: Rule,
-    kinds: Sequence[bool | None],
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    out: torch.Tensor | None,
-    tensors: Sequence[torch.Tensor],
-    hyper: dict,
-) -> None:
-    """:func:`update` compiled once per (rule, slot kinds, dtypes), run over fixed-size chunks.
-
-    Full chunks share one static-shape kernel; the tail runs eagerly. Hyperparameters become 0-d tensors so
-    changing learning rates and bias corrections never trigger a recompile.
-    """
-    n = param.numel()
-    full = n - n % CHUNK
-    if full:
-        fn = _compiled()
-        hyper_t = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in hyper.items()}
-        # Each (rule, kinds, dtype) is its own specialization; allow enough of them.
-        with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=512):
-            for start in range(0, full, CHUNK):
-                stop = start + CHUNK
-                args = (param[start:stop], grad[start:stop], None if out is None else out[start:stop])
-                chunk = _chunk_tensors(kinds, tensors, start, stop)
-                fn(rule, tuple(kinds), *args, chunk, hyper_t)
-    if full < n:
-        update(
-            rule,
-            kinds,
-            param[full:],
-            grad[full:],
-            None if out is None else out[full:],
-            _chunk_tensors(kinds, tensors, full, n),
-            hyper,
-        )

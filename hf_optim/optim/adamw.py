@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-import torch
-
 from hf_optim.kernels import exact_math
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_unsupported, check_weight_decay

@@ -9,15 +9,17 @@ store decides 32-bit or 8-bit per tensor, the kernels dequantize and requantize.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from hf_optim.kernels import backend as kernel_backend
-from hf_optim.kernels import elementwise
+from hf_optim.kernels import multi_tensor
 from hf_optim.kernels.blockwise import num_blocks
 from hf_optim.kernels.dynamic_map import BLOCK_SIZE, dynamic_map
+from hf_optim.kernels.flat_state import FlatState, FlatStates
 from hf_optim.kernels.state_store import (
     QUANT_KEYS,
     StateSpec,
@@ -73,6 +75,7 @@ class HfOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.is_paged = bool(is_paged)
         self._allocate = state_allocator(self.is_paged, type(self).__name__)
+        self._flat = FlatStates()  # where the multi-tensor path keeps each parameter's state
         for group in self.param_groups:
             self._check_group(group)
 
@@ -117,6 +120,13 @@ class HfOptimizer(torch.optim.Optimizer):
         hyper = self._hyper(group, state["step"])
         self._run_rule(self.rule, param, grad, state, hyper)
 
+    def _step_flat(self, group: dict, flat: FlatState, members: list, hyper: dict) -> None:
+        """Update ``members`` = ``[(index in flat, local param, local grad)]``, sorted by index, whose state is in
+        ``flat``: the multi-tensor path (``hf_optim.kernels.multi_tensor``), one call per chunk of flat state."""
+        for run, params, grads in multi_tensor.runs_of(flat, members):
+            multi_tensor.step_run(self.rule, flat, multi_tensor.cached_chunks(flat, run), params, grads, hyper,
+                                  self._scratch)
+
     def _state_dims(self, key: str, ndim: int):
         """How state ``key`` of an ``ndim``-dim parameter is laid out, for sharded checkpoints (see
         :func:`hf_optim.optim.sharding.export_state`): the parameter dimension of each state dimension,
@@ -137,10 +147,47 @@ class HfOptimizer(torch.optim.Optimizer):
         devices = {local_tensor(p).device for group in self.param_groups for p in group["params"]}
         return kernel_backend.describe(devices)
 
+    @classmethod
+    def _multi_tensor_capable(cls) -> bool:
+        """Whether the class steps on the multi-tensor path: its state is the default slots and whoever defines
+        its update also defines (or inherits it from a class that knows) the flat step."""
+        return _owner(cls, "_init_state") is HfOptimizer and issubclass(
+            _owner(cls, "_step_flat"), _owner(cls, "_update")
+        )
+
+    def _on_multi_tensor_path(self, full: torch.Tensor, param: torch.Tensor) -> bool:
+        """Whether ``full``'s state lives in flat buffers: whole (unsharded) contiguous float tensors on the CPU
+        (Triton, when it runs, has its own multi-tensor kernels)."""
+        return (
+            self._multi_tensor_capable()
+            and param is full
+            and param.device.type == "cpu"
+            and param.is_contiguous()
+            and param.dtype in multi_tensor.PARAM_DTYPES
+        )
+
+    def _create_states(self, group: dict, fresh: list) -> None:
+        """Create the state of ``fresh`` = ``[(param, state)]``: flat buffers for the multi-tensor path, per tensor
+        otherwise."""
+        flat_entries = []
+        for p, state in fresh:
+            overrides = self._param_overrides(p, group)
+            settings = {**group, **overrides} if overrides else group
+            param = local_tensor(p)
+            if not self._on_multi_tensor_path(p, param):
+                self._init_state(p, settings, state)
+                continue
+            state["step"] = 0
+            eight_bit = self._use_8bit(p, settings)
+            flat_entries.append((p, param, state, [spec.signed if eight_bit else None for spec in self.state_specs]))
+        if flat_entries:
+            self._flat.create(self.state_specs, flat_entries, self._allocate)
+
     def _update_group(self, group: dict, group_index: int, items: list) -> None:
         """Update a group's ``(local param, local grad, state, param)`` items: one fused Triton launch (per pass)
-        for the tensors the backend assigns to Triton, the PyTorch path tensor by tensor for the rest."""
-        fused = []
+        for the tensors the backend assigns to Triton, the multi-tensor PyTorch path for those whose state is in
+        flat buffers, the PyTorch path tensor by tensor for the rest."""
+        fused, flat_items = [], []
         triton_devices: dict[torch.device, bool] = {}  # the backend choice reads the environment: once per device
         for param, grad, state, full in items:
             if param.device not in triton_devices:
@@ -151,26 +198,45 @@ class HfOptimizer(torch.optim.Optimizer):
                 if triton_step.supported(self, param, param is not full):
                     fused.append((param, grad, state))
                     continue
+            if self._on_multi_tensor_path(full, param):
+                flat_items.append((param, grad, state, full))
+                continue
             self._update(param, grad, state, group, full=full)
+        if flat_items:
+            self._update_flat(group, flat_items)
         if fused:
             triton_step.step_group(self, group, group_index, fused)
+
+    def _update_flat(self, group: dict, items: list) -> None:
+        """The multi-tensor path for ``items`` (as :meth:`_update_group`'s): state that a loaded state dict
+        replaced is first moved into flat buffers; then one :meth:`_step_flat` per flat buffer and step count."""
+        homeless = [
+            (full, param, state, slot_kinds(state, self.state_specs))
+            for param, _, state, full in items
+            if self._flat.locate(full, state) is None
+        ]
+        if homeless:
+            self._flat.adopt(self.state_specs, homeless, self._allocate)
+        batches: dict[tuple, tuple[FlatState, list]] = {}
+        for param, grad, state, full in items:
+            flat, index = self._flat.locate(full, state)
+            batches.setdefault((id(flat), state["step"]), (flat, []))[1].append((index, param, grad))
+        for (_, step), (flat, members) in batches.items():
+            members.sort(key=lambda member: member[0])
+            self._step_flat(group, flat, members, self._hyper(group, step))
+
+    @functools.cached_property
+    def _scratch(self) -> multi_tensor.Scratch:
+        return multi_tensor.Scratch()
 
     def _run_rule(self, rule, param, grad, state, hyper, out: torch.Tensor | None = None) -> None:
         """Apply an elementwise rule to one parameter, in place, on its device."""
         if param.numel() == 0:  # an empty local shard of a sharded parameter
             return
         flat_param = param.view(-1) if param.is_contiguous() else param.contiguous().view(-1)
-        flat_grad = grad.reshape(-1)
         kinds = slot_kinds(state, self.state_specs)
         tensors = [t for spec in self.state_specs for t in slot_tensors(state, spec)]
-        runner = elementwise.update
-        if (
-            flat_param.device.type == "cpu"
-            and flat_param.numel() >= elementwise.COMPILE_MIN_NUMEL
-            and elementwise.compile_enabled()
-        ):
-            runner = elementwise.update_chunked
-        runner(rule, kinds, flat_param, flat_grad, out, tensors, hyper)
+        multi_tensor.step_tensor(rule, kinds, flat_param, grad.reshape(-1), out, tensors, hyper)
         if not param.is_contiguous():
             param.copy_(flat_param.view_as(param))
 
@@ -182,7 +248,7 @@ class HfOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group_index, group in enumerate(self.param_groups):
-            items = []
+            stepping = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -191,10 +257,11 @@ class HfOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 if param.is_complex():
                     raise RuntimeError(f"{type(self).__name__} does not support complex parameters")
-                state = self.state[p]
-                if not state:
-                    overrides = self._param_overrides(p, group)
-                    self._init_state(p, {**group, **overrides} if overrides else group, state)
+                stepping.append((p, param, grad, self.state[p]))
+            # State is created lazily, for all of a step's new parameters at once (flat buffers hold them together).
+            self._create_states(group, [(p, state) for p, _, _, state in stepping if not state])
+            items = []
+            for p, param, grad, state in stepping:
                 state["step"] += 1
                 if p.numel() == 0:  # an empty local shard still joins its shard group's reductions
                     continue
@@ -325,6 +392,7 @@ class HfOptimizer(torch.optim.Optimizer):
             new_groups.append(merged)
 
         self.state.clear()
+        self._flat.clear()  # the loaded state moves into new flat buffers at its first step
         self.state.update(new_state)
         self.param_groups = new_groups
 
@@ -377,3 +445,8 @@ class HfOptimizer(torch.optim.Optimizer):
         if not torch.equal(qmap.detach().cpu().float(), dynamic_map(spec.signed)):
             kind = "signed" if spec.signed else "unsigned"
             raise StateDictError(f"{where}: {spec.qmap_key} is not the {kind} dynamic map this algorithm uses")
+
+
+def _owner(cls: type, name: str) -> type:
+    """The class in ``cls``'s MRO that defines attribute ``name``."""
+    return next(klass for klass in cls.__mro__ if name in vars(klass))

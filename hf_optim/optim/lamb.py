@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from hf_optim.kernels import exact_math
+from hf_optim.kernels import exact_math, multi_tensor
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import (
@@ -169,6 +169,35 @@ class LAMB(HfOptimizer):
         updated = param.float() - (group["lr"] * ratio) * direction
         param.copy_(updated)
 
+    def _step_flat(self, group: dict, flat, members: list, hyper: dict) -> None:
+        """The multi-tensor path: directions of a bucket of tensors in one flat buffer (one call per chunk), the
+        norms with one ``_foreach_norm`` each, then ``p -= lr * ratio * u`` with foreach operations. Every value
+        equals the per-tensor :meth:`_update`'s bit for bit."""
+        adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
+        for run, params, grads in multi_tensor.runs_of(flat, members):
+            for bucket in multi_tensor.buckets(flat, run, FLAT_DIRECTION_NUMEL):
+                start = flat.members[bucket[0]].offset
+                length = flat.members[bucket[-1]].padded_stop - start
+                direction = self._scratch.buffer("lamb direction", torch.float32, flat.device, length)
+                multi_tensor.step_run(self.rule, flat, multi_tensor.cached_chunks(flat, bucket), params, grads, hyper,
+                                      self._scratch, out=direction, out_offset=start)
+                weights = [params[i] for i in bucket]
+                directions = [
+                    direction[flat.members[i].offset - start : flat.members[i].stop - start] for i in bucket
+                ]
+                weight_norms = torch._foreach_norm([w.float() for w in weights])
+                update_norms = torch._foreach_norm(directions)
+                ratios = trust_ratio(torch.stack(weight_norms), torch.stack(update_norms), adapt=adapt,
+                                     max_trust_ratio=group["max_trust_ratio"])
+                torch._foreach_mul_(directions, list((ratios * group["lr"]).unbind()))
+                if weights[0].dtype == torch.float32:
+                    torch._foreach_sub_(weights, directions)
+                else:
+                    torch._foreach_copy_(weights, torch._foreach_sub([w.float() for w in weights], directions))
+
+
+FLAT_DIRECTION_NUMEL = 1 << 22
+"""Most LAMB directions the multi-tensor path holds at once (16 MiB of fp32); a larger tensor is a bucket alone."""
 
 _twins = family(LAMB, "LAMB")
 LAMB8bit = _twins["LAMB8bit"]

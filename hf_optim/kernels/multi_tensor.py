@@ -1,0 +1,279 @@
+"""One optimizer step over many tensors on the PyTorch path, whose cost grows with elements, not with tensors.
+
+A fine-tune steps hundreds of tensors of mixed sizes (a LoRA adapter is a few thousand elements). Running the
+elementwise rule tensor by tensor costs a few dozen small operations each; here the state of a whole group lives
+in :class:`~hf_optim.kernels.flat_state.FlatState` buffers and the rule runs once per chunk of ``CHUNK`` flat
+elements:
+
+1. the parameters and gradients of the chunk are gathered into flat scratch buffers (one ``torch.cat``, zeros
+   between tensors), or used in place when a single tensor covers the whole chunk;
+2. :func:`hf_optim.kernels.elementwise.update` runs on the chunk, compiled by inductor (dynamic shapes: every
+   chunk length shares one compilation; hyperparameters are 0-d tensors, so new learning rates or bias
+   corrections never recompile) or eagerly with ``HF_OPTIM_COMPILE=0``;
+3. the new parameters go back with one ``torch._foreach_copy_``.
+
+The rule sees exactly the values the per-tensor path gives it, and every operation in it is elementwise or
+per 256-element block, so both paths agree bit for bit (``tests/test_multi_tensor.py``). Memory beyond the state
+itself: the scratch buffers (``CHUNK`` elements of the parameter and gradient dtypes) and the block padding.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hf_optim.kernels import elementwise
+from hf_optim.kernels.dynamic_map import BLOCK_SIZE
+from hf_optim.kernels.flat_state import FlatState
+
+CHUNK = 1 << 18
+"""Flat elements per call: large enough to amortize a call, small enough that temporaries stay in cache."""
+
+COMPILE_ENV = "HF_OPTIM_COMPILE"
+
+
+def compile_enabled() -> bool:
+    """Whether CPU updates are compiled by inductor (set ``HF_OPTIM_COMPILE=0`` for the eager path)."""
+    return os.environ.get(COMPILE_ENV, "1") != "0"
+
+
+_compiled: dict[tuple, Callable] = {}
+
+
+def compiled_update(rule: Callable, kinds: Sequence[bool | None], has_out: bool, dtypes: tuple) -> Callable:
+    """:func:`elementwise.update` compiled for one rule, slot kinds, output mode and parameter/gradient dtypes.
+
+    Each combination gets a code object of its own: dynamo keeps its compiled graphs per code object and stops
+    compiling one after ``recompile_limit`` (8) variants, a limit every rule and precision would share otherwise.
+    Shapes are dynamic, so one graph serves every chunk length (and a second one lengths that are not whole
+    blocks).
+    """
+    key = (rule, tuple(kinds), has_out, dtypes)
+    compiled = _compiled.get(key)
+    if compiled is None:
+        base = elementwise.update
+        code = base.__code__.replace(co_name=f"update_{getattr(rule, '__name__', 'rule')}")
+        twin = types.FunctionType(code, base.__globals__, code.co_name, base.__defaults__, base.__closure__)
+        compiled = _compiled[key] = torch.compile(twin, dynamic=True, fullgraph=True)
+    return compiled
+
+
+def run_update(rule, kinds, param, grad, out, tensors, hyper) -> None:
+    """:func:`elementwise.update` on one chunk: compiled on CPU (unless disabled, or the chunk is a single element,
+    which dynamo would specialize), eager otherwise."""
+    if param.device.type == "cpu" and compile_enabled() and param.numel() > 1:
+        compiled = compiled_update(rule, kinds, out is not None, (param.dtype, grad.dtype))
+        compiled(rule, tuple(kinds), param, grad, out, tensors, hyper)
+    else:
+        elementwise.update(rule, kinds, param, grad, out, tensors, hyper)
+
+
+def hyper_tensors(hyper: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """The rule's scalars as fp32 0-d tensors (made once per step, shared by every chunk)."""
+    return {name: torch.as_tensor(value, dtype=torch.float32) for name, value in hyper.items()}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, start + length)`` of member ``member``, at offset ``at`` of a chunk."""
+
+    member: int
+    start: int
+    length: int
+    at: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Flat elements ``[start, stop)`` and the member pieces in them (the rest is zero padding)."""
+
+    start: int
+    stop: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def whole_member(self) -> int | None:
+        """The member that fills the chunk by itself (its tensors can be used in place), else None."""
+        if len(self.pieces) == 1 and self.pieces[0].length == self.stop - self.start:
+            return self.pieces[0].member
+        return None
+
+
+def plan_chunks(flat: FlatState, indices: Sequence[int]) -> list[Chunk]:
+    """Chunks over the members ``indices`` (sorted, adjacent in ``flat``): from the first member's offset to the
+    last one's padded end, cut every ``CHUNK`` elements."""
+    chunk = CHUNK
+    members = [flat.members[i] for i in indices]
+    start, stop = members[0].offset, members[-1].padded_stop
+    chunks, cursor = [], 0
+    for begin in range(start, stop, chunk):
+        end = min(begin + chunk, stop)
+        pieces = []
+        while cursor < len(members) and members[cursor].offset < end:
+            member = members[cursor]
+            lo, hi = max(member.offset, begin), min(member.stop, end)
+            if hi > lo:
+                pieces.append(Piece(indices[cursor], lo - member.offset, hi - lo, lo - begin))
+            if member.padded_stop > end:
+                break  # the member goes on in the next chunk
+            cursor += 1
+        chunks.append(Chunk(begin, end, tuple(pieces)))
+    return chunks
+
+
+def cached_chunks(flat: FlatState, indices: Sequence[int]) -> list[Chunk]:
+    """:func:`plan_chunks`, remembered by ``flat`` (the same tensors step together step after step)."""
+    key = tuple(indices)
+    plan = flat.plans.get(key)
+    if plan is None:
+        plan = flat.plans[key] = plan_chunks(flat, indices)
+    return plan
+
+
+def adjacent_runs(flat: FlatState, indices: Sequence[int]) -> list[list[int]]:
+    """Split sorted member ``indices`` into runs whose flat ranges follow each other without a gap."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and flat.members[runs[-1][-1]].padded_stop == flat.members[index].offset:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
+
+
+def runs_of(flat: FlatState, members: Sequence[tuple]) -> list[tuple[list[int], dict, dict]]:
+    """``members`` = ``[(index, param, grad)]`` sorted by index, as runs of adjacent members: ``(indices, flat
+    params by index, flat grads by index)``."""
+    params = {index: param.detach().view(-1) for index, param, _ in members}
+    grads = {index: grad.reshape(-1) for index, _, grad in members}
+    return [(run, params, grads) for run in adjacent_runs(flat, list(params))]
+
+
+def buckets(flat: FlatState, run: Sequence[int], limit: int) -> list[list[int]]:
+    """Split a run of members into consecutive buckets of at most ``limit`` padded elements (a larger member
+    is a bucket by itself)."""
+    result: list[list[int]] = []
+    size = 0
+    for index in run:
+        length = flat.members[index].padded_stop - flat.members[index].offset
+        if not result or size + length > limit:
+            result.append([])
+            size = 0
+        result[-1].append(index)
+        size += length
+    return result
+
+
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Parameter dtypes the multi-tensor path takes (the rules compute in fp32 and round back)."""
+
+
+class Scratch:
+    """Reusable flat buffers per (dtype, device), and zero padding to gather between tensors."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def buffer(self, role: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        key = (role, dtype, device)
+        found = self._buffers.get(key)
+        if found is None or found.numel() < numel:
+            found = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return found[:numel]
+
+    def zeros(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = ("zeros", dtype, device)
+        if key not in self._buffers:
+            self._buffers[key] = torch.zeros(BLOCK_SIZE, dtype=dtype, device=device)
+        return self._buffers[key]
+
+
+def gather(chunk: Chunk, flats: Sequence[torch.Tensor], out: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Copy the chunk's pieces of the flat tensors ``flats`` (by member) into ``out``, zeros in between."""
+    parts, at = [], 0
+    for piece in chunk.pieces:
+        if piece.at > at:
+            parts.append(zeros[: piece.at - at])
+        parts.append(flats[piece.member][piece.start : piece.start + piece.length])
+        at = piece.at + piece.length
+    length = chunk.stop - chunk.start
+    if length > at:
+        parts.append(zeros[: length - at])
+    return torch.cat(parts, out=out[:length])
+
+
+def scatter(chunk: Chunk, gathered: torch.Tensor, flats: Sequence[torch.Tensor]) -> None:
+    """Copy the chunk's pieces of ``gathered`` back into the flat tensors ``flats``."""
+    if not chunk.pieces:
+        return
+    destinations = [flats[p.member][p.start : p.start + p.length] for p in chunk.pieces]
+    sources = [gathered[p.at : p.at + p.length] for p in chunk.pieces]
+    torch._foreach_copy_(destinations, sources)
+
+
+def step_run(
+    rule: Callable,
+    flat: FlatState,
+    chunks: Sequence[Chunk],
+    params: dict[int, torch.Tensor],
+    grads: dict[int, torch.Tensor],
+    hyper: dict,
+    scratch: Scratch,
+    out: torch.Tensor | None = None,
+    out_offset: int = 0,
+) -> None:
+    """Run ``rule`` over ``chunks`` of ``flat``; ``params``/``grads`` map member index to flat tensors.
+
+    ``out`` (LAMB's direction) receives the rule's output instead of the parameters: flat element ``i`` goes to
+    ``out[i - out_offset]``, and the parameters are left as they are.
+    """
+    first = next(iter(params.values()))
+    device, p_dtype = first.device, first.dtype
+    g_dtype = next(iter(grads.values())).dtype
+    hyper_t = hyper_tensors(hyper, device)
+    p_zeros, g_zeros = scratch.zeros(p_dtype, device), scratch.zeros(g_dtype, device)
+    for chunk in chunks:
+        length = chunk.stop - chunk.start
+        whole = chunk.whole_member
+        if whole is not None:
+            piece = chunk.pieces[0]
+            p = params[whole][piece.start : piece.start + length]
+            g = grads[whole][piece.start : piece.start + length]
+        else:
+            p = gather(chunk, params, scratch.buffer("param", p_dtype, device, CHUNK), p_zeros)
+            g = gather(chunk, grads, scratch.buffer("grad", g_dtype, device, CHUNK), g_zeros)
+        o = None if out is None else out[chunk.start - out_offset : chunk.stop - out_offset]
+        run_update(rule, flat.kinds, p, g, o, flat.chunk(chunk.start, chunk.stop), hyper_t)
+        if whole is None and out is None:
+            scatter(chunk, p, params)
+
+
+def step_tensor(
+    rule: Callable,
+    kinds: Sequence[bool | None],
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    out: torch.Tensor | None,
+    tensors: Sequence[torch.Tensor],
+    hyper: dict,
+) -> None:
+    """Run ``rule`` over one tensor's own flat state (``state_store.slot_tensors``), chunk by chunk."""
+    hyper_t = hyper_tensors(hyper, param.device)
+    n = param.numel()
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        chunk, index = [], 0
+        blocks = slice(start // BLOCK_SIZE, -(-stop // BLOCK_SIZE))
+        for kind in kinds:
+            if kind is None:
+                chunk.append(tensors[index][:, start:stop])
+            else:
+                codes, absmax, qmap, table = tensors[index : index + 4]
+                chunk += [codes[:, start:stop], absmax[:, blocks], qmap, table]
+            index += elementwise.slot_width(kind)
+        run_update(rule, kinds, param[start:stop], grad[start:stop], None if out is None else out[start:stop], chunk,
+                   hyper_t)

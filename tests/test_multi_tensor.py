@@ -1,0 +1,151 @@
+"""The multi-tensor PyTorch path (flat state, one call per chunk) against the per-tensor eager rule, bit for bit."""
+
+import io
+
+import pytest
+import torch
+from helpers import make_params, set_grads
+
+import hf_optim
+from hf_optim.kernels import multi_tensor
+from hf_optim.optim.base import HfOptimizer
+
+# Sizes below and above min_8bit_size (so 8-bit and 32-bit state share a group), not multiples of 256, empty,
+# 0-d, and several larger than the (shrunk) chunk so that tensors straddle chunks and fill chunks by themselves.
+SHAPES = [(64, 80), (5000,), (300,), (0,), (), (16, 200), (200, 16), (4096,), (4097,), (3, 0, 5), (9000,)]
+CASES = [
+    (hf_optim.AdamW8bit, dict(lr=1e-2, weight_decay=0.1)),
+    (hf_optim.AdamW32bit, dict(lr=1e-2)),
+    (hf_optim.AdEMAMix8bit, dict(lr=1e-2, t_alpha=3, t_beta3=3)),
+    (hf_optim.AdEMAMix32bit, dict(lr=1e-2)),
+    (hf_optim.Lion8bit, dict(lr=1e-3, weight_decay=0.1)),
+    (hf_optim.RMSprop8bit, dict(lr=1e-3, weight_decay=0.1)),
+    (hf_optim.LAMB8bit, dict(lr=1e-2)),
+    (hf_optim.LAMB32bit, dict(lr=1e-2, adam_w_mode=False, weight_decay=0.1, max_trust_ratio=5.0)),
+]
+ids = [cls.__name__ for cls, _ in CASES]
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
+
+
+def per_tensor_path(monkeypatch):
+    monkeypatch.setattr(HfOptimizer, "_on_multi_tensor_path", lambda self, full, param: False)
+
+
+def mixed_params():
+    """Half fp32, half bf16 parameters, in one group."""
+    params = make_params(SHAPES, seed=0)
+    return [torch.nn.Parameter(p.detach().to(torch.bfloat16)) if i % 2 else p for i, p in enumerate(params)]
+
+
+def train(cls, kwargs, steps=4):
+    """Steps with a gradient missing once (its step counter lags behind), a param group added after two steps,
+    and the state dict saved, loaded into a new optimizer and training resumed after three."""
+    params = mixed_params()
+    late = make_params([(70, 70), (100,)], seed=1)
+    opt = cls(params, **kwargs)
+    for step in range(steps):
+        if step == 2:
+            opt.add_param_group({"params": late, "lr": kwargs["lr"] / 2})
+        active = params + (late if step >= 2 else [])
+        set_grads(active, step)
+        if step == 1:
+            params[1].grad = None
+        if step == 3:
+            saved = opt.state_dict()
+            opt = cls([{"params": params}, {"params": late}], **kwargs)
+            opt.load_state_dict(saved)
+        opt.step()
+    return params + late, opt
+
+
+def assert_same(reference, candidate):
+    (ref_params, ref_opt), (params, opt) = reference, candidate
+    for a, b in zip(ref_params, params):
+        assert torch.equal(a, b)
+    ref_state, state = ref_opt.state_dict()["state"], opt.state_dict()["state"]
+    assert ref_state.keys() == state.keys()
+    for index in ref_state:
+        assert ref_state[index].keys() == state[index].keys()
+        for key, value in ref_state[index].items():
+            if isinstance(value, dict):  # bitsandbytes' nested quantization state
+                assert value.keys() == state[index][key].keys()
+                for name, tensor in value.items():
+                    other = state[index][key][name]
+                    assert tensor.dtype == other.dtype and tensor.shape == other.shape, (index, name)
+                    assert torch.equal(tensor, other), (index, name)
+            else:
+                assert value == state[index][key]
+
+
+@pytest.mark.parametrize("cls,kwargs", CASES, ids=ids)
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_multi_tensor_equals_per_tensor_eager(cls, kwargs, compiled, monkeypatch):
+    with monkeypatch.context() as reference_setup:
+        per_tensor_path(reference_setup)
+        reference_setup.setenv("HF_OPTIM_COMPILE", "0")
+        reference = train(cls, kwargs)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "1" if compiled else "0")
+    candidate = train(cls, kwargs)
+    assert_same(reference, candidate)
+    params, opt = candidate
+    # every non-empty parameter, the loaded and the late ones included, took the flat path
+    assert all(opt._flat.locate(p, opt.state[p]) is not None for p in params if p.numel())
+    ref_params, ref_opt = reference
+    assert not any(ref_opt._flat.locate(p, ref_opt.state[p]) for p in ref_params)
+
+
+def test_group_state_is_one_flat_buffer_per_layout(monkeypatch):
+    params = make_params(SHAPES)
+    opt = hf_optim.AdamW8bit(params)
+    set_grads(params, 0)
+    opt.step()
+    buffers = {id(opt._flat.locate(p, opt.state[p])[0]) for p in params}
+    assert len(buffers) == 2  # 8-bit state for the large tensors, fp32 for those below min_8bit_size
+    state = opt.state[params[0]]
+    assert state["state1"].dtype == torch.uint8 and state["state1"].shape == params[0].shape
+    assert state["absmax1"].shape == (-(-params[0].numel() // 256),)
+
+
+def test_state_dict_format_and_weights_only_round_trip():
+    params = make_params(SHAPES)
+    opt = hf_optim.AdEMAMix8bit(params)
+    set_grads(params, 0)
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    state = loaded["state"][0]["__bnb_optimizer_quant_state__"]
+    assert state["state1"].shape == (2, 64, 80) and state["state1"].dtype == torch.uint8
+    assert state["absmax1"].shape == (2, 20)
+    twin = hf_optim.AdEMAMix8bit(make_params(SHAPES))
+    twin.load_state_dict(loaded)
+    for p, q in zip(params, twin.param_groups[0]["params"]):
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, twin.state[q][key]) if isinstance(value, torch.Tensor) else value == twin.state[
+                q][key]
+
+
+@pytest.mark.slow
+def test_no_recompilation_across_steps_with_changing_lr(monkeypatch):
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "1")
+    params = make_params(SHAPES)
+    opt = hf_optim.AdamW8bit(params, lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    set_grads(params, 0)
+    opt.step()
+    schedule.step()
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    for step in range(1, 6):
+        set_grads(params, step)
+        opt.step()
+        schedule.step()
+    assert counters["stats"]["unique_graphs"] == graphs  # new lrs and bias corrections: no new graph
+    assert opt.param_groups[0]["lr"] < 1e-2 / 5
