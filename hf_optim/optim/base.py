@@ -58,8 +58,13 @@ def _override_key(hyper: dict):
     return key
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor to compute on: a DTensor's local shard, or the tensor itself."""
+    if type(tensor) in _PLAIN_TENSORS:  # the common case, without the failed attribute lookup below
+        return tensor
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
 
@@ -197,8 +202,7 @@ class HfOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for group_index, group, entries in self._plan_step():
             items, overridden = [], {}
-            for p, overrides in entries:
-                param, grad = local_tensor(p), local_tensor(p.grad)
+            for p, param, grad, overrides in entries:
                 state = self.state[p]
                 if not state:
                     self._init_state(p, {**group, **overrides} if overrides else group, state)
@@ -207,7 +211,7 @@ class HfOptimizer(torch.optim.Optimizer):
                     continue
                 if self.is_paged:
                     self._allocate.prefetch(state)  # managed buffers to the GPU, on the current stream: no sync
-                hyper = update_overrides(overrides)
+                hyper = update_overrides(overrides) if overrides else None
                 if hyper:  # per-parameter hyperparameters (bitsandbytes' manager): updated with its own group
                     overridden.setdefault(_override_key(hyper), ({**group, **hyper}, []))[1].append(
                         (param, grad, state, p)
@@ -219,29 +223,36 @@ class HfOptimizer(torch.optim.Optimizer):
                 self._update_group(effective_group, group_index, group_items)
         return loss
 
-    def _plan_step(self) -> list[tuple[int, dict, list[tuple[torch.Tensor, dict | None]]]]:
-        """``(group index, group, [(param, overrides)])`` for every parameter with a gradient, after checking all
-        of them, so that a refused step changes nothing: no parameter, state or step counter."""
+    def _plan_step(self) -> list[tuple[int, dict, list[tuple]]]:
+        """``(group index, group, [(param, local param, local grad, overrides)])`` for every parameter with a
+        gradient, after checking all of them, so that a refused step changes nothing: no parameter, state or step
+        counter."""
         manager = bitsandbytes_manager()
         by_module = module_overrides(manager) if manager is not None else {}
-        plan, devices = [], set()
+        plan = []
         for group_index, group in enumerate(self.param_groups):
             entries = []
             for index, p in enumerate(group["params"]):
-                if p.grad is None:
+                grad = p.grad
+                if grad is None:
                     continue
-                if local_tensor(p.grad).is_sparse:
+                param, grad = local_tensor(p), local_tensor(grad)
+                if grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if p.is_complex():
+                if param.is_complex():
                     raise RuntimeError(f"{type(self).__name__} does not support complex parameters")
-                overrides = self._param_overrides(p, group_index, index, manager, by_module)
+                overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
+                if (overrides is None and self._overrides_by_position) or manager is not None:
+                    overrides = self._param_overrides(p, group_index, index, manager, by_module)
                 if overrides:
                     self._check_overrides(overrides, group, f"parameter {index} of param group {group_index}")
-                devices.add(local_tensor(p).device)
-                entries.append((p, overrides))
+                entries.append((p, param, grad, overrides))
             plan.append((group_index, group, entries))
-        for device in devices:  # an HF_OPTIM_BACKEND that cannot run there raises now, before any update
-            kernel_backend.uses_triton(device)
+        # HF_OPTIM_BACKEND is checked now, not when the first group is already updated: a bad value raises here, and
+        # a forced Triton backend that cannot run on some device raises for that device.
+        if kernel_backend.forced_backend() == "triton":
+            for device in {param.device for _, _, entries in plan for _, param, _, _ in entries}:
+                kernel_backend.uses_triton(device)
         return plan
 
     def add_param_group(self, param_group: dict) -> None:
