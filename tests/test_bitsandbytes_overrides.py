@@ -163,3 +163,43 @@ def test_overrides_are_read_only_from_an_imported_bitsandbytes_and_never_change_
     train(net, opt, 2)
     assert opt.state[net.fc0.weight]["state1"].dtype == torch.float32  # honoured...
     assert (manager.pid2config, manager.index2config) == tables  # ...by reading only
+
+
+ON_GPU = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(ON_GPU, reason="GPU machine: the cuda case runs the kernels")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [(hf_optim.AdamW8bit, {}), (hf_optim.LAMB8bit, {}), (hf_optim.Lion8bit, {}),
+     (hf_optim.Adafactor, {"relative_step": False, "beta1": 0.9, "optim_bits": 8})],
+    ids=["AdamW8bit", "LAMB8bit", "Lion8bit", "Adafactor"],
+)
+def test_overrides_and_a_tensor_lr_reach_the_triton_kernels(cls, kwargs, device, manager, monkeypatch):
+    """The same overrides (lr 0 for one weight, another weight decay for another) and a tensor lr, on the Triton
+    kernels (Triton's interpreter on CPU) and on the PyTorch path: the same result, fc0.weight put."""
+    pytest.importorskip("triton")
+    results = []
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HF_OPTIM_BACKEND", backend)
+        manager.initialize()
+        torch.manual_seed(0)
+        net = Net().to(device)
+        start = net.fc0.weight.detach().clone()
+        manager.register_parameters(net.parameters())
+        manager.override_config(net.fc0.weight, "lr", 0.0)
+        manager.override_config(net.fc1.weight, "weight_decay", 0.5)
+        opt = cls(net.parameters(), lr=torch.tensor(1e-2), **kwargs)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            net(torch.randn(4, 64, generator=gen).to(device)).square().mean().backward()
+            opt.step()
+        assert torch.equal(net.fc0.weight, start)
+        results.append([p.detach().clone() for p in net.parameters()])
+    for on_torch, on_triton in zip(*results):
+        torch.testing.assert_close(on_triton, on_torch, rtol=1e-5, atol=1e-6)

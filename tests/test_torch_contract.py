@@ -8,6 +8,8 @@ Pickling (deepcopy, pickle, torch.save of the object), state-dict and load-state
 import copy
 import io
 import pickle
+import subprocess
+import sys
 import warnings
 
 import bitsandbytes.functional as bnb_functional
@@ -352,3 +354,11 @@ def test_maps_built_under_inductor_equal_bitsandbytes_bit_for_bit(monkeypatch):
         expected = bnb_functional.create_dynamic_map(signed=signed)
         assert torch.equal(qmap.view(torch.int32), expected.view(torch.int32))
     torch._dynamo.reset()
+
+
+def test_import_loads_neither_dynamo_nor_bitsandbytes():
+    """The compile-safe map build and the GlobalOptimManager lookup cost nothing at import: hf_optim reads
+    bitsandbytes' manager only from an already imported bitsandbytes, and dynamo loads when first needed."""
+    code = "import sys, hf_optim; print(sorted(m for m in ('torch._dynamo', 'bitsandbytes') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr

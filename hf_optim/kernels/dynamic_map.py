@@ -62,20 +62,25 @@ def create_dynamic_map(signed: bool = True) -> torch.Tensor:
 _built: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-@torch.compiler.disable
 def _build_maps(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # Always eager: traced into a compiled step (dynamo inlines functools.cache wrappers), Inductor would
-    # recompute linspace in fp32 in its own way, and the map would no longer equal bitsandbytes' bit for bit.
     qmap = create_dynamic_map(signed)
     _built[signed] = qmap, _build_encoder(qmap, signed)
     return _built[signed]
+
+
+# Traced into a compiled step (dynamo inlines functools.cache wrappers too), Inductor would recompute the map's
+# fp32 linspace arithmetic its own way and the map would no longer equal bitsandbytes' bit for bit: under
+# torch.compile the build runs outside the graph. (torch._disable_dynamo imports dynamo only when first called.)
+_build_maps_eagerly = torch._disable_dynamo(_build_maps)
 
 
 def _maps_cpu(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(map, encoder table) on CPU, built once per process. A compiled step that finds them built reads them as
     constants (a dict lookup, no graph break); only the very first build breaks the graph."""
     maps = _built.get(signed)
-    return maps if maps is not None else _build_maps(signed)
+    if maps is not None:
+        return maps
+    return _build_maps_eagerly(signed) if torch.compiler.is_compiling() else _build_maps(signed)
 
 
 def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:

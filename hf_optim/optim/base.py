@@ -375,7 +375,7 @@ class HfOptimizer(torch.optim.Optimizer):
                 state_dict = replacement
         return state_dict
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # as torch's own load_state_dict (imports dynamo only when first called)
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by hf_optim or bitsandbytes (nested or flat form).
 
