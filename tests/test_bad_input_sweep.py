@@ -85,7 +85,9 @@ HYPER_CASES = [
          match)
     for cls, kwargs, error, match in [
         (hf_optim.AdamW, {"lr": "1e-3"}, TypeError, r"lr must be a real number, got '1e-3' \(str\)"),
-        (hf_optim.AdamW, {"lr": torch.tensor(1e-3)}, TypeError, r"lr must be a real number, got tensor"),
+        # a 1-element tensor lr is valid (torch's contract); others are refused the torch way, with a ValueError
+        (hf_optim.AdamW, {"lr": torch.tensor([1e-3, 1e-3])}, ValueError, r"Tensor lr must be a 1-element real"),
+        (hf_optim.AdamW, {"lr": torch.tensor(float("nan"))}, ValueError, r"Invalid lr: nan"),
         (hf_optim.AdamW, {"lr": -1.0}, ValueError, r"Invalid lr: -1.0"),
         (hf_optim.AdamW, {"weight_decay": float("inf")}, ValueError, r"Invalid weight_decay: inf"),
         (hf_optim.AdamW8bit, {"eps": 0.0}, ValueError, r"Invalid eps: 0.0"),

@@ -5,8 +5,10 @@ allocator pages, prefetch before each update, load_state_dict allocating through
 checked with the managed allocation replaced by registered CPU tensors.
 """
 
+import copy
 import io
 import math
+import pickle
 import warnings
 
 import pytest
@@ -172,6 +174,28 @@ def test_load_state_dict_pages_the_loaded_state_again(fake_managed):
     ]
     assert torch.equal(state["state1"], saved["state"][0][QUANT_STATE_KEY]["state1"])
     assert hf_optim.state_memory(resumed_opt).paged_bytes == hf_optim.state_memory(opt).paged_bytes == 2 * 100_000
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_paged_optimizer_pages_its_state_again(fake_managed, how):
+    """deepcopy / pickle carry the state as host copies (as state_dict() does) and the copy allocates its state
+    buffers through its own allocator again: the copy is paged like the original, and holds the same values."""
+    made, prefetched = fake_managed
+    params = make_params([(400, 250), (80, 70)])
+    opt = hf_optim.PagedAdamW8bit(params)
+    run_steps(opt, params, 2)
+    made.clear()
+    both = (params, opt)
+    copied_params, copied = copy.deepcopy(both) if how == "deepcopy" else pickle.loads(pickle.dumps(both))
+    state, original = copied.state[copied_params[0]], opt.state[params[0]]
+    buffers = [state["state1"].untyped_storage().data_ptr(), state["state2"].untyped_storage().data_ptr()]
+    assert [t.untyped_storage().data_ptr() for t in made] == buffers
+    assert not paging.is_paged_tensor(copied.state[copied_params[1]]["state1"])  # below the paging threshold
+    for key, value in original.items():
+        assert torch.equal(state[key], value) if isinstance(value, torch.Tensor) else state[key] == value, key
+    prefetched.clear()
+    run_steps(copied, copied_params, 1, start=2)
+    assert prefetched == buffers
 
 
 def test_unpaged_optimizer_never_pages(fake_managed):

@@ -41,26 +41,46 @@ ZERO_CODE_SIGNED = 127
 
 
 def create_dynamic_map(signed: bool = True) -> torch.Tensor:
-    """Return the 256-entry fp32 dynamic map, equal bit for bit to bitsandbytes' ``create_dynamic_map``."""
-    values: list[float] = []
+    """Return the 256-entry fp32 dynamic map, equal bit for bit to bitsandbytes' ``create_dynamic_map``.
+
+    Tensor operations only (no ``.tolist()``), so ``torch.compile`` traces it without a graph break when a compiled
+    step creates 8-bit state; the fp32 values and their sorted order are those of bitsandbytes' list-based build.
+    """
+    parts = []
     for decade in range(7):
         items = 2**decade + 1 if signed else 2 ** (decade + 1) + 1
         bounds = torch.linspace(0.1, 1, items, dtype=torch.float32)
         means = (bounds[:-1] + bounds[1:]) / 2.0
         scale = 10 ** (decade - 6)
-        values += (scale * means).tolist()
+        parts.append(scale * means)
         if signed:
-            values += (-scale * means).tolist()
-    values += [0.0, 1.0]
-    values.sort()
-    return torch.tensor(values, dtype=torch.float32)
+            parts.append(-scale * means)
+    parts.append(torch.tensor([0.0, 1.0], dtype=torch.float32))
+    return torch.cat(parts).sort().values
 
 
-@functools.cache
-def _maps_cpu(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(map, encoder table) on CPU, built once per process."""
+_built: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _build_maps(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     qmap = create_dynamic_map(signed)
-    return qmap, _build_encoder(qmap, signed)
+    _built[signed] = qmap, _build_encoder(qmap, signed)
+    return _built[signed]
+
+
+# Traced into a compiled step (dynamo inlines functools.cache wrappers too), Inductor would recompute the map's
+# fp32 linspace arithmetic its own way and the map would no longer equal bitsandbytes' bit for bit: under
+# torch.compile the build runs outside the graph. (torch._disable_dynamo imports dynamo only when first called.)
+_build_maps_eagerly = torch._disable_dynamo(_build_maps)
+
+
+def _maps_cpu(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(map, encoder table) on CPU, built once per process. A compiled step that finds them built reads them as
+    constants (a dict lookup, no graph break); only the very first build breaks the graph."""
+    maps = _built.get(signed)
+    if maps is not None:
+        return maps
+    return _build_maps_eagerly(signed) if torch.compiler.is_compiling() else _build_maps(signed)
 
 
 def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -165,6 +165,7 @@ class FlatStates:
         """Move the existing state of ``entries`` (same form as :meth:`create`) into new flat buffers."""
         self._place(specs, entries, allocate, copy=True)
 
+    @torch._disable_dynamo  # bookkeeping, not tensor math: outside an outer torch.compile's graph
     def _place(self, specs, entries, allocate, copy: bool) -> None:
         batches: dict[tuple, list] = {}
         for entry in entries:

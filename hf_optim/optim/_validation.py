@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+import torch
+
 
 def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -25,7 +27,18 @@ def check_real(name: str, value, *, low: float = -math.inf, low_open: bool = Fal
     return value
 
 
-def check_lr(lr) -> float:
+def check_lr(lr):
+    """A finite ``lr >= 0``: a real number, or a 1-element floating-point tensor (torch's optimizers accept one;
+    under ``torch.compile`` a tensor lr that a scheduler changes is a graph input, not a constant to recompile on).
+    """
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point() or lr.is_complex():
+            raise ValueError(
+                f"Tensor lr must be a 1-element real floating-point tensor, got shape {tuple(lr.shape)} "
+                f"and dtype {lr.dtype}; pass a float or e.g. torch.tensor(1e-3)"
+            )
+        check_real("lr", lr.item(), low=0.0, high=math.inf, high_open=True)
+        return lr
     return check_real("lr", lr, low=0.0, high=math.inf, high_open=True)
 
 

@@ -142,7 +142,7 @@ class Adafactor(HfOptimizer):
         step_size = self._step_size(group, step)
         if group["scale_parameter"]:
             return param_rms.clamp(min=group["eps"][1]) * step_size
-        return torch.tensor(step_size, dtype=torch.float32, device=param_rms.device)
+        return torch.as_tensor(step_size, dtype=torch.float32, device=param_rms.device)  # a float or a tensor lr
 
     def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
         step = state["step"]
@@ -154,7 +154,8 @@ class Adafactor(HfOptimizer):
 
         state["RMS"] = reduce.rms(p32)
         lr = self._learning_rate(group, step, state["RMS"])
-        beta2t = 1.0 - math.pow(step, group["decay_rate"])
+        # ``**``, not math.pow: torch.compile traces it on a symbolic step; math.pow would recompile at every step
+        beta2t = 1.0 - step ** group["decay_rate"]
         squared = grad * grad + group["eps"][0]
         if "exp_avg_sq_row" in state:
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]

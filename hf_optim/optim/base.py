@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -30,7 +31,15 @@ from hf_optim.kernels.state_store import (
 )
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import check_min_8bit_size, check_optim_bits
-from hf_optim.paging import on_host, state_allocator
+from hf_optim.optim.overrides import (
+    PARAM_OVERRIDES_ATTR,
+    bitsandbytes_config,
+    bitsandbytes_manager,
+    check_override_keys,
+    module_overrides,
+    update_overrides,
+)
+from hf_optim.paging import on_host, paging_unavailable_reason, state_allocator
 
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
 ALGORITHM_KEY = "hf_optim_algorithm"
@@ -41,13 +50,23 @@ class StateDictError(ValueError):
     """A state dict that cannot be loaded into this optimizer (another algorithm, layout or block size)."""
 
 
-PARAM_OVERRIDES_ATTR = "hf_optim_overrides"
-"""A parameter attribute holding per-parameter settings (e.g. ``{"optim_bits": 32}`` for embeddings) that
-override its group's when its state is created, like bitsandbytes' ``GlobalOptimManager`` overrides."""
+def _override_key(hyper: dict):
+    """A key that puts parameters with equal hyperparameter overrides in one update call."""
+    key = tuple(sorted(hyper.items()))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable value: this parameter gets a call of its own
+        return object()
+    return key
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor to compute on: a DTensor's local shard, or the tensor itself."""
+    if type(tensor) in _PLAIN_TENSORS:  # the common case, without the failed attribute lookup below
+        return tensor
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
 
@@ -167,13 +186,12 @@ class HfOptimizer(torch.optim.Optimizer):
         )
 
     def _create_states(self, group: dict, fresh: list) -> None:
-        """Create the state of ``fresh`` = ``[(param, state)]``: flat buffers for the multi-tensor path, per tensor
-        otherwise."""
+        """Create the state of ``fresh`` = ``[(param, local param, per-parameter overrides)]``: in flat buffers for
+        the multi-tensor path, per tensor otherwise."""
         flat_entries = []
-        for p, state in fresh:
-            overrides = self._param_overrides(p, group)
+        for p, param, overrides in fresh:
             settings = {**group, **overrides} if overrides else group
-            param = local_tensor(p)
+            state = self.state[p]
             if not self._on_multi_tensor_path(p, param):
                 self._init_state(p, settings, state)
                 continue
@@ -207,6 +225,9 @@ class HfOptimizer(torch.optim.Optimizer):
         if fused:
             triton_step.step_group(self, group, group_index, fused)
 
+    # The multi-tensor path runs its own compiled kernels: under an outer torch.compile(optimizer.step) it runs as
+    # it is (dynamo would otherwise specialize on every step's learning rate and bias corrections).
+    @torch._disable_dynamo
     def _update_flat(self, group: dict, items: list) -> None:
         """The multi-tensor path for ``items`` (as :meth:`_update_group`'s): state that a loaded state dict
         replaced is first moved into flat buffers; then one :meth:`_step_flat` per flat buffer and step count."""
@@ -247,29 +268,61 @@ class HfOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group_index, group in enumerate(self.param_groups):
-            stepping = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                param, grad = local_tensor(p), local_tensor(p.grad)
-                if grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if param.is_complex():
-                    raise RuntimeError(f"{type(self).__name__} does not support complex parameters")
-                stepping.append((p, param, grad, self.state[p]))
+        for group_index, group, entries in self._plan_step():
             # State is created lazily, for all of a step's new parameters at once (flat buffers hold them together).
-            self._create_states(group, [(p, state) for p, _, _, state in stepping if not state])
-            items = []
-            for p, param, grad, state in stepping:
+            fresh = [(p, param, overrides) for p, param, _, overrides in entries if not self.state[p]]
+            self._create_states(group, fresh)
+            items, overridden = [], {}
+            for p, param, grad, overrides in entries:
+                state = self.state[p]
                 state["step"] += 1
                 if p.numel() == 0:  # an empty local shard still joins its shard group's reductions
                     continue
                 if self.is_paged:
                     self._allocate.prefetch(state)  # managed buffers to the GPU, on the current stream: no sync
-                items.append((param, grad, state, p))
+                hyper = update_overrides(overrides) if overrides else None
+                if hyper:  # per-parameter hyperparameters (bitsandbytes' manager): updated with its own group
+                    overridden.setdefault(_override_key(hyper), ({**group, **hyper}, []))[1].append(
+                        (param, grad, state, p)
+                    )
+                else:
+                    items.append((param, grad, state, p))
             self._update_group(group, group_index, items)
+            for effective_group, group_items in overridden.values():
+                self._update_group(effective_group, group_index, group_items)
         return loss
+
+    def _plan_step(self) -> list[tuple[int, dict, list[tuple]]]:
+        """``(group index, group, [(param, local param, local grad, overrides)])`` for every parameter with a
+        gradient, after checking all of them, so that a refused step changes nothing: no parameter, state or step
+        counter."""
+        manager = bitsandbytes_manager()
+        by_module = module_overrides(manager) if manager is not None else {}
+        plan = []
+        for group_index, group in enumerate(self.param_groups):
+            entries = []
+            for index, p in enumerate(group["params"]):
+                grad = p.grad
+                if grad is None:
+                    continue
+                param, grad = local_tensor(p), local_tensor(grad)
+                if grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if param.is_complex():
+                    raise RuntimeError(f"{type(self).__name__} does not support complex parameters")
+                overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
+                if (overrides is None and self._overrides_by_position) or manager is not None:
+                    overrides = self._param_overrides(p, group_index, index, manager, by_module)
+                if overrides:
+                    self._check_overrides(overrides, group, f"parameter {index} of param group {group_index}")
+                entries.append((p, param, grad, overrides))
+            plan.append((group_index, group, entries))
+        # HF_OPTIM_BACKEND is checked now, not when the first group is already updated: a bad value raises here, and
+        # a forced Triton backend that cannot run on some device raises for that device.
+        if kernel_backend.forced_backend() == "triton":
+            for device in {param.device for _, _, entries in plan for _, param, _, _ in entries}:
+                kernel_backend.uses_triton(device)
+        return plan
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -284,14 +337,64 @@ class HfOptimizer(torch.optim.Optimizer):
         if hasattr(self, "_allocate"):  # torch calls this from __init__ before our attributes exist
             self._check_group(self.param_groups[-1])
 
-    def _param_overrides(self, p: torch.Tensor, group: dict) -> dict | None:
-        """``p``'s overrides: its attribute, else those recorded at its position when the optimizer was built."""
+    def _param_overrides(self, p: torch.Tensor, group_index: int, index: int, manager=None, by_module=None):
+        """``p``'s per-parameter settings (see :mod:`hf_optim.optim.overrides`): its attribute, else those recorded
+        at its position when the optimizer was built; then bitsandbytes' manager's, if it has any."""
         overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
-        if overrides is not None or not self._overrides_by_position:
+        if overrides is None and self._overrides_by_position:
+            overrides = self._overrides_by_position.get((group_index, index))
+        if manager is None:
             return overrides
-        group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
-        index = next(i for i, q in enumerate(group["params"]) if q is p)
-        return self._overrides_by_position.get((group_index, index))
+        managed = bitsandbytes_config(manager, by_module, p, (group_index, index))
+        return {**overrides, **managed} if overrides and managed else managed or overrides
+
+    def _check_overrides(self, overrides: dict, group: dict, where: str) -> None:
+        check_override_keys(overrides, group, type(self).__name__, where)
+        try:
+            self._check_group({**group, **overrides})
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{where}, per-parameter override {overrides!r}: {error}") from error
+
+    # ----------------------------------------------------------------------------------------------------
+    # Pickling (copy.deepcopy, pickle, torch.save of the optimizer object)
+    _PICKLED_ATTRS: ClassVar[tuple[str, ...]] = ("is_paged", "_overrides_by_position")
+    """What hf_optim adds to torch's pickled state (defaults, state, param_groups). The allocator is rebuilt from
+    ``is_paged``; caches (Triton launch plans) are rebuilt when next needed."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({name: self.__dict__[name] for name in self._PICKLED_ATTRS})
+        if self.is_paged:  # managed buffers travel as host copies, as in state_dict(); __setstate__ pages them again
+            state["state"] = defaultdict(
+                dict, {p: on_host(s) if isinstance(s, Mapping) else s for p, s in self.state.items()}
+            )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        had_differentiable = "differentiable" in state.get("defaults", {})
+        super().__setstate__(state)
+        if not had_differentiable:  # torch's __setstate__ adds this key for its own optimizers; hf_optim has none
+            self.defaults.pop("differentiable", None)
+        self.__dict__.setdefault("is_paged", False)
+        self.__dict__.setdefault("_overrides_by_position", {})
+        self._allocate = state_allocator(self.is_paged, type(self).__name__)
+        self._flat = FlatStates()  # unpickled state is standalone: the multi-tensor path moves it in at the next step
+        if self.is_paged:
+            self._page_state_again()
+
+    def _page_state_again(self) -> None:
+        """Move unpickled state to its parameter's device, state buffers through the allocator (managed memory
+        where paging is available), exactly as :meth:`load_state_dict` places loaded state."""
+        slots = {spec.key for spec in self.state_specs}
+        for p, param_state in self.state.items():
+            if not isinstance(p, torch.Tensor) or not isinstance(param_state, dict):
+                continue
+            device = local_tensor(p).device
+            pageable = paging_unavailable_reason(device) is None
+            for key, value in param_state.items():
+                if isinstance(value, torch.Tensor):
+                    paged = key in slots and pageable
+                    param_state[key] = self._allocate.copy_of(value, device) if paged else value.to(device)
 
     def __repr__(self) -> str:
         paged = ", paged" if self.is_paged else ""
@@ -300,11 +403,28 @@ class HfOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------------------
     # State dicts in bitsandbytes' format
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, with every quantization tensor nested under ``__bnb_optimizer_quant_state__``."""
-        state_dict = super().state_dict()
+        """torch's state dict, with every quantization tensor nested under ``__bnb_optimizer_quant_state__``.
+
+        Hooks follow torch's contract: state-dict pre-hooks run first, post-hooks receive the final (nested) dict
+        and may return a replacement. Entries of ``optimizer.state`` that are not a parameter's state (a hook may
+        add some) are passed through unchanged, as torch does.
+        """
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()  # they run below, on the dict this method returns
+        try:
+            state_dict = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         params = [p for group in self.param_groups for p in group["params"]]  # torch's index order
+        first_index: dict[int, int] = {}
+        for index, p in enumerate(params):
+            first_index.setdefault(id(p), index)  # torch numbers a repeated parameter by its first place
+        param_indices = {first_index[id(k)] for k in self.state if isinstance(k, torch.Tensor) and id(k) in first_index}
         nested = {}
         for index, param_state in state_dict["state"].items():
+            if index not in param_indices or not isinstance(param_state, Mapping):
+                nested[index] = param_state
+                continue
             param_state = dict(param_state)
             quant = {k: param_state.pop(k) for k in list(param_state) if k in QUANT_KEYS}
             if quant:
@@ -319,8 +439,13 @@ class HfOptimizer(torch.optim.Optimizer):
         state_dict["param_groups"] = [
             {**self._to_bnb_group(group), ALGORITHM_KEY: self.algorithm} for group in state_dict["param_groups"]
         ]
+        for hook in post_hooks.values():
+            replacement = hook(self, state_dict)
+            if replacement is not None:
+                state_dict = replacement
         return state_dict
 
+    @torch._disable_dynamo  # as torch's own load_state_dict (imports dynamo only when first called)
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by hf_optim or bitsandbytes (nested or flat form).
 
@@ -328,7 +453,17 @@ class HfOptimizer(torch.optim.Optimizer):
         move to their parameter's device; state buffers are allocated by the optimizer's allocator, so a paged
         optimizer's state is paged again after loading. A state dict of another algorithm, of another parameter
         layout or of the old 2048-element block size raises :class:`StateDictError`.
+
+        torch's contract otherwise: load-state-dict pre-hooks get a shallow copy of ``state_dict`` (and may return
+        a replacement), post-hooks run after loading; entries of ``state`` that belong to no parameter are kept;
+        a param group keeps its ``param_names`` when the state dict has none.
         """
+        if isinstance(state_dict, Mapping):
+            state_dict = dict(state_dict)  # shallow copy: hooks may change it in place
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            replacement = hook(self, state_dict)
+            if replacement is not None:
+                state_dict = replacement
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
             found = sorted(map(str, state_dict))[:5] if isinstance(state_dict, Mapping) else type(state_dict).__name__
             raise StateDictError(
@@ -360,7 +495,8 @@ class HfOptimizer(torch.optim.Optimizer):
         }
         new_state: dict = {}
         for saved_id, param_state in state_dict["state"].items():
-            if saved_id not in id_map:
+            if saved_id not in id_map:  # not a parameter's state (a hook's entry, say): kept as it is, as torch does
+                new_state[saved_id] = copy.deepcopy(param_state)
                 continue
             p = id_map[saved_id]
             flat = sharding.import_state(dict(param_state), p, local_tensor(p), self._state_dims)
@@ -388,6 +524,8 @@ class HfOptimizer(torch.optim.Optimizer):
             for key, value in self.defaults.items():
                 merged.setdefault(key, value)
             merged["params"] = group["params"]
+            if "param_names" in group and "param_names" not in merged:
+                merged["param_names"] = group["param_names"]
             self._check_group(merged)
             new_groups.append(merged)
 
@@ -395,6 +533,8 @@ class HfOptimizer(torch.optim.Optimizer):
         self._flat.clear()  # the loaded state moves into new flat buffers at its first step
         self.state.update(new_state)
         self.param_groups = new_groups
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def _check_loaded_state(self, param: torch.Tensor, state: dict, index) -> None:
         """Refuse state of another algorithm, shape or block size before it can corrupt training."""

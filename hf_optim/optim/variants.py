@@ -7,6 +7,7 @@ docstring are the algorithm's minus the arguments it fixes.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 
 
@@ -18,15 +19,24 @@ def precision_variant(base: type, name: str, *, optim_bits: int | None = None, i
     if optim_bits is not None:
         fixed["optim_bits"] = optim_bits
 
+    signature = inspect.signature(base.__init__)
+    names = list(signature.parameters)[2:]  # after self and params
+
     def __init__(self, params, *args, **kwargs):
+        try:
+            arguments = signature.bind(self, params, *args, **kwargs).arguments
+        except TypeError as error:  # Python would name the base class (AdamW), not the class the user called
+            unknown = [key for key in kwargs if key not in signature.parameters]
+            close = difflib.get_close_matches(unknown[0], names, n=1) if unknown else []
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{name}.__init__() {error}{hint}") from None
         for key, value in fixed.items():
             # bitsandbytes' twins silently ignore a conflicting value; here it is an error.
-            if key in kwargs and kwargs[key] != value:
-                raise ValueError(f"{name} fixes {key}={value!r}; got {key}={kwargs[key]!r}")
-            kwargs[key] = value
-        base.__init__(self, params, *args, **kwargs)
+            if key in arguments and arguments[key] != value:
+                raise ValueError(f"{name} fixes {key}={value!r}; got {key}={arguments[key]!r}")
+            arguments[key] = value
+        base.__init__(**arguments)
 
-    signature = inspect.signature(base.__init__)
     __init__.__signature__ = signature.replace(
         parameters=[p for p in signature.parameters.values() if p.name not in fixed]
     )
