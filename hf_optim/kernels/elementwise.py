@@ -40,16 +40,19 @@ def update(
     tensors: Sequence[torch.Tensor],
     hyper: dict,
 ) -> None:
-    """Run ``rule`` over flat ``param``/``grad`` (n,) and the slots' raw ``tensors``, in place.
+    """Run ``rule`` over ``param``/``grad`` and the slots' raw ``tensors``, in place.
 
-    ``kinds`` holds, per slot, None (fp32 values) or the signedness of an 8-bit slot. If ``out`` is given the
-    rule's output goes there (fp32, masked to 0 where the gradient is not finite), else into ``param``.
+    Shapes: ``param``/``grad``/``out`` are flat ``(n,)`` and each slot tensor ``(rows, n)`` (absmax ``(rows,
+    blocks)``), or, in the multi-tensor kernels, ``(blocks, 256)`` and ``(rows, blocks, 256)`` (block-aligned
+    chunks: inductor compiles that form to clean vectorized loops for any number of blocks). ``kinds`` holds, per
+    slot, None (fp32 values) or the signedness of an 8-bit slot. If ``out`` is given the rule's output goes there
+    (fp32, masked to 0 where the gradient is not finite), else into ``param``.
     """
     # Scalars enter the rule as fp32 0-d tensors on every path, so any scalar arithmetic inside a rule rounds
     # the same way eagerly and compiled (a Python float would be combined in double precision).
     hyper = {name: torch.as_tensor(value, dtype=torch.float32) for name, value in hyper.items()}
-    p32 = param.float().view(1, -1)
-    g32 = grad.float().view(1, -1)
+    p32 = param.float().unsqueeze(0)
+    g32 = grad.float().unsqueeze(0)
     finite = torch.isfinite(g32)
     g32 = torch.where(finite, g32, torch.zeros_like(g32))
 
@@ -71,12 +74,10 @@ def update(
             tensors[index].copy_(new)
         else:
             codes, absmax, _, table = tensors[index : index + 4]
-            new_codes, new_absmax = blockwise.quantize(new, table, kind)
-            codes.copy_(new_codes)
-            absmax.copy_(new_absmax)
+            blockwise.quantize_into(new, table, kind, codes, absmax)
         index += slot_width(kind)
 
     if out is None:
-        param.copy_(torch.where(finite, result, p32).view(-1))
+        param.copy_(torch.where(finite, result, p32)[0])
     else:
-        out.copy_(torch.where(finite, result, torch.zeros_like(result)).view(-1))
+        out.copy_(torch.where(finite, result, torch.zeros_like(result))[0])

@@ -119,17 +119,22 @@ class FlatState:
 
     def chunk(self, start: int, stop: int) -> list[torch.Tensor]:
         """The raw slot tensors of flat elements ``[start, stop)`` (block-aligned), in the order
-        ``elementwise.update`` takes them: fp32 ``[values]``, 8-bit ``[codes, absmax, qmap, encoder table]``."""
+        ``elementwise.update`` takes them, in block form ``(rows, blocks, 256)``: fp32 ``[values]``, 8-bit
+        ``[codes (int8 view), absmax (rows, blocks), qmap, table]``."""
         tensors = []
         blocks = slice(start // BLOCK_SIZE, -(-stop // BLOCK_SIZE))
         for slot, kind in enumerate(self.kinds):
             values = self.values[slot][:, start:stop]
-            if values.shape[0] == 1:  # the same strides as a lone tensor's (1, n) view: no recompilation
-                values = values[0].view(1, -1)
+            # The kernels' block form; one row is viewed as a contiguous tensor's, so that its strides do not
+            # depend on the buffer's length (they would count as a new shape for the compiled kernel).
+            if values.shape[0] == 1:
+                values = values[0].view(1, -1, BLOCK_SIZE)
+            else:
+                values = values.unflatten(1, (-1, BLOCK_SIZE))
             if kind is None:
                 tensors.append(values)
             else:
-                tensors += [values, self.absmax[slot][:, blocks], _shared_map(kind, self.device),
+                tensors += [values.view(torch.int8), self.absmax[slot][:, blocks], _shared_map(kind, self.device),
                             encoder_table(kind, self.device)]
         return tensors
 

@@ -246,8 +246,9 @@ def step_run(
         else:
             p = gather(chunk, params, scratch.buffer("param", p_dtype, device, CHUNK), p_zeros)
             g = gather(chunk, grads, scratch.buffer("grad", g_dtype, device, CHUNK), g_zeros)
-        o = None if out is None else out[chunk.start - out_offset : chunk.stop - out_offset]
-        run_update(rule, flat.kinds, p, g, o, flat.chunk(chunk.start, chunk.stop), hyper_t)
+        o = None if out is None else out[chunk.start - out_offset : chunk.stop - out_offset].view(-1, BLOCK_SIZE)
+        run_update(rule, flat.kinds, p.view(-1, BLOCK_SIZE), g.view(-1, BLOCK_SIZE), o,
+                   flat.chunk(chunk.start, chunk.stop), hyper_t)
         if whole is None and out is None:
             scatter(chunk, p, params)
 
@@ -261,19 +262,22 @@ def step_tensor(
     tensors: Sequence[torch.Tensor],
     hyper: dict,
 ) -> None:
-    """Run ``rule`` over one tensor's own flat state (``state_store.slot_tensors``), chunk by chunk."""
+    """Run ``rule`` over one tensor's own flat state (``state_store.slot_tensors``): its whole blocks chunk by
+    chunk in the kernels' block form, a last partial block as it is."""
     hyper_t = hyper_tensors(hyper, param.device)
     n = param.numel()
-    for start in range(0, n, CHUNK):
-        stop = min(start + CHUNK, n)
-        chunk, index = [], 0
+    whole = n - n % BLOCK_SIZE
+    for start in [*range(0, whole, CHUNK), *([whole] if whole < n else [])]:
+        stop = min(start + CHUNK, whole) if start < whole else n
         blocks = slice(start // BLOCK_SIZE, -(-stop // BLOCK_SIZE))
+        shape = (-1, BLOCK_SIZE) if start < whole else (-1,)  # the partial block stays flat (padded inside)
+        chunk, index = [], 0
         for kind in kinds:
             if kind is None:
-                chunk.append(tensors[index][:, start:stop])
+                chunk.append(tensors[index][:, start:stop].reshape(tensors[index].shape[0], *shape))
             else:
                 codes, absmax, qmap, table = tensors[index : index + 4]
-                chunk += [codes[:, start:stop], absmax[:, blocks], qmap, table]
+                chunk += [codes[:, start:stop].reshape(codes.shape[0], *shape), absmax[:, blocks], qmap, table]
             index += elementwise.slot_width(kind)
-        run_update(rule, kinds, param[start:stop], grad[start:stop], None if out is None else out[start:stop], chunk,
-                   hyper_t)
+        o = None if out is None else out[start:stop].view(shape)
+        run_update(rule, kinds, param[start:stop].view(shape), grad[start:stop].view(shape), o, chunk, hyper_t)

@@ -83,13 +83,14 @@ def is_8bit(state: dict, spec: StateSpec) -> bool:
 def slot_tensors(state: dict, spec: StateSpec) -> list[torch.Tensor]:
     """The raw tensors of a slot as 2-D ``(rows, n)`` views, in the order the kernels take them.
 
-    fp32: ``[values]``; 8-bit: ``[codes, absmax, qmap, encoder table]``.
+    fp32: ``[values]``; 8-bit: ``[codes as an int8 view, absmax, qmap, encoder table]`` (see
+    ``blockwise.quantize_into`` for why int8).
     """
     main = state[spec.key].view(spec.rows, -1)
     if not is_8bit(state, spec):
         return [main]
     absmax = state[spec.absmax_key].view(spec.rows, -1)
-    return [main, absmax, state[spec.qmap_key], encoder_table(spec.signed, main.device)]
+    return [main.view(torch.int8), absmax, state[spec.qmap_key], encoder_table(spec.signed, main.device)]
 
 
 def read_slot(state: dict, spec: StateSpec) -> torch.Tensor:
