@@ -292,15 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 1
-    if args.verb == "optimizers":
-        return cmd_optimizers(args, _console())
+    if args.verb in ("optimizers", "plot", "compare"):  # these import no recipe package (pydantic, trl, peft)
+        return COMMANDS[args.verb](args, _console())
     from rich.console import Console
 
     from hf_optim.recipes.console import quiet_console
     from hf_optim.recipes.errors import RecipeError
 
     try:
-        # entered before the Hugging Face packages are imported: some notices come at import
+        # entered before the Hugging Face packages are imported: some notices come at import (ls and cp: verbose)
         with quiet_console(not getattr(args, "verbose", True)):
             return COMMANDS[args.verb](args, _console())
     except RecipeError as exc:

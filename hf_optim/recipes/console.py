@@ -108,12 +108,8 @@ def quiet_console(enabled: bool = True) -> Iterator[None]:
 
     Enter it before the Hugging Face packages are imported: some of the hidden notices are logged at import.
     """
-    if not enabled or _active["depth"]:
-        _active["depth"] += enabled
-        try:
-            yield
-        finally:
-            _active["depth"] -= enabled
+    if not enabled or _active["depth"]:  # off, or inside an enclosing quiet block that already does it all
+        yield
         return
     from tqdm.contrib.logging import logging_redirect_tqdm
 
