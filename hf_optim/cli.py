@@ -197,7 +197,7 @@ def cmd_plot(args, console) -> int:
     from hf_optim.monitor import plot_run
 
     for path in plot_run(Path(args.run_dir)):
-        console.print(str(path))
+        print(path)  # plain print: plot and compare run with the monitor extra alone, which has no rich
     return 0
 
 
@@ -206,7 +206,7 @@ def cmd_compare(args, console) -> int:
 
     baseline = Path(args.baseline) if args.baseline else None
     report = compare_runs([Path(d) for d in args.run_dirs], Path(args.out or "."), baseline=baseline)
-    console.print(f"comparison: {report}")
+    print(f"comparison: {report}")
     return 0
 
 
@@ -242,12 +242,12 @@ TRAIN_EXTRA = {"transformers": "transformers", "trl": "trl", "peft": "peft", "bi
                "datasets": "datasets", "yaml": "pyyaml", "pydantic": "pydantic", "rich": "rich",
                "matplotlib": "matplotlib", "psutil": "psutil"}
 """What the ``train`` extra installs (import name -> distribution), as pyproject.toml lists it."""
-MONITOR_MODULES = ("transformers", "yaml", "rich", "matplotlib", "psutil")
+MONITOR_MODULES = ("transformers", "yaml", "matplotlib", "psutil")
 NEEDS = {"train": tuple(TRAIN_EXTRA), "validate": ("transformers", "trl", "peft", "yaml", "pydantic", "rich"),
          "ls": ("transformers", "trl", "peft", "yaml", "pydantic", "rich"),
          "cp": ("transformers", "trl", "peft", "yaml", "pydantic", "rich"), "plot": MONITOR_MODULES,
          "compare": MONITOR_MODULES, "optimizers": ()}
-"""The modules each verb imports; all of them come with the ``train`` extra."""
+"""The modules each verb imports; all of them come with the ``train`` extra (plot's and compare's with ``monitor``)."""
 
 
 def missing_extra(verb: str) -> str | None:
@@ -255,9 +255,10 @@ def missing_extra(verb: str) -> str | None:
     missing = [TRAIN_EXTRA[name] for name in NEEDS.get(verb, ()) if importlib.util.find_spec(name) is None]
     if not missing:
         return None
-    return (f"hf-optim {verb} needs hf_optim's \"train\" extra, which is not installed (missing: "
-            f"{', '.join(missing)}): pip install \"hf_optim[train]\" (from a source checkout: "
-            "pip install -e \".[train]\")")
+    extra = "monitor" if NEEDS[verb] == MONITOR_MODULES else "train"  # plot, compare: the monitor is enough
+    return (f"hf-optim {verb} needs hf_optim's \"{extra}\" extra, which is not installed (missing: "
+            f"{', '.join(missing)}): pip install \"hf_optim[{extra}]\" (from a source checkout: "
+            f"pip install -e \".[{extra}]\")")
 
 
 def _console():

@@ -187,6 +187,8 @@ def test_train_extra_holds_what_the_train_verb_imports_and_no_test_tools():
     assert set(cli.TRAIN_EXTRA.values()) <= train, set(cli.TRAIN_EXTRA.values()) - train
     assert not train & {"pytest", "ruff", "ipykernel", "nbclient", "nbformat"}
     assert train <= _extra("test", extras)  # the test command installs everything the main job needs
+    monitor = {cli.TRAIN_EXTRA[module] for module in cli.MONITOR_MODULES}  # what plot and compare import
+    assert monitor <= _extra("monitor", extras), monitor - _extra("monitor", extras)
 
 
 def test_missing_extra_is_one_line_naming_it(monkeypatch, capsys):
@@ -203,3 +205,8 @@ def test_missing_extra_is_one_line_naming_it(monkeypatch, capsys):
         'pip install "hf_optim[train]" (from a source checkout: pip install -e ".[train]")']
     assert cli.main(["optimizers"]) == 0  # needs no extra: plain columns without rich
     assert "lamb_8bit" in capsys.readouterr().out
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    assert cli.main(["plot", "runs/x"]) == 1
+    assert capsys.readouterr().err.startswith('hf-optim plot needs hf_optim\'s "monitor" extra, which is not installed '
+                                              '(missing: matplotlib): pip install "hf_optim[monitor]"')
