@@ -44,7 +44,9 @@ def test_quickstart_prints_only_its_own_lines_one_bar_and_the_summary(tmp_path):
     run_dir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "hf_optim.cli", "train", "quickstart", f"training.max_steps={STEPS}",
                              f"training.output_dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120"})
+                            timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120",
+                                              # an empty cache, as on a fresh machine: the tiny model is written
+                                              "HF_OPTIM_CACHE": str(tmp_path / "cache")})
     assert result.returncode == 0, result.stderr[-3000:]
     lines = printed_lines(result.stdout + result.stderr)
     unexpected = [line for line in lines if not any(re.fullmatch(pattern, line) for pattern in ALLOWED)]
@@ -55,6 +57,8 @@ def test_quickstart_prints_only_its_own_lines_one_bar_and_the_summary(tmp_path):
     for pattern in ALLOWED[:4] + ALLOWED[5:]:  # each of hf_optim's lines and the summary once
         assert sum(bool(re.fullmatch(pattern, line)) for line in lines) == 1, pattern
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "ok"
+    adapter = json.loads((run_dir / "adapter_config.json").read_text())
+    assert Path(adapter["base_model_name_or_path"]).parent == tmp_path / "cache"  # where peft found its config
 
 
 def test_verbose_shows_what_the_libraries_print(tmp_path, capsys):
