@@ -1,22 +1,20 @@
-"""The ``hf-optim`` command: train, validate, ls, cp, plot, compare, optimizers (``--help`` on each).
+"""The ``hf-optim`` command: train, validate, ls, cp, plot, compare, optimizers, run (``--help`` on each).
 
-Also runs as ``python -m hf_optim.cli``.
+Also runs as ``python -m hf_optim.cli``. Only the standard library is imported before a verb runs: ``run`` and
+``optimizers`` work on an install without extras, and a verb whose extra is missing says which one to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
 import sys
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
-from hf_optim.recipes.errors import RecipeError
-
 EXAMPLES = """examples:
   hf-optim train quickstart                                   # the tiny offline QLoRA run (CPU, ~1 minute)
+  hf-optim run -- trl sft --optim lamb_8bit ...               # another command line, with hf_optim's names
   hf-optim validate llama-3.1-8b-full training.optim=adamw_torch
   hf-optim train llama-3.2-1b-qlora --smoke                   # any recipe, a few steps on CPU
   hf-optim train llama-3.2-1b-full --sweep training.optim=adamw_torch,adamw_8bit,paged_adamw_8bit
@@ -36,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--smoke", action="store_true",
                          help="smoke mode (also HF_OPTIM_SMOKE=1): the builtin tiny model and bundled data, a few "
                               "steps on CPU; the recipe's method (full/LoRA/QLoRA) and optimizer are kept")
+        sub.add_argument("-v", "--verbose", action="store_true",
+                         help="show everything the libraries print (by default: hf_optim's lines, one progress bar, "
+                              "and other packages' warnings except deprecation notices about their own code)")
 
     train = verbs.add_parser("train", help="train a recipe (or sweep one key over several values)",
                              description="Train a recipe. Writes the resolved recipe.yaml, metrics.jsonl, "
@@ -71,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--baseline", default=None, help="the run the deltas are against (default: the first)")
     verbs.add_parser("optimizers", help="the optim= names hf_optim answers to",
                      description="Every training.optim name hf_optim builds, with its class, precision and paging.")
+    run = verbs.add_parser("run", help="run a command (trl sft, accelerate launch, ...) with hf_optim's names",
+                           add_help=False)
+    run.add_argument("command", nargs=argparse.REMAINDER, help="hf-optim run --help")
     return parser
 
 
@@ -82,7 +86,9 @@ def _gib(nbytes: int | None) -> str:
     return "unknown" if nbytes is None else f"{nbytes / 2**30:,.2f}"
 
 
-def cmd_validate(args, console: Console) -> int:
+def cmd_validate(args, console) -> int:
+    from rich.table import Table
+
     from hf_optim.recipes.api import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides, args.smoke)
@@ -118,11 +124,14 @@ def cmd_validate(args, console: Console) -> int:
     return 0
 
 
-def cmd_train(args, console: Console) -> int:
+def cmd_train(args, console) -> int:
+    from rich.table import Table
+
     from hf_optim.recipes import api
 
+    quiet = not args.verbose
     if args.sweep:
-        results, report = api.sweep(args.recipe, args.sweep, args.overrides, args.smoke, args.output_dir)
+        results, report = api.sweep(args.recipe, args.sweep, args.overrides, args.smoke, args.output_dir, quiet=quiet)
         table = Table(title=f"sweep {args.sweep.partition('=')[0]}")
         for column in ("run", "status", "optimizer", "train loss (run mean)"):
             table.add_column(column)
@@ -132,7 +141,7 @@ def cmd_train(args, console: Console) -> int:
         console.print(table)
         console.print(f"comparison: {report}")
         return 0 if all(r.status == "ok" for r in results) else 3
-    result = api.train(args.recipe, args.overrides, args.smoke, args.output_dir)
+    result = api.train(args.recipe, args.overrides, args.smoke, args.output_dir, quiet=quiet)
     if result.status == "oom":
         console.print(f"[red]out of memory[/red]; recorded in {result.output_dir / 'summary.json'}")
         return 3
@@ -145,9 +154,11 @@ def cmd_train(args, console: Console) -> int:
     return 0
 
 
-def cmd_ls(args, console: Console) -> int:
+def cmd_ls(args, console) -> int:
     import yaml
+    from rich.table import Table
 
+    from hf_optim.recipes.errors import RecipeError
     from hf_optim.recipes.loading import bundled_dir, bundled_names, load_raw
 
     table = Table(title=f"bundled recipes ({bundled_dir()})")
@@ -166,7 +177,7 @@ def cmd_ls(args, console: Console) -> int:
     return 0
 
 
-def cmd_cp(args, console: Console) -> int:
+def cmd_cp(args, console) -> int:
     from hf_optim.recipes.loading import bundled_recipe
 
     source = bundled_recipe(args.name)
@@ -182,46 +193,94 @@ def cmd_cp(args, console: Console) -> int:
     return 0
 
 
-def cmd_plot(args, console: Console) -> int:
+def cmd_plot(args, console) -> int:
     from hf_optim.monitor import plot_run
 
     for path in plot_run(Path(args.run_dir)):
-        console.print(str(path))
+        print(path)  # plain print: plot and compare run with the monitor extra alone, which has no rich
     return 0
 
 
-def cmd_compare(args, console: Console) -> int:
+def cmd_compare(args, console) -> int:
     from hf_optim.monitor import compare_runs
 
     baseline = Path(args.baseline) if args.baseline else None
     report = compare_runs([Path(d) for d in args.run_dirs], Path(args.out or "."), baseline=baseline)
-    console.print(f"comparison: {report}")
+    print(f"comparison: {report}")
     return 0
 
 
-def cmd_optimizers(args, console: Console) -> int:
+def cmd_optimizers(args, console) -> int:
     import hf_optim
 
-    table = Table(title="training.optim names built by hf_optim")
-    for column in ("name", "class", "state", "paged", "origin"):
-        table.add_column(column)
-    for entry in hf_optim.available_optimizers():
-        origin = "transformers name, taken over" if entry.takes_over else "added by hf_optim"
-        table.add_row(entry.name, f"hf_optim.{entry.cls.__name__}", entry.precision, "yes" if entry.paged else "no",
-                      origin)
-    console.print(table)
-    console.print("transformers' other names (adamw_torch, adafactor, ...) work too: "
-                  "transformers.training_args.OptimizerNames")
+    rows = [(entry.name, f"hf_optim.{entry.cls.__name__}", entry.precision, "yes" if entry.paged else "no",
+             "transformers name, taken over" if entry.takes_over else "added by hf_optim")
+            for entry in hf_optim.available_optimizers()]
+    header = ("name", "class", "state", "paged", "origin")
+    if console is None:  # rich is not installed: plain columns
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    else:
+        from rich.table import Table
+
+        table = Table(title="training.optim names built by hf_optim")
+        for column in header:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    print("transformers' other names (adamw_torch, adafactor, ...) work too: "
+          "transformers.training_args.OptimizerNames")
     return 0
 
 
 COMMANDS = {"train": cmd_train, "validate": cmd_validate, "ls": cmd_ls, "cp": cmd_cp, "plot": cmd_plot,
             "compare": cmd_compare, "optimizers": cmd_optimizers}
 
+TRAIN_EXTRA = {"transformers": "transformers", "trl": "trl", "peft": "peft", "bitsandbytes": "bitsandbytes",
+               "datasets": "datasets", "yaml": "pyyaml", "pydantic": "pydantic", "rich": "rich",
+               "matplotlib": "matplotlib", "psutil": "psutil"}
+"""What the ``train`` extra installs (import name -> distribution), as pyproject.toml lists it."""
+MONITOR_MODULES = ("transformers", "yaml", "matplotlib", "psutil")
+NEEDS = {"train": tuple(TRAIN_EXTRA), "validate": ("transformers", "trl", "peft", "yaml", "pydantic", "rich"),
+         "ls": ("transformers", "trl", "peft", "yaml", "pydantic", "rich"),
+         "cp": ("transformers", "trl", "peft", "yaml", "pydantic", "rich"), "plot": MONITOR_MODULES,
+         "compare": MONITOR_MODULES, "optimizers": ()}
+"""The modules each verb imports; all of them come with the ``train`` extra (plot's and compare's with ``monitor``)."""
+
+
+def missing_extra(verb: str) -> str | None:
+    """The one line to print when a module ``verb`` needs is not installed, else None."""
+    missing = [TRAIN_EXTRA[name] for name in NEEDS.get(verb, ()) if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    extra = "monitor" if NEEDS[verb] == MONITOR_MODULES else "train"  # plot, compare: the monitor is enough
+    return (f"hf-optim {verb} needs hf_optim's \"{extra}\" extra, which is not installed (missing: "
+            f"{', '.join(missing)}): pip install \"hf_optim[{extra}]\" (from a source checkout: "
+            f"pip install -e \".[{extra}]\")")
+
+
+def _console():
+    """A rich console, or None when rich is not installed (only verbs that need no extra get that far)."""
+    if importlib.util.find_spec("rich") is None:
+        return None
+    from rich.console import Console
+
+    console = Console(soft_wrap=True)
+    if not console.is_terminal:  # piped or captured: no wrapping of table cells at 80 columns
+        console = Console(soft_wrap=True, width=200)
+    return console
+
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI with ``argv`` (default: ``sys.argv[1:]``); returns the exit status (2: invalid recipe,
-    3: a run ran out of memory)."""
+    """Run the CLI with ``argv`` (default: ``sys.argv[1:]``); returns the exit status (1: a package the verb needs
+    is missing, 2: invalid recipe or command line, 3: a run ran out of memory)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # everything after `run` belongs to the command it runs, --help included
+        from hf_optim import run
+
+        return run.main(argv[1:])
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may also come after options (train RECIPE --smoke training.optim=x): argparse leaves those over.
@@ -230,11 +289,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    console = Console(soft_wrap=True)
-    if not console.is_terminal:  # piped or captured: no wrapping of table cells at 80 columns
-        console = Console(soft_wrap=True, width=200)
+    problem = missing_extra(args.verb)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
+    if args.verb in ("optimizers", "plot", "compare"):  # these import no recipe package (pydantic, trl, peft)
+        return COMMANDS[args.verb](args, _console())
+    from rich.console import Console
+
+    from hf_optim.recipes.console import quiet_console
+    from hf_optim.recipes.errors import RecipeError
+
     try:
-        return COMMANDS[args.verb](args, console)
+        # entered before the Hugging Face packages are imported: some notices come at import (ls and cp: verbose)
+        with quiet_console(not getattr(args, "verbose", True)):
+            return COMMANDS[args.verb](args, _console())
     except RecipeError as exc:
         Console(stderr=True).print(f"[red]invalid recipe[/red] ({len(exc.issues)} problem"
                                    f"{'s' if len(exc.issues) != 1 else ''}):", highlight=False)

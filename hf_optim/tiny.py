@@ -224,3 +224,51 @@ def save_builtin_model(path: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)
     return Path(path)
+
+
+CACHE_ENV = "HF_OPTIM_CACHE"
+
+
+def cache_dir() -> Path:
+    """Where hf_optim keeps what it builds once: ``$HF_OPTIM_CACHE``, else ``$XDG_CACHE_HOME/hf_optim``, else
+    ``~/.cache/hf_optim``."""
+    import os
+
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "hf_optim"
+
+
+def builtin_model_dir(seed: int = 0) -> Path:
+    """The builtin model saved once (with the bundled tokenizer) in :func:`cache_dir`, loadable by path.
+
+    A lasting directory, not a temporary one: an adapter trained on it records this path as its base model, and
+    peft, when it saves the adapter, reads the base model's config there (to tell whether the vocabulary was
+    resized). The name holds what the files depend on (shape, vocabulary, seed, transformers' version), so another
+    version never reads files it did not write; a new directory is written whole, then renamed into place.
+    """
+    import hashlib
+    import json
+    import shutil
+    import tempfile
+
+    import transformers
+
+    tokenizer = bundled_tokenizer()
+    key = json.dumps([TINY_CHAT_SHAPE, len(tokenizer), seed, transformers.__version__], sort_keys=True)
+    target = cache_dir() / f"tiny-llama-3-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-llama-3-", dir=target.parent))
+    try:
+        save_builtin_model(staging, seed)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process put it there first: theirs is the same
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

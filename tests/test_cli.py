@@ -7,6 +7,7 @@ process.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,15 @@ def test_sweep_runs_each_value_and_keeps_going_after_oom(tmp_path, monkeypatch, 
     oom_rows = [line for line in report.splitlines() if "adamw_8bit" in line]
     assert oom_rows and "oom" in oom_rows[0].lower()
     assert str(tmp_path / "compare.md") in capsys.readouterr().out
+    # each run is named by its swept value (the recipe's logging.run_name is "quickstart"), in the table, in the
+    # list of runs and in every run's summary
+    assert report.splitlines()[0] == "# quickstart: sweep of training.optim (3 runs, baseline: adamw_torch)"
+    labels = [line.split("|")[1].strip() for line in report.splitlines() if line.startswith("| ")][1:]
+    assert labels == ["adamw_torch (baseline)", "adamw_8bit", "lion_8bit"]
+    assert [line for line in report.splitlines() if line.startswith("- ") and ": `" in line] == \
+        [f"- {value}: `{tmp_path / value}`" for value in ("adamw_torch", "adamw_8bit", "lion_8bit")]
+    for value in ("adamw_torch", "adamw_8bit", "lion_8bit"):
+        assert json.loads((tmp_path / value / "summary.json").read_text())["run_name"] == value
 
 
 def test_plot_and_compare_verbs(tmp_path, capsys):
@@ -156,3 +166,47 @@ def test_validate_unknown_architecture_offline_still_checks_keys(tmp_path, capsy
     out = capsys.readouterr().out
     assert "keys, types and optimizer 'adamw_8bit' are valid" in out
     assert "no memory estimate: no config for 'someone/unknown-model'" in out
+
+
+def _extra(name: str, extras: dict) -> set[str]:
+    """Distribution names an extra installs, its self-references (hf_optim[a,b]) followed."""
+    out = set()
+    for requirement in extras[name]:
+        dist = re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+        if dist == "hf-optim":
+            for other in requirement.split("[", 1)[1].split("]", 1)[0].split(","):
+                out |= _extra(other.strip(), extras)
+        else:
+            out.add(dist)
+    return out
+
+
+def test_train_extra_holds_what_the_train_verb_imports_and_no_test_tools():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    train = _extra("train", extras)
+    assert set(cli.TRAIN_EXTRA.values()) <= train, set(cli.TRAIN_EXTRA.values()) - train
+    assert not train & {"pytest", "ruff", "ipykernel", "nbclient", "nbformat"}
+    assert train <= _extra("test", extras)  # the test command installs everything the main job needs
+    monitor = {cli.TRAIN_EXTRA[module] for module in cli.MONITOR_MODULES}  # what plot and compare import
+    assert monitor <= _extra("monitor", extras), monitor - _extra("monitor", extras)
+
+
+def test_missing_extra_is_one_line_naming_it(monkeypatch, capsys):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("trl", "rich") else real_find_spec(name, *a))
+    assert cli.main(["train", "quickstart"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        'hf-optim train needs hf_optim\'s "train" extra, which is not installed (missing: trl, rich): '
+        'pip install "hf_optim[train]" (from a source checkout: pip install -e ".[train]")']
+    assert cli.main(["optimizers"]) == 0  # needs no extra: plain columns without rich
+    assert "lamb_8bit" in capsys.readouterr().out
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    assert cli.main(["plot", "runs/x"]) == 1
+    assert capsys.readouterr().err.startswith('hf-optim plot needs hf_optim\'s "monitor" extra, which is not installed '
+                                              '(missing: matplotlib): pip install "hf_optim[monitor]"')

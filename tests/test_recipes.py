@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import textwrap
+import warnings
 
 import pytest
 import torch
 
 from hf_optim.recipes import RecipeError, bundled_names, load_recipe
+from hf_optim.recipes.build import build_sft_config
 from hf_optim.recipes.hardware import best_dtype, resolve_auto
 from hf_optim.recipes.loading import parse_value
+from hf_optim.recipes.targets import training_target
 from hf_optim.tiny import BUILTIN_DATA, BUILTIN_MODEL
 
 GOOD = """
@@ -82,11 +85,14 @@ def test_wrong_types_are_reported(tmp_path):
     for message in ["model.id: expected str, got int 7", "peft.r: expected int, got str 'sixteen'",
                     "training.learning_rate: expected float, got str 'fast'",
                     "training.num_train_epochs: expected float, got list [1]",
-                    "training.gradient_checkpointing: expected bool, got str 'maybe'",
+                    # checked against activation_checkpointing (bool | None) where transformers renamed it
+                    "training.gradient_checkpointing: expected bool",
                     "quantization.load_in_4bit: expected bool, got str 'no way'",
                     "data.max_samples: Input should be greater than 0",
                     "logging.monitor: Input should be a valid boolean"]:
         assert any(line.startswith(f"{path}: {message}") for line in lines), (message, lines)
+    assert any(line.startswith(f"{path}: training.gradient_checkpointing: ") and line.endswith("got str 'maybe'")
+               for line in lines)
 
 
 def test_unknown_optimizer_suggests_names(tmp_path):
@@ -152,7 +158,34 @@ def test_extends_deep_merges_and_names_the_file_of_each_error(tmp_path):
     # a bundled recipe extends another bundled one by name
     qlora = load_recipe("llama-3.1-8b-qlora")
     assert qlora.model["id"] == "meta-llama/Llama-3.1-8B-Instruct" and qlora.peft["r"] == 16
-    assert qlora.training["gradient_checkpointing"] is True  # inherited from the LoRA recipe
+    checkpointing = training_target().aliases.get("gradient_checkpointing", "gradient_checkpointing")
+    assert qlora.training[checkpointing] is True  # inherited from the LoRA recipe
+
+
+@pytest.mark.parametrize("name", ["quickstart", "llama-3.2-1b-lora"])
+def test_sft_config_gets_the_key_the_installed_transformers_does_not_deprecate(name, tmp_path):
+    """The LoRA recipe sets gradient_checkpointing (the name every supported transformers knows); the quickstart
+    sets nothing and gets TRL's default. transformers 5.2x deprecates the name with a FutureWarning: neither
+    recipe may trigger it, and both must still turn activation checkpointing on."""
+    recipe = load_recipe(name, smoke=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        config = build_sft_config(recipe, tmp_path)
+    assert config.gradient_checkpointing is True  # transformers mirrors the new name into the old one
+    if "gradient_checkpointing" in training_target().aliases:  # this transformers has the new name
+        assert config.activation_checkpointing is True
+        assert "gradient_checkpointing" not in recipe.training
+
+
+def test_deprecated_key_and_its_replacement_together_are_refused(tmp_path):
+    aliases = training_target().aliases
+    if "gradient_checkpointing" not in aliases:  # transformers before the rename: one name, nothing to refuse
+        assert load_recipe(write(tmp_path, GOOD), ["training.gradient_checkpointing=false"])
+        return
+    lines = errors_of(write(tmp_path, GOOD), "training.gradient_checkpointing=false",
+                      f"training.{aliases['gradient_checkpointing']}=true")
+    assert lines == ["command line: training.gradient_checkpointing: deprecated alias of 'activation_checkpointing', "
+                     "which is set too: keep only one of them"]
 
 
 def test_extends_cycle_and_missing_file(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,9 @@ SPEED_PNG = "compare_speed.png"
 _PARTS = (("weights_bytes", "weights", "#4c72b0"), ("gradient_bytes", "gradients", "#55a868"),
           ("optimizer_state_bytes", "optimizer state", "#c44e52"), ("rest_bytes", "rest (activations, overhead)",
                                                                    "#b0b0b0"))
+_LABEL_SIZE = 8.5
+_LABEL_GAP_PX = 6
+_SLANT = 30
 
 
 @dataclass
@@ -194,9 +199,85 @@ def _annotate_bars(ax, rows: list[_Row], tops: list[float], notes: list[str]) ->
             note = "OOM" + (f"\n{note}" if note else "")
         ax.annotate(note, xy=(i, top), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
                     fontsize=8.5, color="#c0392b" if row.oom else "black")
-    ax.set_xticks(range(len(rows)), [f"{row.label}\n{row.run.optimizer_label}" for row in rows], fontsize=8.5)
+    _set_bar_labels(ax, rows)
     ax.set_ylim(0, max(tops + [0]) * 1.2 or 1)
     ax.grid(axis="y", alpha=0.3)
+
+
+def _bar_label(row: _Row) -> str:
+    """The run's name, and under it the optimizer class when the name does not already say it."""
+    optimizer = row.run.optimizer_label
+    same = optimizer.lower().replace("_", "") == row.label.lower().replace("_", "")  # adafactor / Adafactor
+    return row.label if same or optimizer == "?" else f"{row.label}\n{optimizer}"
+
+
+def _set_bar_labels(ax, rows: list[_Row]) -> None:
+    ax.set_xticks(range(len(rows)), [_bar_label(row) for row in rows], fontsize=_LABEL_SIZE)
+
+
+def _label_boxes(fig, ax) -> list:
+    renderer = fig.canvas.get_renderer()
+    return [label.get_window_extent(renderer) for label in ax.get_xticklabels() if label.get_text()]
+
+
+def _fits_side_by_side(fig, ax) -> bool:
+    boxes = _label_boxes(fig, ax)
+    width = fig.bbox.width
+    return all(box.x0 >= 0 and box.x1 <= width for box in boxes) and all(
+        right.x0 - left.x1 >= _LABEL_GAP_PX for left, right in zip(boxes, boxes[1:]))
+
+
+def _fits_slanted(fig, ax, unslanted_heights: list[float]) -> bool:
+    """Slanted labels are parallel strips: they stay apart when the tick spacing across the slant exceeds a
+    label's height (its lines, measured unslanted). Long ones would also squeeze the bars: at most a third of the
+    figure's height goes to them."""
+    ticks = [ax.transData.transform((x, 0))[0] for x in ax.get_xticks()]
+    spacing = min((b - a for a, b in zip(ticks, ticks[1:])), default=float("inf"))
+    tallest = max((box.height for box in _label_boxes(fig, ax)), default=0)
+    return (spacing * math.sin(math.radians(_SLANT)) >= max(unslanted_heights, default=0) + _LABEL_GAP_PX
+            and tallest <= fig.bbox.height / 3)
+
+
+def fit_bar_labels(fig, axes: list, rows: list[_Row]) -> str:
+    """Make the bar labels of ``axes`` readable, never overlapping: side by side when they fit, else slanted
+    (30 degrees), else numbered with a key under the figure. Returns which (``"flat"``, ``"slanted"``,
+    ``"numbered"``)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)  # a renderer to measure text with (the figure is drawn by savefig later anyway)
+    fig.canvas.draw()
+    if all(_fits_side_by_side(fig, ax) for ax in axes):
+        return "flat"
+    heights = {id(ax): [box.height for box in _label_boxes(fig, ax)] for ax in axes}
+    for ax in axes:
+        for label in ax.get_xticklabels():
+            label.set(rotation=_SLANT, horizontalalignment="right", rotation_mode="anchor")
+    fig.canvas.draw()  # constrained layout makes room for the slanted labels: measure the spacing after it
+    if all(_fits_slanted(fig, ax, heights[id(ax)]) for ax in axes):
+        return "slanted"
+    for ax in axes:
+        ax.set_xticks(range(len(rows)), [str(i) for i in range(1, len(rows) + 1)], fontsize=_LABEL_SIZE,
+                      rotation=0, horizontalalignment="center")
+    entries = [f"{i}: {row.label}" + (f" ({_bar_label(row).split(chr(10))[1]})" if "\n" in _bar_label(row) else "")
+               for i, row in enumerate(rows, start=1)]
+    chars = int(fig.bbox.width / (_LABEL_SIZE * fig.dpi / 72 * 0.62))  # DejaVu Sans averages ~0.6 em a character
+    fig.supxlabel(_pack(entries, chars), fontsize=_LABEL_SIZE)
+    for legend in list(fig.legends):  # the key takes the bottom: a figure legend there moves to the right
+        handles, labels = legend.legend_handles, [text.get_text() for text in legend.get_texts()]
+        legend.remove()
+        fig.legend(handles, labels, loc="outside right upper", fontsize=_LABEL_SIZE)
+    return "numbered"
+
+
+def _pack(entries: list[str], width: int) -> str:
+    """Entries on as few lines of at most ``width`` characters as fit whole; a longer entry wraps on its own."""
+    lines: list[str] = []
+    for entry in entries:
+        if lines and len(lines[-1]) + 3 + len(entry) <= width:
+            lines[-1] += "   " + entry
+        else:
+            lines.extend(textwrap.wrap(entry, width=max(width, 20), subsequent_indent="    "))
+    return "\n".join(lines)
 
 
 def _memory_bars(rows: list[_Row]):
@@ -223,6 +304,7 @@ def _memory_bars(rows: list[_Row]):
     handles, labels = whole.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=4, fontsize=8.5)
     fig.suptitle("memory breakdown by run")
+    fit_bar_labels(fig, [whole, model_side], rows)
     return fig
 
 
@@ -235,15 +317,16 @@ def _speed_bars(rows: list[_Row]):
         text = "OOM" if row.oom else ("unknown" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f}")
         ax.annotate(text, xy=(i, bar.get_height()), xytext=(0, 3), textcoords="offset points", ha="center",
                     va="bottom", fontsize=9, color="#c0392b" if row.oom else "black")
-    ax.set_xticks(range(len(rows)), [f"{row.label}\n{row.run.optimizer_label}" for row in rows], fontsize=8.5)
+    _set_bar_labels(ax, rows)
     ax.set_ylabel("tokens/s (mean over training steps)")
     ax.set_ylim(top=max(speeds + [0]) * 1.15 or 1)
     ax.set_title("training speed")
     ax.grid(axis="y", alpha=0.3)
+    fit_bar_labels(fig, [ax], rows)
     return fig
 
 
-def compare_runs(run_dirs, out_dir, baseline=None) -> Path:
+def compare_runs(run_dirs, out_dir, baseline=None, title: str | None = None) -> Path:
     """Compare run directories written by :class:`~hf_optim.monitor.TrainingMonitor`.
 
     Writes ``compare.md`` (a table of peak memory, optimizer-state size, tokens/s, final and EMA loss, each with its
@@ -255,6 +338,7 @@ def compare_runs(run_dirs, out_dir, baseline=None) -> Path:
         out_dir: where to write (created if needed).
         baseline: the run deltas are taken against: a run name, a run directory or its name. Default None: the
             first run that did not run out of memory.
+        title: the heading of ``compare.md`` (default ``"Run comparison"``); a sweep says what it swept.
 
     Returns:
         The path of ``compare.md``.
@@ -271,7 +355,7 @@ def compare_runs(run_dirs, out_dir, baseline=None) -> Path:
         build(rows).savefig(out_dir / name, dpi=DPI)
 
     bases = sorted({row.breakdown.get("basis", "?") for row in rows})
-    lines = [f"# Run comparison ({len(rows)} runs, baseline: {base.label})", ""]
+    lines = [f"# {title or 'Run comparison'} ({len(rows)} runs, baseline: {base.label})", ""]
     lines += _table(rows, base)
     lines += [
         "",

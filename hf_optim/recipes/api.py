@@ -37,13 +37,16 @@ def load_recipe(name_or_path: str | Path, overrides: list[str] | tuple[str, ...]
 
 
 def train(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = (), smoke: bool = False,
-          output_dir: str | Path | None = None) -> RunResult:
-    """Load a recipe (see :func:`load_recipe`) and train it once. Returns the :class:`RunResult`."""
-    return run(load_recipe(name_or_path, overrides, smoke), output_dir)
+          output_dir: str | Path | None = None, quiet: bool = False) -> RunResult:
+    """Load a recipe (see :func:`load_recipe`) and train it once. Returns the :class:`RunResult`.
+
+    ``quiet`` hides third-party notices and the Trainer's log dicts (:mod:`hf_optim.recipes.console`), as
+    ``hf-optim train`` does without ``-v``."""
+    return run(load_recipe(name_or_path, overrides, smoke), output_dir, quiet=quiet)
 
 
 def sweep(name_or_path: str | Path, spec: str, overrides: list[str] | tuple[str, ...] = (), smoke: bool = False,
-          output_dir: str | Path | None = None) -> tuple[list[RunResult], Path]:
+          output_dir: str | Path | None = None, quiet: bool = False) -> tuple[list[RunResult], Path]:
     """Train one recipe once per value of one key, each run in its own subdirectory, then compare them.
 
     Args:
@@ -53,6 +56,10 @@ def sweep(name_or_path: str | Path, spec: str, overrides: list[str] | tuple[str,
         smoke (bool, default False): smoke mode for every run.
         output_dir (default None): parent of the runs (default: the recipe's output directory); ``compare.md``
             and the comparison plots go there. The first value is the comparison's baseline.
+        quiet (bool, default False): hide third-party notices and the Trainer's log dicts (see
+            :mod:`hf_optim.recipes.console`), as ``hf-optim train`` does without ``-v``.
+
+    Each run is named by its value (``paged_adamw_8bit``) in the comparison, whatever ``logging.run_name`` says.
 
     Every recipe is validated before the first run starts. A run that runs out of memory becomes an OOM row of
     the comparison and the sweep continues. Returns (results, path of compare.md).
@@ -62,12 +69,12 @@ def sweep(name_or_path: str | Path, spec: str, overrides: list[str] | tuple[str,
     key, values = sweep_values(spec)
     recipes = [load_recipe(name_or_path, [*overrides, f"{key}={value}"], smoke) for value in values]
     parent = Path(output_dir) if output_dir is not None else default_output_dir(recipes[0])
+    title = f"{recipes[0].logging.run_name or Path(recipes[0].source).stem}: sweep of {key}"
     results = []
     for value, recipe in zip(values, recipes):
         logger.info("sweep %s=%s", key, value)
-        if recipe.logging.run_name is None:
-            recipe.logging.run_name = value
-        results.append(run(recipe, parent / run_dir_name(value)))
+        recipe.logging.run_name = value  # in a sweep a run is named by its value, whatever the recipe calls it
+        results.append(run(recipe, parent / run_dir_name(value), quiet=quiet))
         free_memory()
-    report = compare_runs([r.output_dir for r in results], parent, baseline=results[0].output_dir)
+    report = compare_runs([r.output_dir for r in results], parent, baseline=results[0].output_dir, title=title)
     return results, Path(report)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hf_optim.recipes.schema import Recipe
-from hf_optim.tiny import BUILTIN_DATA, BUILTIN_MODEL, CHAT_FILE, bundled_tokenizer, save_builtin_model
+from hf_optim.tiny import BUILTIN_DATA, BUILTIN_MODEL, CHAT_FILE, builtin_model_dir, bundled_tokenizer
 
 LLAMA3_PAD = "<|finetune_right_pad_id|>"
 
@@ -43,15 +40,11 @@ def build_tokenizer(recipe: Recipe):
     return tokenizer
 
 
-@contextlib.contextmanager
-def model_location(recipe: Recipe) -> Iterator[str]:
-    """Where ``from_pretrained`` reads the model: the id itself, or a temporary copy of the builtin tiny model."""
+def model_location(recipe: Recipe) -> str:
+    """Where ``from_pretrained`` reads the model: the id itself, or the builtin tiny model's directory in
+    hf_optim's cache (written on first use; :func:`hf_optim.tiny.builtin_model_dir`)."""
     model_id = str(recipe.model["id"])
-    if model_id != BUILTIN_MODEL:
-        yield model_id
-        return
-    with tempfile.TemporaryDirectory(prefix="hf_optim_tiny_") as tmp:
-        yield str(save_builtin_model(tmp))
+    return str(builtin_model_dir()) if model_id == BUILTIN_MODEL else model_id
 
 
 def model_kwargs(recipe: Recipe) -> dict[str, Any]:
@@ -76,8 +69,7 @@ def build_model(recipe: Recipe):
     through the same call, so 4-bit loading is exercised exactly as for a real checkpoint)."""
     from transformers import AutoModelForCausalLM
 
-    with model_location(recipe) as location:
-        return AutoModelForCausalLM.from_pretrained(location, **model_kwargs(recipe))
+    return AutoModelForCausalLM.from_pretrained(model_location(recipe), **model_kwargs(recipe))
 
 
 def build_lora_config(recipe: Recipe):
@@ -117,4 +109,7 @@ def build_datasets(recipe: Recipe):
 def build_sft_config(recipe: Recipe, output_dir: Path):
     from trl import SFTConfig  # hf_optim (imported with this package) has registered its optimizer names
 
-    return SFTConfig(**{**recipe.training, "output_dir": str(output_dir)})
+    from hf_optim.recipes.targets import alias_defaults
+
+    kwargs = {**recipe.training, "output_dir": str(output_dir)}
+    return SFTConfig(**alias_defaults(SFTConfig, kwargs), **kwargs)

@@ -187,6 +187,13 @@ def _check_pass_through(raw: RawRecipe, name: str, values: dict, target: Target,
     checked = {}
     for key, value in values.items():
         path = f"{name}.{key}"
+        replacement = target.aliases.get(key)
+        if replacement is not None:
+            if replacement in values:
+                issues.append(RecipeIssue(raw.origin(path), path, f"deprecated alias of {replacement!r}, which is "
+                                          "set too: keep only one of them"))
+                continue
+            key = replacement  # the installed class deprecates the old name: pass the new one
         if key not in accepted:
             issues.append(RecipeIssue(raw.origin(path), path,
                                       f"unknown {target.label}{_did_you_mean(str(key), list(accepted))}"))

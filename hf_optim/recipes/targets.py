@@ -3,6 +3,11 @@
 ``model`` -> ``PreTrainedModel.from_pretrained`` (its signature and the keyword arguments its body pops),
 ``quantization`` -> ``BitsAndBytesConfig.__init__``, ``peft`` -> ``LoraConfig`` fields, ``training`` ->
 ``SFTConfig`` fields. Each field maps to its type annotation, or ``None`` when the class gives no usable type.
+
+A field the class keeps only as a deprecated alias of another (transformers 5.2x: ``gradient_checkpointing`` ->
+``activation_checkpointing``) is found from the help text transformers gives it, so a recipe's key reaches the
+installed class under the name that class does not deprecate, and the recipe still runs on versions before the
+rename.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import functools
 import inspect
 import re
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 _NO_TYPE = None
@@ -26,11 +31,45 @@ class Target:
         section: recipe section name.
         label: how errors name the class (``LoraConfig``).
         fields: accepted key -> type annotation (``None``: any value).
+        aliases: deprecated key -> the key that replaces it, both accepted.
     """
 
     section: str
     label: str
     fields: dict[str, Any]
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+_ALIAS_HELP = re.compile(r"Deprecated alias of `(\w+)`")
+
+
+def deprecated_aliases(cls: type) -> dict[str, str]:
+    """Deprecated field -> its replacement, for every dataclass field of ``cls`` (or of a base class: a subclass
+    that redefines a field, as TRL's configs redefine defaults, keeps the base class's help) documented as
+    "Deprecated alias of `name`"."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    aliases = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            for f in dataclasses.fields(klass):
+                match = _ALIAS_HELP.match(str((f.metadata or {}).get("help", "")))
+                if match and match.group(1) in fields:
+                    aliases[f.name] = match.group(1)
+    return aliases
+
+
+def alias_defaults(cls: type, given: dict[str, Any]) -> dict[str, Any]:
+    """Values to pass under the replacing name when ``given`` sets neither name but ``cls`` gives the deprecated
+    one a default of its own (TRL's ``SFTConfig`` defaults ``gradient_checkpointing`` to True, the replacing
+    ``activation_checkpointing`` to None, and transformers warns when it copies the old value over)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    out = {}
+    for old, new in deprecated_aliases(cls).items():
+        if old in given or new in given:
+            continue
+        if defaults.get(old, None) not in (None, dataclasses.MISSING) and defaults.get(new, None) is None:
+            out[new] = defaults[old]
+    return out
 
 
 def _dataclass_fields(cls: type) -> dict[str, Any]:
@@ -89,7 +128,7 @@ def peft_target() -> Target:
 def training_target() -> Target:
     from trl import SFTConfig
 
-    return Target("training", "SFTConfig field", _dataclass_fields(SFTConfig))
+    return Target("training", "SFTConfig field", _dataclass_fields(SFTConfig), deprecated_aliases(SFTConfig))
 
 
 def pass_through_targets() -> dict[str, Target]:

@@ -13,6 +13,7 @@ import yaml
 
 from hf_optim.memory import StateMemory, state_memory
 from hf_optim.recipes.build import build_datasets, build_lora_config, build_model, build_sft_config, build_tokenizer
+from hf_optim.recipes.console import quiet_console, quiet_progress
 from hf_optim.recipes.hardware import resolve_auto
 from hf_optim.recipes.schema import Recipe
 
@@ -98,10 +99,15 @@ def _optimizer_reporter(found: dict):
     return OptimizerReport()
 
 
-def run(recipe: Recipe, output_dir: str | Path | None = None) -> RunResult:
+def run(recipe: Recipe, output_dir: str | Path | None = None, quiet: bool = False) -> RunResult:
     """Train ``recipe`` once (``auto`` resolved for this machine) into ``output_dir`` (default:
     :func:`default_output_dir`). A CUDA out-of-memory error is recorded by the monitor and returned as
-    ``status="oom"``; any other error propagates."""
+    ``status="oom"``; any other error propagates. ``quiet``: see :func:`hf_optim.recipes.console.quiet_console`."""
+    with quiet_console(quiet):
+        return _run(recipe, output_dir, quiet)
+
+
+def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool) -> RunResult:
     from trl import SFTTrainer
 
     from hf_optim.monitor import TrainingMonitor
@@ -126,6 +132,8 @@ def run(recipe: Recipe, output_dir: str | Path | None = None) -> RunResult:
                              eval_dataset=eval_data, processing_class=tokenizer,
                              peft_config=build_lora_config(recipe), callbacks=callbacks)
         del model
+        if quiet:
+            quiet_progress(trainer)
         output = trainer.train()
     except torch.OutOfMemoryError as exc:
         logger.error("out of memory: %s", str(exc).splitlines()[0] if str(exc) else "CUDA out of memory")

@@ -1,0 +1,148 @@
+"""What ``hf-optim train`` prints: hf_optim's lines, one progress bar, and third-party output when it matters.
+
+Hidden (``hf-optim train -v`` shows everything):
+
+- progress bars of loading and writing weights (transformers, huggingface_hub) and of preparing the dataset
+  (datasets): the training bar is the one that tells how far the run is;
+- ``DeprecationWarning``, ``PendingDeprecationWarning`` and ``FutureWarning`` raised inside other packages: they are
+  about those packages' calls into each other (a recipe's keys reach the installed classes under the names those do
+  not deprecate), nothing a recipe can change;
+- the Trainer's raw log dict at every logging step: the bar shows the loss, ``metrics.jsonl`` keeps every value;
+- :data:`OPTIONAL_KERNEL_NOTICES`: notices that an optional accelerated kernel is not installed, when the run
+  works without it.
+
+Everything else is shown: hf_optim's warnings, other packages' ``UserWarning`` s and logged warnings, written
+above the progress bar so that the bar stays one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+OPTIONAL_KERNEL_NOTICES = {
+    # bitsandbytes >= 0.49 on CPUs with AVX512-BF16: a faster 4-bit matmul fetched from the Hub by the `kernels`
+    # package; without it bitsandbytes runs its own CPU kernel (and the message is logged once per import).
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+}
+"""Logger name -> message prefixes hidden by :func:`quiet_console`."""
+
+_THIRD_PARTY = r"(?!hf_optim\b)"  # a warnings-filter module pattern: any module outside hf_optim
+_active = {"depth": 0}
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def _warning_caller() -> str:
+    """The top-level package of the code that called ``warnings.warn`` (its ``stacklevel`` may point elsewhere)."""
+    frame = sys._getframe(2)  # the caller of _show_warning: warnings' own code, then the caller of warn()
+    while frame is not None and frame.f_globals.get("__name__") == "warnings":
+        frame = frame.f_back
+    return str(frame.f_globals.get("__name__", "")).split(".")[0] if frame is not None else ""
+
+
+def _write_above_bar(text: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(text, file=sys.stderr)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """One line per warning, above the progress bar: ``[hf_optim] warning: ...`` or
+    ``warning (peft, UserWarning): ...``."""
+    package = _warning_caller() or Path(filename).name
+    if package == "hf_optim":
+        _write_above_bar(f"[hf_optim] warning: {str(message).removeprefix('hf_optim: ')}")
+    else:
+        _write_above_bar(f"warning ({package}, {category.__name__}): {message}")
+
+
+def _progress_bar_switches() -> list[tuple]:
+    """(is_on, turn_off, turn_on) for each installed package whose progress bars are hidden."""
+    switches = []
+    with contextlib.suppress(ImportError):
+        from transformers.utils import logging as hf_logging
+
+        switches.append((hf_logging.is_progress_bar_enabled, hf_logging.disable_progress_bar,
+                         hf_logging.enable_progress_bar))
+    with contextlib.suppress(ImportError):
+        import datasets
+
+        switches.append((datasets.is_progress_bar_enabled, datasets.disable_progress_bars,
+                         datasets.enable_progress_bars))
+    with contextlib.suppress(ImportError):
+        import huggingface_hub.utils as hub
+
+        switches.append((lambda: not hub.are_progress_bars_disabled(), hub.disable_progress_bars,
+                         hub.enable_progress_bars))
+    return switches
+
+
+@contextlib.contextmanager
+def _progress_bars_off() -> Iterator[None]:
+    switches = [(was_on(), off, on) for was_on, off, on in _progress_bar_switches()]
+    for _, off, _ in switches:
+        off()
+    try:
+        yield
+    finally:
+        for was_on, _, on in switches:
+            if was_on:
+                on()
+
+
+@contextlib.contextmanager
+def quiet_console(enabled: bool = True) -> Iterator[None]:
+    """Within the block, hide what the module docstring lists (nothing when ``enabled`` is False). Re-entrant.
+
+    Enter it before the Hugging Face packages are imported: some of the hidden notices are logged at import.
+    """
+    if not enabled or _active["depth"]:  # off, or inside an enclosing quiet block that already does it all
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    filters = [(logging.getLogger(name), _DropMessages(prefixes)) for name, prefixes in OPTIONAL_KERNEL_NOTICES.items()]
+    for logger, drop in filters:
+        logger.addFilter(drop)
+    _active["depth"] += 1
+    try:
+        with warnings.catch_warnings(), _progress_bars_off(), logging_redirect_tqdm([logging.getLogger("hf_optim")]):
+            for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+                warnings.filterwarnings("ignore", category=category, module=_THIRD_PARTY)
+            warnings.showwarning = _show_warning
+            yield
+    finally:
+        _active["depth"] -= 1
+        for logger, drop in filters:
+            logger.removeFilter(drop)
+
+
+def quiet_progress(trainer) -> None:
+    """Replace the Trainer's progress output (a bar with a printed dict per logging step, or only the dicts when
+    ``disable_tqdm``) with one bar that shows the latest loss (no bar when ``disable_tqdm``)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    class LossProgressBar(ProgressCallback):
+        """The Trainer's progress bar with the latest training loss in it, instead of a printed dict per log."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
+                with contextlib.suppress(TypeError, ValueError):
+                    self.training_bar.set_postfix(loss=f"{float(logs['loss']):.4g}")
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    if not trainer.args.disable_tqdm:
+        trainer.add_callback(LossProgressBar)
