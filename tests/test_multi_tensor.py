@@ -28,7 +28,10 @@ ids = [cls.__name__ for cls, _ in CASES]
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
+    """Chunks and the in-place threshold scaled down to the test tensors: tensors >= 4096 elements are updated in
+    place (9000 over several chunks, 4097 with its partial block gathered), smaller ones gathered with others."""
     monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
+    monkeypatch.setattr(multi_tensor, "IN_PLACE_MIN", 4096)
 
 
 def per_tensor_path(monkeypatch):
@@ -149,3 +152,23 @@ def test_no_recompilation_across_steps_with_changing_lr(monkeypatch):
         schedule.step()
     assert counters["stats"]["unique_graphs"] == graphs  # new lrs and bias corrections: no new graph
     assert opt.param_groups[0]["lr"] < 1e-2 / 5
+
+
+def test_chunk_plan_updates_large_tensors_in_place_and_gathers_the_rest(monkeypatch):
+    from hf_optim.kernels.flat_state import FlatState
+    from hf_optim.kernels.state_store import StateSpec
+
+    shapes = [(300,), (5000,), (100,), (9000,), (10,)]
+    flat = FlatState([StateSpec("state1", signed=True)], [True], shapes, torch.device("cpu"))
+    chunks = multi_tensor.plan_chunks(flat, list(range(len(shapes))))
+    members = flat.members
+    covered = [(c.start, c.stop) for c in chunks]
+    assert covered[0][0] == 0 and covered[-1][1] == flat.total
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # contiguous, no overlap
+    assert all(c.stop - c.start <= 2048 and c.start % 256 == 0 for c in chunks)
+    in_place = {c.whole_member for c in chunks if c.whole_member is not None}
+    assert in_place == {1, 3}  # the two tensors of >= 4096 elements
+    # 5000 = 19 whole blocks + 136: its partial block is gathered together with the 100-element tensor
+    tail = next(c for c in chunks if c.start == members[1].offset + 19 * 256)
+    assert [(p.member, p.length) for p in tail.pieces] == [(1, 136), (2, 100)]
+    assert all(len(c.pieces) == 1 for c in chunks if c.whole_member is not None)

@@ -37,8 +37,8 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) ->
     """fp32 values of ``codes`` (rows, n), or (rows, blocks, 256), under per-block ``absmax`` (rows, blocks)."""
     n = codes.shape[-1]
     # Codes may come as uint8 or as the int8 view the kernels pass (see quantize_into); & 255 makes either 0..255,
-    # which always indexes the 256-entry map. Widening through int16 compiles to the fastest CPU code.
-    values = torch.ops.aten._unsafe_index(qmap, [(codes.to(torch.int16) & 255).int()])
+    # which always indexes the 256-entry map.
+    values = torch.ops.aten._unsafe_index(qmap, [codes.int() & 255])
     scaled = _blocked(values) * absmax.unsqueeze(-1)
     return scaled if codes.dim() == 3 else scaled.flatten(1)[:, :n]
 
