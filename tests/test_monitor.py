@@ -234,3 +234,24 @@ def test_gradient_accumulation_counts_every_micro_batch(tmp_path):
     # One optimizer step = 3 micro-batches of 2 rows x 16 tokens; the hook sees each forward.
     assert [(r["step"], r["tokens"], r["steps_in_window"]) for r in records] == [(1, 96, 1), (2, 96, 1)]
     assert read_summary(tmp_path / "run")["tokens_source"] == "forward_hook"
+
+
+def test_mean_step_time_is_steady_state_and_the_first_step_is_reported_apart(tmp_path, monkeypatch):
+    """The first step includes compilation and optimizer state creation: summary.json's means leave it out."""
+    import types
+
+    from hf_optim.monitor import callback
+
+    monitor = TrainingMonitor(tmp_path / "timing", plots=False)
+    clock = iter([0.0, 5.0, 10.0, 10.1, 20.0, 20.3])  # step 1 takes 5 s, steps 2 and 3 take 0.1 s and 0.3 s
+    monkeypatch.setattr(callback.time, "perf_counter", lambda: next(clock))
+    state = types.SimpleNamespace(global_step=0)
+    monitor._first_step = -1  # no phase snapshot (that needs a started run)
+    for step in (1, 2, 3):
+        state.global_step = step - 1
+        monitor.on_step_begin(None, state, None)
+        state.global_step = step
+        monitor.on_step_end(None, state, None)
+    speed = monitor._speed()
+    assert speed["first_step_time_s"] == pytest.approx(5.0)
+    assert speed["mean_step_time_s"] == pytest.approx(0.2)

@@ -116,6 +116,9 @@ class TrainingMonitor(TrainerCallback):
         self._window = {"steps": 0, "seconds": 0.0, "tokens_at_start": 0}
         self._run_steps = 0
         self._run_seconds = 0.0
+        # The first step (compilation, optimizer state creation) is kept apart from the steady-state means.
+        self._first_step_seconds: float | None = None
+        self._tokens_after_first_step = 0
         self._tokens_at_begin = 0
         self._trainer_counts_tokens = False
         self._last_tokens = 0
@@ -146,6 +149,7 @@ class TrainingMonitor(TrainerCallback):
         self.losses, self.gradients, self.final_metrics = [], {}, {}
         self.phases = {name: snapshot for name, snapshot in self.phases.items() if name == "model_loaded"}
         self.error, self._oom_step, self._run_steps, self._run_seconds = None, None, 0, 0.0
+        self._first_step_seconds, self._tokens_after_first_step = None, 0
         self.started_at = _now()
         self._t_start = time.perf_counter()
         if self.writer:
@@ -174,6 +178,9 @@ class TrainingMonitor(TrainerCallback):
             seconds = time.perf_counter() - self._t_step
             self._window["steps"] += 1
             self._window["seconds"] += seconds
+            if self._run_steps == 0:
+                self._first_step_seconds = seconds
+                self._tokens_after_first_step = self._tokens_seen(state) - self._tokens_at_begin
             self._run_steps += 1
             self._run_seconds += seconds
         self._global_step = state.global_step
@@ -244,6 +251,24 @@ class TrainingMonitor(TrainerCallback):
                 "learning_rate", "lr_scheduler_type", "optim", "optim_args", "bf16", "fp16", "gradient_checkpointing",
                 "logging_steps", "seed", "max_grad_norm", "weight_decay")
         self.trainer_args = {k: getattr(args, k) for k in keys if hasattr(args, k)}
+
+    def _speed(self) -> dict:
+        """Steady-state means: over the steps after the first, which includes compilation and the creation of
+        the optimizer state (a one-step run reports that step)."""
+        steady_steps = self._run_steps - 1
+        steady_seconds = self._run_seconds - (self._first_step_seconds or 0.0)
+        if steady_steps > 0 and steady_seconds > 0:
+            step_time = steady_seconds / steady_steps
+            tokens_per_s = (self._last_tokens - self._tokens_after_first_step) / steady_seconds
+        else:
+            step_time = self._run_seconds / self._run_steps if self._run_steps else None
+            tokens_per_s = self._last_tokens / self._run_seconds if self._run_seconds > 0 else None
+        return {
+            "mean_tokens_per_s": tokens_per_s,
+            "mean_step_time_s": step_time,
+            "first_step_time_s": self._first_step_seconds,
+            "speed_basis": "steps after the first (the first, reported apart, includes compilation and state creation)",
+        }
 
     def _tokens_seen(self, state) -> int:
         if self._trainer_counts_tokens:
@@ -333,8 +358,7 @@ class TrainingMonitor(TrainerCallback):
             "trainer_final_metrics": self.final_metrics or None,
             "tokens_seen": self._last_tokens,
             "tokens_source": "trainer" if self._trainer_counts_tokens else "forward_hook",
-            "mean_tokens_per_s": (self._last_tokens / self._run_seconds) if self._run_seconds > 0 else None,
-            "mean_step_time_s": (self._run_seconds / self._run_steps) if self._run_steps else None,
+            **self._speed(),
             "optimizer": optimizer_info(self.optimizer),
             "optimizer_state": state.as_dict() if state is not None else None,
             "memory_breakdown": breakdown,

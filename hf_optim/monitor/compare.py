@@ -54,6 +54,11 @@ class _Row:
         return None if self.oom else self.run.summary.get("mean_tokens_per_s")
 
     @property
+    def step_ms(self) -> float | None:
+        seconds = None if self.oom else self.run.summary.get("mean_step_time_s")
+        return None if seconds is None else 1e3 * seconds
+
+    @property
     def final_loss(self) -> float | None:
         return None if self.oom else self.run.summary.get("final_loss")
 
@@ -118,7 +123,8 @@ def _table(rows: list[_Row], base: _Row) -> list[str]:
     header = ["run", "optimizer", "status", f"peak ({peak_unit})", "Δ peak"]
     if has_reserved:
         header += [f"peak reserved ({peak_unit})"]
-    header += [f"optimizer state ({state_unit})", "Δ state", "tokens/s", "Δ tokens/s", "final loss", "Δ final loss",
+    header += [f"optimizer state ({state_unit})", "Δ state", "step (ms)", "Δ step", "tokens/s", "Δ tokens/s",
+               "final loss", "Δ final loss",
                "EMA loss"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
@@ -134,6 +140,8 @@ def _table(rows: list[_Row], base: _Row) -> list[str]:
         cells += [
             _bytes_cell(row.state, state_size),
             "" if is_base else _delta(row.state, base.state, size=state_size),
+            "-" if row.step_ms is None else f"{row.step_ms:,.1f}",
+            "" if is_base else _delta(row.step_ms, base.step_ms, fmt="+,.1f"),
             "-" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f}",
             "" if is_base else _delta(row.tokens_per_s, base.tokens_per_s, fmt="+,.0f"),
             "-" if row.final_loss is None else f"{row.final_loss:.4f}",
@@ -318,7 +326,7 @@ def _speed_bars(rows: list[_Row]):
         ax.annotate(text, xy=(i, bar.get_height()), xytext=(0, 3), textcoords="offset points", ha="center",
                     va="bottom", fontsize=9, color="#c0392b" if row.oom else "black")
     _set_bar_labels(ax, rows)
-    ax.set_ylabel("tokens/s (mean over training steps)")
+    ax.set_ylabel("tokens/s (mean over steps after the first)")
     ax.set_ylim(top=max(speeds + [0]) * 1.15 or 1)
     ax.set_title("training speed")
     ax.grid(axis="y", alpha=0.3)
@@ -363,8 +371,10 @@ def compare_runs(run_dirs, out_dir, baseline=None, title: str | None = None) -> 
         " run; `host_rss_peak_sampled` (CPU runs) is the largest host RSS sampled at log steps and includes the"
         " Python process itself." + (" **The runs use different bases: their peaks are not comparable.**"
                                      if len(bases) > 1 else ""),
-        "- Δ columns: the run minus the baseline (and the change in percent). tokens/s is the mean over training"
-        " steps (logging and evaluation excluded); final loss is the last logged training loss.",
+        "- Δ columns: the run minus the baseline (and the change in percent). step and tokens/s are steady-state"
+        " means over the training steps after the first (the first step, which includes compilation and the"
+        " creation of the optimizer state, is `first_step_time_s` in each run's summary.json; logging and"
+        " evaluation excluded); final loss is the last logged training loss.",
         "- OOM rows: the run ran out of memory; its peak is the one measured when the error was recorded.",
         "",
         f"![training loss]({LOSS_PNG})",
