@@ -230,7 +230,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated substrings: run only matching rows")
     parser.add_argument("--gbs", action="store_true", help="also print GB/s (and %% of peak on known GPUs)")
     parser.add_argument("--memory", action="store_true",
-                        help="also measure how far a step's peak RSS rises above the RSS before it (CPU, Linux)")
+                        help="instead of timing, measure how far a step's peak RSS rises above the RSS before it "
+                             "(CPU, Linux; it makes glibc map and unmap every allocation of 64 KiB or more, which "
+                             "slows allocating steps: run it apart from the timing run)")
     parser.add_argument("--peak-gbs", type=float, default=0.0,
                         help="memory bandwidth peak in GB/s for the %% column (default: looked up by GPU name)")
     args = parser.parse_args()
@@ -258,6 +260,14 @@ def main() -> None:
                 print(f"  {name:<28} {gbs:8.1f} GB/s" + (f" {100 * gbs / peak:5.1f}% of peak" if peak else ""))
 
     names = list(dict.fromkeys(name for results in table.values() for name in results))
+    if args.memory:
+        columns = " | ".join(f"{spec}: step peak above the RSS before it (MiB)" for spec in sets)
+        print(f"\n| optimizer | {columns} |")
+        print("|---|" + "---:|" * len(sets))
+        for name in names:
+            cells = [f"{table[spec][name][2] / 2**20:.1f}" if name in table[spec] else "" for spec in sets]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        return
     header = "| optimizer | " + " | ".join(f"{spec} ms | x ref | x fused | first s" for spec in sets) + " |"
     print("\n" + header)
     print("|---|" + "---:|---:|---:|---:|" * len(sets))
