@@ -70,6 +70,7 @@ class FlatState:
             offset += padded(numel)
         self.total = offset
         self.plans: dict[tuple[int, ...], list] = {}  # multi_tensor's chunk plans, by run of member indices
+        self._chunks: dict[tuple[int, int], list[torch.Tensor]] = {}  # views of the buffers, made once
         self.values: list[torch.Tensor] = []  # per slot: (rows, total), fp32 values or uint8 codes
         self.absmax: list[torch.Tensor | None] = []  # per slot: (rows, total / 256) for 8-bit slots
         for spec, kind in zip(self.specs, self.kinds):
@@ -121,6 +122,9 @@ class FlatState:
         """The raw slot tensors of flat elements ``[start, stop)`` (block-aligned), in the order
         ``elementwise.update`` takes them, in block form ``(rows, blocks, 256)``: fp32 ``[values]``, 8-bit
         ``[codes (int8 view), absmax (rows, blocks), qmap, table]``."""
+        cached = self._chunks.get((start, stop))
+        if cached is not None:
+            return cached
         tensors = []
         blocks = slice(start // BLOCK_SIZE, -(-stop // BLOCK_SIZE))
         for slot, kind in enumerate(self.kinds):
@@ -136,6 +140,7 @@ class FlatState:
             else:
                 tensors += [values.view(torch.int8), self.absmax[slot][:, blocks], _shared_map(kind, self.device),
                             encoder_table(kind, self.device)]
+        self._chunks[start, stop] = tensors
         return tensors
 
 

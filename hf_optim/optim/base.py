@@ -166,19 +166,12 @@ class HfOptimizer(torch.optim.Optimizer):
         devices = {local_tensor(p).device for group in self.param_groups for p in group["params"]}
         return kernel_backend.describe(devices)
 
-    @classmethod
-    def _multi_tensor_capable(cls) -> bool:
-        """Whether the class steps on the multi-tensor path: its state is the default slots and whoever defines
-        its update also defines (or inherits it from a class that knows) the flat step."""
-        return _owner(cls, "_init_state") is HfOptimizer and issubclass(
-            _owner(cls, "_step_flat"), _owner(cls, "_update")
-        )
 
     def _on_multi_tensor_path(self, full: torch.Tensor, param: torch.Tensor) -> bool:
         """Whether ``full``'s state lives in flat buffers: whole (unsharded) contiguous float tensors on the CPU
         (Triton, when it runs, has its own multi-tensor kernels)."""
         return (
-            self._multi_tensor_capable()
+            _multi_tensor_capable(type(self))
             and param is full
             and param.device.type == "cpu"
             and param.is_contiguous()
@@ -231,16 +224,17 @@ class HfOptimizer(torch.optim.Optimizer):
     def _update_flat(self, group: dict, items: list) -> None:
         """The multi-tensor path for ``items`` (as :meth:`_update_group`'s): state that a loaded state dict
         replaced is first moved into flat buffers; then one :meth:`_step_flat` per flat buffer and step count."""
+        located = [self._flat.locate(full, state) for _, _, state, full in items]
         homeless = [
             (full, param, state, slot_kinds(state, self.state_specs))
-            for param, _, state, full in items
-            if self._flat.locate(full, state) is None
+            for (param, _, state, full), place in zip(items, located)
+            if place is None
         ]
-        if homeless:
+        if homeless:  # a loaded state dict replaced their state: move it into flat buffers
             self._flat.adopt(self.state_specs, homeless, self._allocate)
+            located = [place or self._flat.locate(full, state) for (_, _, state, full), place in zip(items, located)]
         batches: dict[tuple, tuple[FlatState, list]] = {}
-        for param, grad, state, full in items:
-            flat, index = self._flat.locate(full, state)
+        for (param, grad, state, _), (flat, index) in zip(items, located):
             batches.setdefault((id(flat), state["step"]), (flat, []))[1].append((index, param, grad))
         for (_, step), (flat, members) in batches.items():
             members.sort(key=lambda member: member[0])
@@ -590,3 +584,10 @@ class HfOptimizer(torch.optim.Optimizer):
 def _owner(cls: type, name: str) -> type:
     """The class in ``cls``'s MRO that defines attribute ``name``."""
     return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+
+@functools.cache
+def _multi_tensor_capable(cls: type) -> bool:
+    """Whether ``cls`` steps on the multi-tensor path: its state is the default slots, and whoever defines its
+    update also defines (or inherits from a class that knows it) the flat step."""
+    return _owner(cls, "_init_state") is HfOptimizer and issubclass(_owner(cls, "_step_flat"), _owner(cls, "_update"))
