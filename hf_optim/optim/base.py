@@ -174,6 +174,7 @@ class HfOptimizer(torch.optim.Optimizer):
             _multi_tensor_capable(type(self))
             and param is full
             and param.device.type == "cpu"
+            and not kernel_backend.uses_triton(param.device)  # HF_OPTIM_BACKEND=triton in Triton's interpreter
             and param.is_contiguous()
             and param.dtype in multi_tensor.PARAM_DTYPES
         )
