@@ -30,9 +30,10 @@ from hf_optim.kernels import elementwise
 from hf_optim.kernels.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.flat_state import FlatState
 
-CHUNK = 1 << 20
-"""Flat elements per call: large enough to amortize a call's fixed cost (about 30 us), small enough to keep the
-compiled kernel's temporaries and the gather buffers small (a few MiB)."""
+CHUNK = 1 << 18
+"""Flat elements per call: large enough to amortize a call's fixed cost (about 30 us), small enough that the
+compiled kernel's temporaries (a few MiB) stay in glibc's heap between calls. With 1M-element chunks glibc maps and
+unmaps them on every call, and on a VM each fresh page costs a fault: the step took twice as long, and varied."""
 
 IN_PLACE_MIN = 1 << 16
 """Tensors of at least this many elements are updated in place, chunk by chunk; smaller ones are gathered."""
