@@ -77,8 +77,9 @@ def run_update(rule, kinds, param, grad, out, tensors, hyper) -> None:
         elementwise.update(rule, kinds, param, grad, out, tensors, hyper)
 
 
-def hyper_tensors(hyper: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    """The rule's scalars as fp32 0-d tensors (made once per step, shared by every chunk)."""
+def hyper_tensors(hyper: dict) -> dict[str, torch.Tensor]:
+    """The rule's scalars as fp32 0-d CPU tensors (made once per step, shared by every chunk; a CPU scalar tensor
+    combines with tensors on any device)."""
     return {name: torch.as_tensor(value, dtype=torch.float32) for name, value in hyper.items()}
 
 
@@ -250,7 +251,7 @@ def step_run(
     first = next(iter(params.values()))
     device, p_dtype = first.device, first.dtype
     g_dtype = next(iter(grads.values())).dtype
-    hyper_t = hyper_tensors(hyper, device)
+    hyper_t = hyper_tensors(hyper)
     p_zeros, g_zeros = scratch.zeros(p_dtype, device), scratch.zeros(g_dtype, device)
     for chunk in chunks:
         length = chunk.stop - chunk.start
@@ -280,7 +281,7 @@ def step_tensor(
 ) -> None:
     """Run ``rule`` over one tensor's own flat state (``state_store.slot_tensors``): its whole blocks chunk by
     chunk in the kernels' block form, a last partial block as it is."""
-    hyper_t = hyper_tensors(hyper, param.device)
+    hyper_t = hyper_tensors(hyper)
     n = param.numel()
     whole = n - n % BLOCK_SIZE
     for start in [*range(0, whole, CHUNK), *([whole] if whole < n else [])]:
