@@ -156,10 +156,11 @@ def test_no_recompilation_across_steps_with_changing_lr(monkeypatch):
 
 def test_chunk_plan_updates_large_tensors_in_place_and_gathers_the_rest(monkeypatch):
     from hf_optim.kernels.flat_state import FlatState
+    from hf_optim.kernels.formats import BLOCKWISE8, SlotLayout
     from hf_optim.kernels.state_store import StateSpec
 
     shapes = [(300,), (5000,), (100,), (9000,), (10,)]
-    flat = FlatState([StateSpec("state1", signed=True)], [True], shapes, torch.device("cpu"))
+    flat = FlatState([StateSpec("state1", signed=True)], [SlotLayout(BLOCKWISE8, True)], shapes, torch.device("cpu"))
     chunks = multi_tensor.plan_chunks(flat, list(range(len(shapes))))
     members = flat.members
     covered = [(c.start, c.stop) for c in chunks]

@@ -20,20 +20,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hf_optim.kernels import blockwise
+from hf_optim.kernels.formats import SlotLayout
 
 Rule = Callable[
     [torch.Tensor, torch.Tensor, list[torch.Tensor], dict], tuple[torch.Tensor, list[torch.Tensor]]
 ]
 
-def slot_width(kind: bool | None) -> int:
-    """How many raw tensors a slot of this kind passes (see ``state_store.slot_tensors``)."""
-    return 1 if kind is None else 4
-
 
 def update(
     rule: Rule,
-    kinds: Sequence[bool | None],
+    layouts: Sequence[SlotLayout],
     param: torch.Tensor,
     grad: torch.Tensor,
     out: torch.Tensor | None,
@@ -42,11 +38,11 @@ def update(
 ) -> None:
     """Run ``rule`` over ``param``/``grad`` and the slots' raw ``tensors``, in place.
 
-    Shapes: ``param``/``grad``/``out`` are flat ``(n,)`` and each slot tensor ``(rows, n)`` (absmax ``(rows,
-    blocks)``), or, in the multi-tensor kernels, ``(blocks, 256)`` and ``(rows, blocks, 256)`` (block-aligned
-    chunks: inductor compiles that form to clean vectorized loops for any number of blocks). ``kinds`` holds, per
-    slot, None (fp32 values) or the signedness of an 8-bit slot. If ``out`` is given the rule's output goes there
-    (fp32, masked to 0 where the gradient is not finite), else into ``param``.
+    Shapes: ``param``/``grad``/``out`` are flat ``(n,)`` and each slot's raw tensors ``(rows, n)`` (see its
+    format), or, in the multi-tensor kernels, ``(blocks, 256)`` and the block form ``(rows, blocks, 256)``
+    (block-aligned chunks: inductor compiles that form to clean vectorized loops for any number of blocks).
+    ``layouts`` holds, per slot, its format and map signedness (``state_store.slot_layouts``). If ``out`` is
+    given the rule's output goes there (fp32, masked to 0 where the gradient is not finite), else into ``param``.
     """
     # Scalars enter the rule as fp32 0-d tensors on every path, so any scalar arithmetic inside a rule rounds
     # the same way eagerly and compiled (a Python float would be combined in double precision).
@@ -56,26 +52,17 @@ def update(
     finite = torch.isfinite(g32)
     g32 = torch.where(finite, g32, torch.zeros_like(g32))
 
-    olds, index = [], 0
-    for kind in kinds:
-        if kind is None:
-            olds.append(tensors[index])
-        else:
-            codes, absmax, qmap = tensors[index : index + 3]
-            olds.append(blockwise.dequantize(codes, absmax, qmap))
-        index += slot_width(kind)
+    raws, olds, index = [], [], 0
+    for layout in layouts:
+        raw = tensors[index : index + layout.width]
+        raws.append(raw)
+        olds.append(layout.format.dequantize(raw, layout.signed))
+        index += layout.width
 
     result, news = rule(p32, g32, olds, hyper)
 
-    index = 0
-    for kind, old, new in zip(kinds, olds, news):
-        new = torch.where(finite, new, old)
-        if kind is None:
-            tensors[index].copy_(new)
-        else:
-            codes, absmax, _, table = tensors[index : index + 4]
-            blockwise.quantize_into(new, table, kind, codes, absmax)
-        index += slot_width(kind)
+    for layout, raw, old, new in zip(layouts, raws, olds, news):
+        layout.format.store(torch.where(finite, new, old), raw, layout.signed)
 
     if out is None:
         param.copy_(torch.where(finite, result, p32)[0])

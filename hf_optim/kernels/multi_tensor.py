@@ -29,6 +29,7 @@ import torch
 from hf_optim.kernels import elementwise
 from hf_optim.kernels.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.flat_state import FlatState
+from hf_optim.kernels.formats import SlotLayout
 
 CHUNK = 1 << 18
 """Flat elements per call: large enough to amortize a call's fixed cost (about 30 us), small enough that the
@@ -49,15 +50,15 @@ def compile_enabled() -> bool:
 _compiled: dict[tuple, Callable] = {}
 
 
-def compiled_update(rule: Callable, kinds: Sequence[bool | None], has_out: bool, dtypes: tuple) -> Callable:
-    """:func:`elementwise.update` compiled for one rule, slot kinds, output mode and parameter/gradient dtypes.
+def compiled_update(rule: Callable, layouts: Sequence[SlotLayout], has_out: bool, dtypes: tuple) -> Callable:
+    """:func:`elementwise.update` compiled for one rule, slot layouts, output mode and parameter/gradient dtypes.
 
     Each combination gets a code object of its own: dynamo keeps its compiled graphs per code object and stops
     compiling one after ``recompile_limit`` (8) variants, a limit every rule and precision would share otherwise.
     Shapes are dynamic, so one graph serves every chunk length (and a second one lengths that are not whole
     blocks).
     """
-    key = (rule, tuple(kinds), has_out, dtypes)
+    key = (rule, tuple(layouts), has_out, dtypes)
     compiled = _compiled.get(key)
     if compiled is None:
         base = elementwise.update
@@ -67,14 +68,14 @@ def compiled_update(rule: Callable, kinds: Sequence[bool | None], has_out: bool,
     return compiled
 
 
-def run_update(rule, kinds, param, grad, out, tensors, hyper) -> None:
+def run_update(rule, layouts, param, grad, out, tensors, hyper) -> None:
     """:func:`elementwise.update` on one chunk: compiled on CPU (unless disabled, or the chunk is a single element,
     which dynamo would specialize), eager otherwise."""
     if param.device.type == "cpu" and compile_enabled() and param.numel() > 1:
-        compiled = compiled_update(rule, kinds, out is not None, (param.dtype, grad.dtype))
-        compiled(rule, tuple(kinds), param, grad, out, tensors, hyper)
+        compiled = compiled_update(rule, layouts, out is not None, (param.dtype, grad.dtype))
+        compiled(rule, tuple(layouts), param, grad, out, tensors, hyper)
     else:
-        elementwise.update(rule, kinds, param, grad, out, tensors, hyper)
+        elementwise.update(rule, layouts, param, grad, out, tensors, hyper)
 
 
 def hyper_tensors(hyper: dict) -> dict[str, torch.Tensor]:
@@ -264,7 +265,7 @@ def step_run(
             p = gather(chunk, params, scratch.buffer("param", p_dtype, device, CHUNK), p_zeros)
             g = gather(chunk, grads, scratch.buffer("grad", g_dtype, device, CHUNK), g_zeros)
         o = None if out is None else out[chunk.start - out_offset : chunk.stop - out_offset].view(-1, BLOCK_SIZE)
-        run_update(rule, flat.kinds, p.view(-1, BLOCK_SIZE), g.view(-1, BLOCK_SIZE), o,
+        run_update(rule, flat.layouts, p.view(-1, BLOCK_SIZE), g.view(-1, BLOCK_SIZE), o,
                    flat.chunk(chunk.start, chunk.stop), hyper_t)
         if whole is None and out is None:
             scatter(chunk, p, params)
@@ -272,29 +273,26 @@ def step_run(
 
 def step_tensor(
     rule: Callable,
-    kinds: Sequence[bool | None],
+    layouts: Sequence[SlotLayout],
     param: torch.Tensor,
     grad: torch.Tensor,
     out: torch.Tensor | None,
     tensors: Sequence[torch.Tensor],
     hyper: dict,
 ) -> None:
-    """Run ``rule`` over one tensor's own flat state (``state_store.slot_tensors``): its whole blocks chunk by
-    chunk in the kernels' block form, a last partial block as it is."""
+    """Run ``rule`` over one tensor's own state (``state_store.slot_tensors``): its whole blocks chunk by chunk
+    in the kernels' block form, a last partial block as it is."""
     hyper_t = hyper_tensors(hyper)
     n = param.numel()
     whole = n - n % BLOCK_SIZE
+    raws, index = [], 0
+    for layout in layouts:
+        raws.append(tensors[index : index + layout.width])
+        index += layout.width
     for start in [*range(0, whole, CHUNK), *([whole] if whole < n else [])]:
-        stop = min(start + CHUNK, whole) if start < whole else n
-        blocks = slice(start // BLOCK_SIZE, -(-stop // BLOCK_SIZE))
-        shape = (-1, BLOCK_SIZE) if start < whole else (-1,)  # the partial block stays flat (padded inside)
-        chunk, index = [], 0
-        for kind in kinds:
-            if kind is None:
-                chunk.append(tensors[index][:, start:stop].reshape(tensors[index].shape[0], *shape))
-            else:
-                codes, absmax, qmap, table = tensors[index : index + 4]
-                chunk += [codes[:, start:stop].reshape(codes.shape[0], *shape), absmax[:, blocks], qmap, table]
-            index += elementwise.slot_width(kind)
+        block_form = start < whole
+        stop = min(start + CHUNK, whole) if block_form else n
+        shape = (-1, BLOCK_SIZE) if block_form else (-1,)  # the partial block stays flat (padded inside)
+        chunk = [t for layout, raw in zip(layouts, raws) for t in layout.format.slice_raw(raw, start, stop, block_form)]
         o = None if out is None else out[start:stop].view(shape)
-        run_update(rule, kinds, param[start:stop].view(shape), grad[start:stop].view(shape), o, chunk, hyper_t)
+        run_update(rule, layouts, param[start:stop].view(shape), grad[start:stop].view(shape), o, chunk, hyper_t)

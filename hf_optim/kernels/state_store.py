@@ -1,7 +1,8 @@
-"""Optimizer state precision, in one place: every algorithm reads and writes fp32 state through this module.
+"""Optimizer state slots: every algorithm reads and writes fp32 state through this module.
 
-A state slot is stored either as fp32 (32-bit optimizers, and tensors below ``min_8bit_size``) or as
-bitsandbytes' 8-bit blockwise format. The slot names and layout follow bitsandbytes exactly:
+A state slot is stored in one of the formats of :mod:`hf_optim.kernels.formats`: fp32 (32-bit optimizers, and
+tensors below ``min_8bit_size``), bitsandbytes' 8-bit blockwise format, or 4-bit blockwise. The slot names and
+layout follow bitsandbytes exactly:
 
 =========  ==========================  ==========================================================
 key        32-bit                      8-bit
@@ -21,9 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_optim.kernels import blockwise
-from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table
+from hf_optim.kernels.formats import SlotLayout, StateFormat, loaded_format
+from hf_optim.kernels.formats.base import StateDictError
 
 
 @dataclass(frozen=True)
@@ -58,62 +58,40 @@ def slot_shape(spec: StateSpec, param: torch.Tensor) -> tuple[int, ...]:
     return tuple(param.shape) if spec.rows == 1 else (spec.rows, *param.shape)
 
 
-def init_slot(
-    state: dict, spec: StateSpec, param: torch.Tensor, eight_bit: bool, allocate=torch.zeros
-) -> None:
-    """Create one zeroed slot in ``state`` for ``param`` (its local tensor, for sharded parameters).
-
-    ``allocate(shape, dtype=, device=)`` makes the big buffers, so paged memory can be plugged in.
-    """
-    shape = slot_shape(spec, param)
-    if not eight_bit:
-        state[spec.key] = allocate(shape, dtype=torch.float32, device=param.device)
-        return
-    blocks = num_blocks(param.numel())
-    state[spec.key] = allocate(shape, dtype=torch.uint8, device=param.device)
-    state[spec.qmap_key] = dynamic_map(spec.signed, param.device)
-    absmax_shape = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
-    state[spec.absmax_key] = torch.zeros(absmax_shape, dtype=torch.float32, device=param.device)
+def init_slot(state: dict, spec: StateSpec, param: torch.Tensor, fmt: StateFormat, allocate=torch.zeros) -> None:
+    """Create one zeroed slot in ``state`` for ``param`` (its local tensor, for sharded parameters) in format
+    ``fmt``. ``allocate(shape, dtype=, device=)`` makes the big buffers, so paged memory can be plugged in."""
+    fmt.init_slot(state, spec, param, allocate)
 
 
-def is_8bit(state: dict, spec: StateSpec) -> bool:
-    return state[spec.key].dtype == torch.uint8
+def slot_format(state: dict, spec: StateSpec) -> StateFormat:
+    """The format slot ``spec`` of a parameter's state is stored in."""
+    fmt = loaded_format(state, spec)
+    if fmt is None:
+        value = state.get(spec.key)
+        found = "nothing" if value is None else f"{getattr(value, 'dtype', type(value).__name__)}"
+        raise StateDictError(f"state slot {spec.key} holds {found}, which no state format recognises")
+    return fmt
 
 
 def slot_tensors(state: dict, spec: StateSpec) -> list[torch.Tensor]:
-    """The raw tensors of a slot as 2-D ``(rows, n)`` views, in the order the kernels take them.
-
-    fp32: ``[values]``; 8-bit: ``[codes as an int8 view, absmax, qmap, encoder table]`` (see
-    ``blockwise.quantize_into`` for why int8).
-    """
-    main = state[spec.key].view(spec.rows, -1)
-    if not is_8bit(state, spec):
-        return [main]
-    absmax = state[spec.absmax_key].view(spec.rows, -1)
-    return [main.view(torch.int8), absmax, state[spec.qmap_key], encoder_table(spec.signed, main.device)]
+    """The raw tensors of a slot as 2-D ``(rows, n)`` views, in the order the kernels take them (see the
+    slot's format, e.g. ``formats.blockwise8``)."""
+    return slot_format(state, spec).raw(state, spec)
 
 
 def read_slot(state: dict, spec: StateSpec) -> torch.Tensor:
-    """The slot's values as fp32 ``(rows, n)`` (a view for fp32 slots, a dequantized copy for 8-bit ones)."""
-    tensors = slot_tensors(state, spec)
-    if len(tensors) == 1:
-        return tensors[0]
-    codes, absmax, qmap = tensors[:3]
-    return blockwise.dequantize(codes, absmax, qmap)
+    """The slot's values as fp32 ``(rows, n)`` (a view for fp32 slots, a dequantized copy otherwise)."""
+    fmt = slot_format(state, spec)
+    return fmt.dequantize(fmt.raw(state, spec), spec.signed)
 
 
 def write_slot(state: dict, spec: StateSpec, values: torch.Tensor) -> None:
-    """Store fp32 ``values`` (rows, n) into the slot, re-quantizing an 8-bit slot."""
-    tensors = slot_tensors(state, spec)
-    if len(tensors) == 1:
-        tensors[0].copy_(values)
-        return
-    codes, absmax, _, table = tensors
-    new_codes, new_absmax = blockwise.quantize(values, table, spec.signed)
-    codes.copy_(new_codes)
-    absmax.copy_(new_absmax)
+    """Store fp32 ``values`` (rows, n) into the slot, re-quantizing a quantized slot."""
+    fmt = slot_format(state, spec)
+    fmt.store(values.contiguous(), fmt.raw(state, spec), spec.signed)
 
 
-def slot_kinds(state: dict, specs: tuple[StateSpec, ...]) -> tuple[bool | None, ...]:
-    """Static description of the slots for kernels: None for fp32, else the map's signedness."""
-    return tuple(spec.signed if is_8bit(state, spec) else None for spec in specs)
+def slot_layouts(state: dict, specs: tuple[StateSpec, ...]) -> tuple[SlotLayout, ...]:
+    """Static description of the slots for kernels: each slot's format and map signedness."""
+    return tuple(SlotLayout(slot_format(state, spec), spec.signed) for spec in specs)

@@ -33,7 +33,7 @@ import triton.language as tl
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.blockwise import num_blocks
 from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table
-from hf_optim.kernels.state_store import is_8bit
+from hf_optim.kernels.state_store import slot_format
 from hf_optim.kernels.triton_blockwise import (
     dtype_code,
     load_state,
@@ -68,7 +68,7 @@ SQ_COL: tl.constexpr = tl.constexpr(10)
 RMS: tl.constexpr = tl.constexpr(11)
 M_VALUES: tl.constexpr = tl.constexpr(12)
 M_ABSMAX: tl.constexpr = tl.constexpr(13)
-M_IS_8BIT: tl.constexpr = tl.constexpr(14)
+M_FORMAT: tl.constexpr = tl.constexpr(14)
 ROW_OFFSET: tl.constexpr = tl.constexpr(15)
 """Offset of the tensor's rows in the row scratch buffers (row sums, ``p*p`` sums, row factors)."""
 COL_OFFSET: tl.constexpr = tl.constexpr(16)
@@ -269,10 +269,10 @@ def _apply_kernel(meta, tiles, row_factor, col_factor, clip_denominators, lrs, e
     lr = tl.load(lrs + tensor)
     u = u * lr
     if HAS_M:
-        m_values, m_absmax, m_is_8bit = tl.load(row + M_VALUES), tl.load(row + M_ABSMAX), tl.load(row + M_IS_8BIT)
-        old = load_state(m_values, m_absmax, m_is_8bit, qmap, blocks, offs, mask, block_mask)
+        m_values, m_absmax, m_format = tl.load(row + M_VALUES), tl.load(row + M_ABSMAX), tl.load(row + M_FORMAT)
+        old = load_state(m_values, m_absmax, m_format, qmap, blocks, offs, mask, block_mask)
         m = tl.where(finite, old * beta1 + u * one_minus_beta1, old)
-        store_state(m_values, m_absmax, m_is_8bit, table, blocks, offs, m, mask, block_mask, True)
+        store_state(m_values, m_absmax, m_format, table, blocks, offs, m, mask, block_mask, True)
         u = m
     param, param_dtype = tl.load(row + PARAM), tl.load(row + PARAM_DTYPE)
     p = load_values(param, param_dtype, offs, mask)
@@ -293,7 +293,7 @@ def _meta_rows(items: list, first_moment) -> tuple[list[list[int]], int, int, li
         factored = "exp_avg_sq_row" in state
         height = param.shape[-2] if factored else rows
         m = state.get(first_moment.key)
-        eight = m is not None and is_8bit(state, first_moment)
+        fmt = slot_format(state, first_moment) if m is not None else None
         row = [0] * META_COLS
         row[PARAM.value], row[GRAD.value], row[NUMEL.value] = param.data_ptr(), grad.data_ptr(), n
         row[PARAM_DTYPE.value], row[GRAD_DTYPE.value] = dtype_code(param.dtype), dtype_code(grad.dtype)
@@ -302,8 +302,9 @@ def _meta_rows(items: list, first_moment) -> tuple[list[list[int]], int, int, li
         row[SQ_COL.value] = state["exp_avg_sq_col"].data_ptr() if factored else 0
         row[RMS.value] = state["RMS"].data_ptr()
         row[M_VALUES.value] = m.data_ptr() if m is not None else 0
-        row[M_ABSMAX.value] = state[first_moment.absmax_key].data_ptr() if eight else 0
-        row[M_IS_8BIT.value] = int(eight)
+        quantized = fmt is not None and fmt.block_size
+        row[M_ABSMAX.value] = state[first_moment.absmax_key].data_ptr() if quantized else 0
+        row[M_FORMAT.value] = fmt.code if fmt is not None else 0
         row[ROW_OFFSET.value], row[COL_OFFSET.value], row[FIRST_TILE.value] = row_offset, col_offset, first_tile
         row_offset += rows
         col_offset += (rows // height) * cols if factored else 0

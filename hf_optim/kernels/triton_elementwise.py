@@ -148,4 +148,4 @@ def fused_update(
 
 # The kernel reads the meta table by column number; keep it in step with triton_multi_tensor's layout.
 assert (mt.PARAM, mt.GRAD, mt.OUT, mt.NUMEL, mt.PARAM_DTYPE, mt.GRAD_DTYPE) == (0, 1, 2, 3, 4, 5)
-assert (mt.VALUES, mt.ABSMAX, mt.IS_8BIT, mt.FIRST_TILE) == (6, 9, 12, 15)
+assert (mt.VALUES, mt.ABSMAX, mt.FORMAT, mt.FIRST_TILE) == (6, 9, 12, 15)

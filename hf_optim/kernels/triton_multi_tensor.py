@@ -4,7 +4,7 @@ A launch gets two small device tables instead of one tensor per argument:
 
 - ``meta`` (int64, ``(tensors, META_COLS)``): per tensor the addresses of its parameter, gradient, optional
   fp32 output, up to three state rows (fp32 values or uint8 codes) and their absmax rows, its element count,
-  the dtype codes of parameter and gradient, whether each state row is 8-bit, and its first tile.
+  the dtype codes of parameter and gradient, the format code of each state row, and its first tile.
 - ``tiles`` (int32, ``(tiles, 2)``): per program the tensor it works on and its first 256-element block, so a
   program never straddles two tensors and a quantization block is always whole inside one program.
 
@@ -20,31 +20,30 @@ from dataclasses import dataclass
 import torch
 
 from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.state_store import StateSpec, is_8bit
+from hf_optim.kernels.state_store import StateSpec, slot_format
 from hf_optim.kernels.triton_blockwise import dtype_code
 
 PARAM, GRAD, OUT, NUMEL, PARAM_DTYPE, GRAD_DTYPE = range(6)
 VALUES = 6  # 6, 7, 8: state rows (fp32 values or uint8 codes)
 ABSMAX = 9  # 9, 10, 11: absmax rows of 8-bit state rows
-IS_8BIT = 12  # 12, 13, 14
+FORMAT = 12  # 12, 13, 14: format codes of the state rows (hf_optim.kernels.formats)
 FIRST_TILE = 15
 META_COLS = 16
 MAX_ROWS = 3
 
 
 def state_rows(state: dict, specs: tuple[StateSpec, ...]) -> list[tuple[int, int, int]]:
-    """(values address, absmax address, is 8-bit) of every state row, in rule order; a stacked slot (AdEMAMix)
-    gives one row per EMA, row ``r`` starting ``r * n`` elements (and ``r * blocks`` absmax entries) in."""
+    """(values address, absmax address, format code) of every state row, in rule order; a stacked slot
+    (AdEMAMix) gives one row per EMA, each row's values and absmax following the previous row's."""
     rows = []
     for spec in specs:
+        fmt = slot_format(state, spec)
         values = state[spec.key]
-        n = values.numel() // spec.rows
-        eight = is_8bit(state, spec)
-        absmax = state[spec.absmax_key] if eight else None
+        row_bytes = values.numel() // spec.rows * values.element_size()
+        absmax = state[spec.absmax_key] if fmt.block_size else None
         for r in range(spec.rows):
-            values_address = values.data_ptr() + r * n * values.element_size()
-            absmax_address = absmax.data_ptr() + r * num_blocks(n) * 4 if eight else 0
-            rows.append((values_address, absmax_address, int(eight)))
+            absmax_address = absmax.data_ptr() + r * (absmax.numel() // spec.rows) * 4 if fmt.block_size else 0
+            rows.append((values.data_ptr() + r * row_bytes, absmax_address, fmt.code))
     return rows
 
 
@@ -67,7 +66,7 @@ def meta_rows(items, specs, tile_blocks: int, out_addresses=None) -> list[list[i
         row[OUT] = out_addresses[index] if out_addresses is not None else 0
         row[PARAM_DTYPE], row[GRAD_DTYPE] = dtype_code(param.dtype), dtype_code(grad.dtype)
         for r in range(MAX_ROWS):
-            row[VALUES + r], row[ABSMAX + r], row[IS_8BIT + r] = rows[r]
+            row[VALUES + r], row[ABSMAX + r], row[FORMAT + r] = rows[r]
         row[FIRST_TILE] = first_tile
         first_tile += -(-num_blocks(n) // tile_blocks)
         table.append(row)

@@ -73,9 +73,12 @@ def check_optional_steps(name: str, value) -> int | None:
     return value
 
 
-def check_optim_bits(optim_bits) -> int:
-    if optim_bits not in (8, 32) or isinstance(optim_bits, bool):
-        raise ValueError(f"Invalid optim_bits: {optim_bits!r}; expected 8 or 32")
+def check_optim_bits(optim_bits, supported: tuple[int, ...] = (8, 32), who: str = "") -> int:
+    """``optim_bits`` if the algorithm supports it (``supported``), else a ValueError naming the valid values."""
+    if optim_bits not in supported or isinstance(optim_bits, bool):
+        valid = " or ".join(str(bits) for bits in sorted(supported))
+        owner = f" ({who} runs with {valid}-bit state)" if who else ""
+        raise ValueError(f"Invalid optim_bits: {optim_bits!r}; expected {valid}{owner}")
     return int(optim_bits)
 
 

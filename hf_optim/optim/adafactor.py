@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
+from hf_optim.kernels.formats import loaded_format
 from hf_optim.kernels.state_store import StateSpec, init_slot, read_slot, write_slot
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import as_tuple, check_beta, check_eps, check_lr, check_real, check_weight_decay
@@ -133,7 +134,7 @@ class Adafactor(HfOptimizer):
         else:
             state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
         if group["beta1"] is not None:
-            init_slot(state, FIRST_MOMENT, param, self._use_8bit(full, group), self._allocate)
+            init_slot(state, FIRST_MOMENT, param, self._state_format(full, group), self._allocate)
 
     @staticmethod
     def _step_size(group: dict, step: int) -> float:
@@ -222,8 +223,12 @@ class Adafactor(HfOptimizer):
                 f"state of parameter {index} (shape {tuple(param.shape)}) lacks {sorted(missing)}: "
                 "the state dict was not saved by Adafactor"
             )
-        if "exp_avg" in state and state["exp_avg"].dtype == torch.uint8:
-            self._check_quant_slot(param, state, FIRST_MOMENT, f"state of parameter {index}")
+        if FIRST_MOMENT.key in state:
+            fmt = loaded_format(state, FIRST_MOMENT)
+            where = f"state of parameter {index} (shape {tuple(param.shape)})"
+            if fmt is None:
+                raise StateDictError(f"{where}: {FIRST_MOMENT.key} is in no state format hf_optim knows")
+            fmt.check_loaded(param, state, FIRST_MOMENT, where)
 
 
 class _LocalStatistics:

@@ -18,15 +18,14 @@ import torch
 
 from hf_optim.kernels import backend as kernel_backend
 from hf_optim.kernels import multi_tensor
-from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.dynamic_map import BLOCK_SIZE, dynamic_map
 from hf_optim.kernels.flat_state import FlatState, FlatStates
+from hf_optim.kernels.formats import FP32, SlotLayout, StateFormat, format_for_bits, loaded_format
+from hf_optim.kernels.formats.base import StateDictError
 from hf_optim.kernels.state_store import (
     QUANT_KEYS,
     StateSpec,
     init_slot,
-    slot_kinds,
-    slot_shape,
+    slot_layouts,
     slot_tensors,
 )
 from hf_optim.optim import sharding
@@ -44,10 +43,6 @@ from hf_optim.paging import on_host, paging_unavailable_reason, state_allocator
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
 ALGORITHM_KEY = "hf_optim_algorithm"
 """Param-group key recording which algorithm wrote a state dict (ignored by bitsandbytes)."""
-
-
-class StateDictError(ValueError):
-    """A state dict that cannot be loaded into this optimizer (another algorithm, layout or block size)."""
 
 
 def _override_key(hyper: dict):
@@ -76,6 +71,8 @@ class HfOptimizer(torch.optim.Optimizer):
 
     algorithm: ClassVar[str] = ""
     state_specs: ClassVar[tuple[StateSpec, ...]] = ()
+    supported_bits: ClassVar[tuple[int, ...]] = (8, 32)
+    """The ``optim_bits`` values (state formats) the algorithm runs with."""
     group_keys: ClassVar[tuple[str, ...]] = ()
     """Param-group keys the algorithm reads (filled from defaults when a foreign state dict lacks them)."""
 
@@ -89,7 +86,7 @@ class HfOptimizer(torch.optim.Optimizer):
         is_paged: bool = False,
     ) -> None:
         defaults = dict(defaults)
-        defaults["optim_bits"] = check_optim_bits(optim_bits)
+        defaults["optim_bits"] = check_optim_bits(optim_bits, self.supported_bits, type(self).__name__)
         defaults["min_8bit_size"] = check_min_8bit_size(min_8bit_size)
         super().__init__(params, defaults)
         self.is_paged = bool(is_paged)
@@ -102,7 +99,7 @@ class HfOptimizer(torch.optim.Optimizer):
     # Hooks for subclasses
     def _check_group(self, group: dict) -> None:
         """Validate a param group's hyperparameters (called for every group, including added ones)."""
-        check_optim_bits(group["optim_bits"])
+        check_optim_bits(group["optim_bits"], self.supported_bits, type(self).__name__)
         check_min_8bit_size(group["min_8bit_size"])
 
     def rule(self, param, grad, states, hyper):  # pragma: no cover - abstract
@@ -120,18 +117,21 @@ class HfOptimizer(torch.optim.Optimizer):
         """Map a bitsandbytes param group's keys to this optimizer's (inverse of :meth:`_to_bnb_group`)."""
         return saved
 
-    def _use_8bit(self, param: torch.Tensor, group: dict) -> bool:
-        """8-bit state when the WHOLE parameter (a DTensor's global numel) has ``min_8bit_size`` elements, so the
-        precision of a parameter's state never depends on how many ranks share it."""
-        return group["optim_bits"] == 8 and param.numel() >= group["min_8bit_size"]
+    def _state_format(self, param: torch.Tensor, group: dict) -> StateFormat:
+        """The format of ``param``'s state: ``optim_bits``' quantized format when the WHOLE parameter (a
+        DTensor's global numel) has ``min_8bit_size`` elements, fp32 otherwise, so the precision of a
+        parameter's state never depends on how many ranks share it."""
+        if group["optim_bits"] == 32 or param.numel() < group["min_8bit_size"]:
+            return FP32
+        return format_for_bits(group["optim_bits"])
 
     def _init_state(self, full: torch.Tensor, group: dict, state: dict) -> None:
         """Create the state of parameter ``full`` (a DTensor or a tensor) on its local tensor."""
         param = local_tensor(full)
         state["step"] = 0
-        eight_bit = self._use_8bit(full, group)
+        fmt = self._state_format(full, group)
         for spec in self.state_specs:
-            init_slot(state, spec, param, eight_bit, self._allocate)
+            init_slot(state, spec, param, fmt, self._allocate)
 
     def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
         """Update the local tensor ``param``; ``full`` is the parameter itself (a DTensor when sharded), for
@@ -190,8 +190,8 @@ class HfOptimizer(torch.optim.Optimizer):
                 self._init_state(p, settings, state)
                 continue
             state["step"] = 0
-            eight_bit = self._use_8bit(p, settings)
-            flat_entries.append((p, param, state, [spec.signed if eight_bit else None for spec in self.state_specs]))
+            fmt = self._state_format(p, settings)
+            flat_entries.append((p, param, state, [SlotLayout(fmt, spec.signed) for spec in self.state_specs]))
         if flat_entries:
             self._flat.create(self.state_specs, flat_entries, self._allocate)
 
@@ -227,7 +227,7 @@ class HfOptimizer(torch.optim.Optimizer):
         replaced is first moved into flat buffers; then one :meth:`_step_flat` per flat buffer and step count."""
         located = [self._flat.locate(full, state) for _, _, state, full in items]
         homeless = [
-            (full, param, state, slot_kinds(state, self.state_specs))
+            (full, param, state, slot_layouts(state, self.state_specs))
             for (param, _, state, full), place in zip(items, located)
             if place is None
         ]
@@ -250,9 +250,9 @@ class HfOptimizer(torch.optim.Optimizer):
         if param.numel() == 0:  # an empty local shard of a sharded parameter
             return
         flat_param = param.view(-1) if param.is_contiguous() else param.contiguous().view(-1)
-        kinds = slot_kinds(state, self.state_specs)
+        layouts = slot_layouts(state, self.state_specs)
         tensors = [t for spec in self.state_specs for t in slot_tensors(state, spec)]
-        multi_tensor.step_tensor(rule, kinds, flat_param, grad.reshape(-1), out, tensors, hyper)
+        multi_tensor.step_tensor(rule, layouts, flat_param, grad.reshape(-1), out, tensors, hyper)
         if not param.is_contiguous():
             param.copy_(flat_param.view_as(param))
 
@@ -542,44 +542,14 @@ class HfOptimizer(torch.optim.Optimizer):
                 f"{sorted(expected)}: the state dict was saved by another algorithm"
             )
         for spec in self.state_specs:
-            values = state[spec.key]
-            shape = slot_shape(spec, param)
-            if tuple(values.shape) != shape:
-                hint = ""
-                if spec.rows == 1 and values.dim() == param.dim() + 1 and tuple(values.shape[1:]) == tuple(
-                    param.shape
-                ):
-                    hint = " (a stacked AdEMAMix state: the state dict was saved by AdEMAMix)"
+            fmt = loaded_format(state, spec)
+            if fmt is None:
+                value = state[spec.key]
                 raise StateDictError(
-                    f"{where}: {spec.key} has shape {tuple(values.shape)}, expected {shape}{hint}"
+                    f"{where}: {spec.key} has dtype {getattr(value, 'dtype', type(value).__name__)}, expected float32 "
+                    "or uint8 (fp32 values, or quantized codes with their absmax and qmap)"
                 )
-            if values.dtype == torch.uint8:
-                self._check_quant_slot(param, state, spec, where)
-            elif values.dtype != torch.float32:
-                raise StateDictError(f"{where}: {spec.key} has dtype {values.dtype}, expected float32 or uint8")
-
-    @staticmethod
-    def _check_quant_slot(param: torch.Tensor, state: dict, spec: StateSpec, where: str) -> None:
-        for key in (spec.qmap_key, spec.absmax_key):
-            if key not in state:
-                raise StateDictError(f"{where}: 8-bit {spec.key} has no {key}")
-        blocks = num_blocks(param.numel())
-        absmax = state[spec.absmax_key]
-        expected = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
-        if tuple(absmax.shape) != expected:
-            old_blocks = -(-param.numel() // 2048)
-            per_row = absmax.shape[-1] if absmax.dim() else 0
-            if per_row == old_blocks and old_blocks != blocks:
-                raise StateDictError(
-                    f"{where}: {spec.absmax_key} has {per_row} blocks per row, which matches the 2048-element "
-                    f"blocks of bitsandbytes <= 0.43; hf_optim and bitsandbytes >= 0.44 use {BLOCK_SIZE}-element "
-                    "blocks. Re-save the checkpoint with a newer bitsandbytes or restart the optimizer state."
-                )
-            raise StateDictError(f"{where}: {spec.absmax_key} has shape {tuple(absmax.shape)}, expected {expected}")
-        qmap = state[spec.qmap_key]
-        if not torch.equal(qmap.detach().cpu().float(), dynamic_map(spec.signed)):
-            kind = "signed" if spec.signed else "unsigned"
-            raise StateDictError(f"{where}: {spec.qmap_key} is not the {kind} dynamic map this algorithm uses")
+            fmt.check_loaded(param, state, spec, where)
 
 
 def _owner(cls: type, name: str) -> type:

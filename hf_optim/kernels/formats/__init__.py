@@ -1,0 +1,40 @@
+"""State formats: how one optimizer state slot is stored, each as one object.
+
+A format owns everything that depends on the storage of a slot: allocating it (through the optimizer's
+allocator, so paged state works for every format), the raw tensors the kernels take, dequantizing and
+quantizing them in PyTorch (its Triton twin lives with the Triton helpers and is selected by :attr:`code`), the
+bytes it occupies (for the estimator and ``state_memory``), its state-dict keys and the validation of a loaded
+state dict. Algorithms never see a format: they read and write fp32 values.
+
+========== ===== ======================================================================================
+format     code  storage of one slot (``rows`` stacked EMAs, ``n`` elements each)
+========== ===== ======================================================================================
+fp32       0     fp32 values, the slot's shape
+blockwise8 1     bitsandbytes' 8-bit blockwise format: uint8 codes (slot's shape), absmax per 256 elements
+blockwise4 2     4-bit blockwise (Li et al. 2023): two codes per byte, absmax per 128 elements
+========== ===== ======================================================================================
+"""
+
+from hf_optim.kernels.formats.base import (
+    FORMATS,
+    SlotLayout,
+    StateFormat,
+    format_for_bits,
+    format_named,
+    loaded_format,
+    register_format,
+)
+from hf_optim.kernels.formats.blockwise8 import BLOCKWISE8
+from hf_optim.kernels.formats.fp32 import FP32
+
+__all__ = [
+    "BLOCKWISE8",
+    "FORMATS",
+    "FP32",
+    "SlotLayout",
+    "StateFormat",
+    "format_for_bits",
+    "format_named",
+    "loaded_format",
+    "register_format",
+]

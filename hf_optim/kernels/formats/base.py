@@ -1,0 +1,171 @@
+"""The :class:`StateFormat` interface, the registry of formats, and :class:`SlotLayout` (a slot's format and
+map signedness: the static description of a slot that kernels are specialized on)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+class StateDictError(ValueError):
+    """A state dict that cannot be loaded into this optimizer (another algorithm, layout or block size)."""
+
+
+class StateFormat:
+    """How one state slot is stored. Subclasses are stateless singletons, registered with :func:`register_format`.
+
+    Shapes: a slot holds ``rows`` stacked tensors of ``n`` elements (``rows`` is 2 for AdEMAMix's first slot).
+    Kernels get a slot as :meth:`raw` tensors, in one of two forms: flat ``(rows, n)`` (per-tensor path) or block
+    form ``(rows, blocks, 256)`` (the multi-tensor path's chunks, always whole 256-element blocks).
+    """
+
+    name: ClassVar[str]
+    bits: ClassVar[int]
+    code: ClassVar[int]
+    """Runtime code of the format in the Triton kernels' tables."""
+    block_size: ClassVar[int] = 0
+    """Elements per quantization block (0: not quantized)."""
+    width: ClassVar[int]
+    """How many raw tensors a slot passes to the kernels."""
+
+    # -- allocation -------------------------------------------------------------------------------------------
+    def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
+        """Create the zeroed slot ``spec`` for ``param`` (a local tensor) in ``state``."""
+        raise NotImplementedError
+
+    def raw(self, state: dict, spec) -> list[torch.Tensor]:
+        """The slot's raw tensors in flat ``(rows, n)`` form, in the order the kernels take them."""
+        raise NotImplementedError
+
+    def slice_raw(self, raw: Sequence[torch.Tensor], start: int, stop: int, block_form: bool) -> list[torch.Tensor]:
+        """Elements ``[start, stop)`` of flat raw tensors (``start`` block-aligned), in block form when asked
+        (then ``stop - start`` is whole 256-element blocks)."""
+        raise NotImplementedError
+
+    # -- flat buffers of the multi-tensor path (hf_optim.kernels.flat_state) ---------------------------------
+    def flat_buffers(self, rows: int, total: int, signed: bool, device: torch.device,
+                     allocate: Callable) -> list[torch.Tensor]:
+        """Buffers for ``total`` elements per row (a multiple of 256), filled so that every element decodes to
+        exactly 0 whatever its block's absmax: the padding between members must stay zero."""
+        raise NotImplementedError
+
+    def kernel_chunk(self, buffers: Sequence[torch.Tensor], start: int, stop: int, signed: bool,
+                     device: torch.device) -> list[torch.Tensor]:
+        """The raw tensors of flat elements ``[start, stop)`` (whole blocks) of the buffers, in block form."""
+        raise NotImplementedError
+
+    def flat_views(self, buffers: Sequence[torch.Tensor], offset: int, numel: int) -> list[torch.Tensor]:
+        """The ``(rows, ...)`` views of one member's elements ``[offset, offset + numel)`` in the state's own
+        layout: the main tensor (flat, reshaped by the caller) and the other per-element/per-block tensors."""
+        raise NotImplementedError
+
+    def bind(self, state: dict, spec, views: Sequence[torch.Tensor], shape: tuple[int, ...]) -> None:
+        """Point ``state``'s slot at ``views`` (from :meth:`flat_views`); ``shape`` is the slot's shape."""
+        raise NotImplementedError
+
+    def load_views(self, views: Sequence[torch.Tensor], state: dict, spec) -> None:
+        """Copy a parameter's slot tensors (this format) into its views of the flat buffers."""
+        for view, key in zip(views, self.keys(spec)):
+            view.copy_(state[key].reshape(view.shape))
+
+    def main_offset_bytes(self, offset: int) -> int:
+        """Byte offset, in the main buffer, of flat element ``offset`` (to recognise a member's views)."""
+        raise NotImplementedError
+
+    def main_dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    # -- math -------------------------------------------------------------------------------------------------
+    def dequantize(self, raw: Sequence[torch.Tensor], signed: bool) -> torch.Tensor:
+        """fp32 values of a slot from its raw tensors (either form; the result has the same form)."""
+        raise NotImplementedError
+
+    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:
+        """Write fp32 ``values`` (same form as ``raw``) into the raw tensors, re-quantizing."""
+        raise NotImplementedError
+
+    # -- size and checkpoints ---------------------------------------------------------------------------------
+    def state_bytes(self, numel: int, rows: int = 1) -> int:
+        """Bytes of one slot of ``rows`` x ``numel`` elements (what ``state_memory`` measures)."""
+        raise NotImplementedError
+
+    def keys(self, spec) -> tuple[str, ...]:
+        """The slot's keys in a parameter's state."""
+        raise NotImplementedError
+
+    def recognises(self, state: dict, spec) -> bool:
+        """Whether a loaded parameter state holds slot ``spec`` in this format."""
+        raise NotImplementedError
+
+    def check_loaded(self, param: torch.Tensor, state: dict, spec, where: str) -> None:
+        """Raise :class:`StateDictError` if a loaded slot of this format does not fit ``param``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def check_slot_shape(param: torch.Tensor, values: torch.Tensor, spec, where: str, shape: tuple) -> None:
+        """Refuse a slot tensor whose shape is not ``shape``, saying when it looks like AdEMAMix's stacked state."""
+        if tuple(values.shape) == tuple(shape):
+            return
+        hint = ""
+        if spec.rows == 1 and values.dim() == param.dim() + 1 and tuple(values.shape[1:]) == tuple(param.shape):
+            hint = " (a stacked AdEMAMix state: the state dict was saved by AdEMAMix)"
+        raise StateDictError(f"{where}: {spec.key} has shape {tuple(values.shape)}, expected {tuple(shape)}{hint}")
+
+    def __repr__(self) -> str:
+        return f"<state format {self.name}>"
+
+    def __reduce__(self):  # a format pickles as its name: optimizers and their plans stay picklable
+        return format_named, (self.name,)
+
+
+FORMATS: dict[str, StateFormat] = {}
+"""Registered formats by name."""
+
+
+def register_format(fmt: StateFormat) -> StateFormat:
+    """Add ``fmt`` to :data:`FORMATS` (its name and code must be new)."""
+    for other in FORMATS.values():
+        if other.name == fmt.name or other.code == fmt.code or other.bits == fmt.bits:
+            raise ValueError(f"state format {fmt.name!r} clashes with {other.name!r} (name, code or bits)")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def format_named(name: str) -> StateFormat:
+    if name not in FORMATS:
+        close = difflib.get_close_matches(name, FORMATS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown state format {name!r}; known: {sorted(FORMATS)}{hint}")
+    return FORMATS[name]
+
+
+def format_for_bits(bits: int) -> StateFormat:
+    """The format that stores ``bits`` bits per element (``optim_bits``)."""
+    for fmt in FORMATS.values():
+        if fmt.bits == bits:
+            return fmt
+    raise ValueError(f"Invalid optim_bits: {bits!r}; expected one of {sorted(f.bits for f in FORMATS.values())}")
+
+
+def loaded_format(state: dict, spec) -> StateFormat | None:
+    """The format a parameter's (created or loaded) state holds slot ``spec`` in, or None if none fits."""
+    for fmt in FORMATS.values():
+        if fmt.recognises(state, spec):
+            return fmt
+    return None
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """What a kernel must know statically about one slot: its format and whether its map is signed."""
+
+    format: StateFormat
+    signed: bool
+
+    @property
+    def width(self) -> int:
+        return self.format.width
