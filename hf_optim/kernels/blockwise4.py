@@ -163,7 +163,7 @@ def _encode(normalized: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """Pairs of codes (last dimension even) into bytes, as int8 bit patterns (element ``2i`` high nibble).
     int8 because inductor's CPU code narrows int32 to int8 much faster than to uint8 (see ``blockwise``)."""
-    pairs = codes.view(*codes.shape[:-1], -1, 2)
+    pairs = codes.view(*codes.shape[:-1], codes.shape[-1] // 2, 2)  # no -1: empty tensors must work too
     return ((pairs[..., 0] << 4) | pairs[..., 1]).to(torch.int8)
 
 
@@ -213,7 +213,7 @@ def quantize(values: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tens
     (:func:`encoder_thresholds`)."""
     _check_2d_or_3d(values, "values")
     packed, scale = _quantized_blocks(values, thresholds)
-    return _trimmed(packed, values).view(torch.uint8), scale
+    return _trimmed(packed, values).contiguous().view(torch.uint8), scale  # contiguous: callers keep it as state
 
 
 def quantize_into(values: torch.Tensor, thresholds: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
