@@ -9,18 +9,38 @@ from hf_optim.integrations import transformers as _transformers_integration
 from hf_optim.integrations.names import OptimizerName, available_optimizers
 from hf_optim.memory import StateMemory, state_memory
 from hf_optim.optim.adafactor import Adafactor
-from hf_optim.optim.adamw import AdamW, AdamW8bit, AdamW32bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit
+from hf_optim.optim.adamw import (
+    AdamW,
+    AdamW4bit,
+    AdamW8bit,
+    AdamW32bit,
+    PagedAdamW,
+    PagedAdamW4bit,
+    PagedAdamW8bit,
+    PagedAdamW32bit,
+)
 from hf_optim.optim.ademamix import (
     AdEMAMix,
+    AdEMAMix4bit,
     AdEMAMix8bit,
     AdEMAMix32bit,
     PagedAdEMAMix,
+    PagedAdEMAMix4bit,
     PagedAdEMAMix8bit,
     PagedAdEMAMix32bit,
 )
 from hf_optim.optim.base import HfOptimizer, StateDictError
 from hf_optim.optim.lamb import LAMB, LAMB8bit, LAMB32bit, PagedLAMB, PagedLAMB8bit, PagedLAMB32bit
-from hf_optim.optim.lion import Lion, Lion8bit, Lion32bit, PagedLion, PagedLion8bit, PagedLion32bit
+from hf_optim.optim.lion import (
+    Lion,
+    Lion4bit,
+    Lion8bit,
+    Lion32bit,
+    PagedLion,
+    PagedLion4bit,
+    PagedLion8bit,
+    PagedLion32bit,
+)
 from hf_optim.optim.rmsprop import RMSprop, RMSprop8bit, RMSprop32bit
 
 __version__ = "0.1.0"
@@ -28,10 +48,12 @@ __version__ = "0.1.0"
 _transformers_integration.install()
 
 __all__ = [
-    "AdamW", "AdamW8bit", "AdamW32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit",
-    "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit",
+    "AdamW", "AdamW4bit", "AdamW8bit", "AdamW32bit", "PagedAdamW", "PagedAdamW4bit", "PagedAdamW8bit",
+    "PagedAdamW32bit",
+    "AdEMAMix", "AdEMAMix4bit", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix4bit",
+    "PagedAdEMAMix8bit", "PagedAdEMAMix32bit",
     "LAMB", "LAMB8bit", "LAMB32bit", "PagedLAMB", "PagedLAMB8bit", "PagedLAMB32bit",
-    "Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
+    "Lion", "Lion4bit", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion4bit", "PagedLion8bit", "PagedLion32bit",
     "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adafactor",
     "HfOptimizer", "StateDictError", "OptimizerName", "available_optimizers", "StateMemory", "state_memory",
     "last_complete_checkpoint",

@@ -21,6 +21,9 @@ CASES = [
     (hf_optim.Lion8bit, dict(lr=1e-3, weight_decay=0.1)),
     (hf_optim.RMSprop8bit, dict(lr=1e-3, weight_decay=0.1)),
     (hf_optim.LAMB8bit, dict(lr=1e-2)),
+    (hf_optim.AdamW4bit, dict(lr=1e-2, weight_decay=0.1)),
+    (hf_optim.AdEMAMix4bit, dict(lr=1e-2, t_alpha=3, t_beta3=3)),
+    (hf_optim.Lion4bit, dict(lr=1e-3, weight_decay=0.1)),
     (hf_optim.LAMB32bit, dict(lr=1e-2, adam_w_mode=False, weight_decay=0.1, max_trust_ratio=5.0)),
 ]
 ids = [cls.__name__ for cls, _ in CASES]

@@ -56,7 +56,7 @@ def update(
     for layout in layouts:
         raw = tensors[index : index + layout.width]
         raws.append(raw)
-        olds.append(layout.format.dequantize(raw, layout.signed))
+        olds.append(layout.format.dequantize(raw, layout.signed, None if param.dim() > 1 else param.shape[-1]))
         index += layout.width
 
     result, news = rule(p32, g32, olds, hyper)

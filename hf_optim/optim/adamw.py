@@ -54,13 +54,15 @@ class AdamW(HfOptimizer):
         weight_decay (float, default 1e-2): decoupled weight decay, applied as ``p *= 1 - lr * weight_decay``
             before the update (torch semantics).
         amsgrad (bool, default False): not supported; True raises ValueError (bitsandbytes ignores it).
-        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state.
+        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state (bitsandbytes' format),
+            4 for 4-bit blockwise state (two codes per byte, blocks of 128).
         args (default None): bitsandbytes' config object; only None is accepted.
         min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
         is_paged (bool, default False): paged state (see ``hf_optim.paging``).
     """
 
     algorithm = "adamw"
+    supported_bits = (4, 8, 32)
     state_specs = (StateSpec("state1", signed=True), StateSpec("state2", signed=False))
 
     def __init__(
@@ -93,8 +95,10 @@ class AdamW(HfOptimizer):
 
 
 _twins = family(AdamW, "AdamW")
+AdamW4bit = _twins["AdamW4bit"]
 AdamW8bit = _twins["AdamW8bit"]
 AdamW32bit = _twins["AdamW32bit"]
 PagedAdamW = _twins["PagedAdamW"]
+PagedAdamW4bit = _twins["PagedAdamW4bit"]
 PagedAdamW8bit = _twins["PagedAdamW8bit"]
 PagedAdamW32bit = _twins["PagedAdamW32bit"]

@@ -91,12 +91,14 @@ class AdEMAMix(HfOptimizer):
         t_beta3 (int | None, default None): steps of beta3 warm-up from beta1 (None: no warm-up).
         eps (float, default 1e-8): added to the denominator.
         weight_decay (float, default 1e-2): decoupled weight decay, applied before the update.
-        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state.
+        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state (bitsandbytes' format),
+            4 for 4-bit blockwise state (two codes per byte, blocks of 128).
         min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
         is_paged (bool, default False): paged state (see ``hf_optim.paging``).
     """
 
     algorithm = "ademamix"
+    supported_bits = (4, 8, 32)
     state_specs = (StateSpec("state1", signed=True, rows=2), StateSpec("state2", signed=False))
 
     def __init__(
@@ -136,8 +138,10 @@ class AdEMAMix(HfOptimizer):
 
 
 _twins = family(AdEMAMix, "AdEMAMix")
+AdEMAMix4bit = _twins["AdEMAMix4bit"]
 AdEMAMix8bit = _twins["AdEMAMix8bit"]
 AdEMAMix32bit = _twins["AdEMAMix32bit"]
 PagedAdEMAMix = _twins["PagedAdEMAMix"]
+PagedAdEMAMix4bit = _twins["PagedAdEMAMix4bit"]
 PagedAdEMAMix8bit = _twins["PagedAdEMAMix8bit"]
 PagedAdEMAMix32bit = _twins["PagedAdEMAMix32bit"]

@@ -44,13 +44,15 @@ class Lion(HfOptimizer):
         lr (float, default 1e-4): learning rate.
         betas (tuple[float, float], default (0.9, 0.99)): interpolation and EMA coefficients.
         weight_decay (float, default 0): decoupled weight decay, applied before the update.
-        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state.
+        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state (bitsandbytes' format),
+            4 for 4-bit blockwise state (two codes per byte, blocks of 128).
         args (default None): bitsandbytes' config object; only None is accepted.
         min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
         is_paged (bool, default False): paged state (see ``hf_optim.paging``).
     """
 
     algorithm = "lion"
+    supported_bits = (4, 8, 32)
     state_specs = (StateSpec("state1", signed=True),)
 
     def __init__(
@@ -82,8 +84,10 @@ class Lion(HfOptimizer):
 
 
 _twins = family(Lion, "Lion")
+Lion4bit = _twins["Lion4bit"]
 Lion8bit = _twins["Lion8bit"]
 Lion32bit = _twins["Lion32bit"]
 PagedLion = _twins["PagedLion"]
+PagedLion4bit = _twins["PagedLion4bit"]
 PagedLion8bit = _twins["PagedLion8bit"]
 PagedLion32bit = _twins["PagedLion32bit"]

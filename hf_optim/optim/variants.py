@@ -55,11 +55,11 @@ def precision_variant(base: type, name: str, *, optim_bits: int | None = None, i
 
 
 def family(base: type, prefix: str) -> dict[str, type]:
-    """The bitsandbytes family of ``base``: {prefix}8bit, {prefix}32bit, Paged{prefix}, Paged{prefix}8bit/32bit."""
-    return {
-        f"{prefix}8bit": precision_variant(base, f"{prefix}8bit", optim_bits=8),
-        f"{prefix}32bit": precision_variant(base, f"{prefix}32bit", optim_bits=32),
-        f"Paged{prefix}": precision_variant(base, f"Paged{prefix}", is_paged=True),
-        f"Paged{prefix}8bit": precision_variant(base, f"Paged{prefix}8bit", optim_bits=8, is_paged=True),
-        f"Paged{prefix}32bit": precision_variant(base, f"Paged{prefix}32bit", optim_bits=32, is_paged=True),
-    }
+    """The bitsandbytes family of ``base``: {prefix}8bit, {prefix}32bit, Paged{prefix}, Paged{prefix}8bit/32bit,
+    and {prefix}4bit, Paged{prefix}4bit when the algorithm runs with 4-bit state (``base.supported_bits``)."""
+    twins = {f"Paged{prefix}": precision_variant(base, f"Paged{prefix}", is_paged=True)}
+    for bits in sorted(base.supported_bits):
+        twins[f"{prefix}{bits}bit"] = precision_variant(base, f"{prefix}{bits}bit", optim_bits=bits)
+        twins[f"Paged{prefix}{bits}bit"] = precision_variant(base, f"Paged{prefix}{bits}bit", optim_bits=bits,
+                                                              is_paged=True)
+    return twins

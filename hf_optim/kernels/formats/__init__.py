@@ -24,10 +24,12 @@ from hf_optim.kernels.formats.base import (
     loaded_format,
     register_format,
 )
+from hf_optim.kernels.formats.blockwise4 import BLOCKWISE4
 from hf_optim.kernels.formats.blockwise8 import BLOCKWISE8
 from hf_optim.kernels.formats.fp32 import FP32
 
 __all__ = [
+    "BLOCKWISE4",
     "BLOCKWISE8",
     "FORMATS",
     "FP32",

@@ -80,8 +80,9 @@ class StateFormat:
         raise NotImplementedError
 
     # -- math -------------------------------------------------------------------------------------------------
-    def dequantize(self, raw: Sequence[torch.Tensor], signed: bool) -> torch.Tensor:
-        """fp32 values of a slot from its raw tensors (either form; the result has the same form)."""
+    def dequantize(self, raw: Sequence[torch.Tensor], signed: bool, n: int | None = None) -> torch.Tensor:
+        """fp32 values of a slot from its raw tensors (either form; the result has the same form). ``n``: the
+        elements per row of the flat form (packed formats cannot tell an odd count from their bytes)."""
         raise NotImplementedError
 
     def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:

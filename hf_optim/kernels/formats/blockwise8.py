@@ -85,7 +85,7 @@ class Blockwise8(StateFormat):
         absmax = buffers[1][:, start // BLOCK_SIZE : -(-stop // BLOCK_SIZE)]
         return [codes.view(torch.int8), absmax, shared_map(signed, device), encoder_table(signed, device)]
 
-    def dequantize(self, raw: Sequence[torch.Tensor], signed: bool) -> torch.Tensor:
+    def dequantize(self, raw: Sequence[torch.Tensor], signed: bool, n: int | None = None) -> torch.Tensor:
         codes, absmax, qmap = raw[:3]
         return blockwise.dequantize(codes, absmax, qmap)
 

@@ -45,7 +45,7 @@ class Fp32(StateFormat):
     def main_dtype(self) -> torch.dtype:
         return torch.float32
 
-    def dequantize(self, raw: Sequence[torch.Tensor], signed: bool) -> torch.Tensor:
+    def dequantize(self, raw: Sequence[torch.Tensor], signed: bool, n: int | None = None) -> torch.Tensor:
         return raw[0]
 
     def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:

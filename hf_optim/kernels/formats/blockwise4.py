@@ -1,0 +1,150 @@
+"""4-bit blockwise state ("Memory Efficient Optimizers with 4-bit States", Li et al. 2023), torchao's maps.
+
+A slot ``stateK`` holds the codes packed two per byte, ``(rows, ceil(n / 2))`` uint8 (a 1-row slot drops the
+leading dimension: ``(ceil(n / 2),)``); ``absmaxK`` one fp32 absmax per 128 elements (per row); ``qmapK`` the
+16-entry map (signed tree map for moments that can be negative, linear without zero for second moments). The
+math is in :mod:`hf_optim.kernels.blockwise4`; kernels take a slot as ``[codes as int8, absmax, qmap, encoder
+thresholds]``.
+
+In the multi-tensor kernels' block form, a chunk of ``B`` 256-element blocks is ``2B`` quantization blocks of
+128: codes ``(rows, B, 128)`` bytes, absmax ``(rows, 2B)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hf_optim.kernels import blockwise4
+from hf_optim.kernels.blockwise4 import BLOCK_SIZE, encoder_thresholds, packed_length, qmap4
+from hf_optim.kernels.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
+from hf_optim.kernels.formats.base import StateDictError, StateFormat, register_format
+
+
+def num_blocks(numel: int) -> int:
+    return blockwise4.num_blocks(numel)
+
+
+def zero_byte(signed: bool) -> int:
+    """A byte whose two codes both decode to 0.0 (the signed map holds 0; the unsigned one has no zero, and its
+    smallest code is what a zero value encodes to)."""
+    code = int((qmap4(True) == 0).nonzero()[0]) if signed else 0
+    return code << 4 | code
+
+
+_shared_maps: dict = {}
+
+
+def shared_map(signed: bool, device: torch.device) -> torch.Tensor:
+    key = (signed, device)
+    if key not in _shared_maps:
+        _shared_maps[key] = qmap4(signed, device)
+    return _shared_maps[key]
+
+
+class Blockwise4(StateFormat):
+    name, bits, code, width, block_size = "blockwise4", 4, 2, 4, BLOCK_SIZE
+
+    def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
+        n = param.numel()
+        shape = (packed_length(n),) if spec.rows == 1 else (spec.rows, packed_length(n))
+        codes = allocate(shape, dtype=torch.uint8, device=param.device)
+        if spec.signed:
+            codes.fill_(zero_byte(True))
+        state[spec.key] = codes
+        state[spec.qmap_key] = qmap4(spec.signed, param.device)
+        blocks = num_blocks(n)
+        absmax_shape = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
+        state[spec.absmax_key] = torch.zeros(absmax_shape, dtype=torch.float32, device=param.device)
+
+    def raw(self, state: dict, spec) -> list[torch.Tensor]:
+        codes = state[spec.key].view(spec.rows, -1)
+        absmax = state[spec.absmax_key].view(spec.rows, -1)
+        return [codes.view(torch.int8), absmax, state[spec.qmap_key], encoder_thresholds(spec.signed, codes.device)]
+
+    def slice_raw(self, raw, start, stop, block_form):
+        codes, absmax, qmap, thresholds = raw
+        codes = codes[:, start // 2 : -(-stop // 2)]
+        absmax = absmax[:, start // BLOCK_SIZE : -(-stop // BLOCK_SIZE)]
+        if block_form:
+            codes = codes.reshape(codes.shape[0], -1, CHUNK_BLOCK // 2)
+        return [codes, absmax, qmap, thresholds]
+
+    def flat_buffers(self, rows, total, signed, device, allocate):
+        codes = allocate((rows, total // 2), dtype=torch.uint8, device=device)
+        if signed:
+            codes.fill_(zero_byte(True))
+        return [codes, torch.zeros((rows, total // BLOCK_SIZE), dtype=torch.float32, device=device)]
+
+    def kernel_chunk(self, buffers, start, stop, signed, device):
+        codes = buffers[0][:, start // 2 : stop // 2]
+        codes = (codes[0].view(1, -1, CHUNK_BLOCK // 2) if codes.shape[0] == 1
+                 else codes.unflatten(1, (-1, CHUNK_BLOCK // 2)))
+        absmax = buffers[1][:, start // BLOCK_SIZE : stop // BLOCK_SIZE]
+        return [codes.view(torch.int8), absmax, shared_map(signed, device), encoder_thresholds(signed, device)]
+
+    def flat_views(self, buffers, offset, numel):
+        first = offset // BLOCK_SIZE
+        return [buffers[0][:, offset // 2 : offset // 2 + packed_length(numel)],
+                buffers[1][:, first : first + num_blocks(numel)]]
+
+    def bind(self, state, spec, views, shape):
+        codes, absmax = views
+        state[spec.key] = codes if spec.rows > 1 else codes[0]
+        state[spec.absmax_key] = absmax if spec.rows > 1 else absmax[0]
+        if spec.qmap_key not in state:
+            state[spec.qmap_key] = qmap4(spec.signed, codes.device)
+
+    def main_offset_bytes(self, offset: int) -> int:
+        return offset // 2
+
+    def main_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def dequantize(self, raw: Sequence[torch.Tensor], signed: bool, n: int | None = None) -> torch.Tensor:
+        codes, absmax, qmap = raw[:3]
+        if codes.dim() == 3:  # block form: (rows, B, 128) bytes are 2B quantization blocks of 128 elements
+            rows, blocks = codes.shape[0], codes.shape[1]
+            values = blockwise4.dequantize(codes.reshape(rows, 2 * blocks, BLOCK_SIZE // 2), absmax, qmap)
+            return values.reshape(rows, blocks, CHUNK_BLOCK)
+        return blockwise4.dequantize(codes, absmax, qmap, n)
+
+    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:
+        codes, absmax, _, thresholds = raw
+        if values.dim() == 3:
+            rows, blocks = values.shape[0], values.shape[1]
+            blockwise4.quantize_into(values.reshape(rows, 2 * blocks, BLOCK_SIZE), thresholds,
+                                     codes.reshape(rows, 2 * blocks, BLOCK_SIZE // 2), absmax)
+        else:
+            blockwise4.quantize_into(values, thresholds, codes, absmax)
+
+    def state_bytes(self, numel: int, rows: int = 1) -> int:
+        return rows * (packed_length(numel) + 4 * num_blocks(numel)) + 4 * 16
+
+    def keys(self, spec) -> tuple[str, ...]:
+        return (spec.key, spec.absmax_key, spec.qmap_key)  # flat_views' order first
+
+    def recognises(self, state: dict, spec) -> bool:
+        value, qmap = state.get(spec.key), state.get(spec.qmap_key)
+        return (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and isinstance(qmap, torch.Tensor)
+                and qmap.numel() == 16)
+
+    def check_loaded(self, param: torch.Tensor, state: dict, spec, where: str) -> None:
+        n = param.numel()
+        expected = {
+            spec.key: (packed_length(n),) if spec.rows == 1 else (spec.rows, packed_length(n)),
+            spec.absmax_key: (num_blocks(n),) if spec.rows == 1 else (spec.rows, num_blocks(n)),
+        }
+        for key, shape in expected.items():
+            found = state.get(key)
+            if found is None:
+                raise StateDictError(f"{where}: 4-bit {spec.key} has no {key}")
+            if tuple(found.shape) != shape:
+                raise StateDictError(f"{where}: 4-bit {key} has shape {tuple(found.shape)}, expected {shape}")
+        if not torch.equal(state[spec.qmap_key].detach().cpu().float(), qmap4(spec.signed)):
+            kind = "signed tree" if spec.signed else "unsigned linear"
+            raise StateDictError(f"{where}: {spec.qmap_key} is not the 4-bit {kind} map this algorithm uses")
+
+
+BLOCKWISE4 = register_format(Blockwise4())
