@@ -175,19 +175,25 @@ def assert_same_state(ref_opt, ref_params, opt, params, exact_codes, steps=2, st
                 assert ulp_distance(value, ref) <= state_ulps, f"{where}: {key} more than {state_ulps} ulp apart"
 
 
+# Every state format each algorithm runs with (4-bit: AdamW, AdEMAMix, Lion).
+FORMAT_CASES = [
+    pytest.param(cls, kwargs, bits, id=f"{cls.__name__}-{kwargs}-{bits}bit")
+    for cls, kwargs in CASES for bits in sorted(cls.supported_bits)
+]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("optim_bits", [8, 32])
-@pytest.mark.parametrize("cls,kwargs", CASES, ids=lambda c: getattr(c, "__name__", str(c)))
+@pytest.mark.parametrize("cls,kwargs,optim_bits", FORMAT_CASES)
 def test_fused_update_matches_pytorch(cls, kwargs, optim_bits, device, monkeypatch, use_triton):
-    """Two steps (the second with NaN/+-Inf gradients) over five tensors in one launch: same 8-bit codes
+    """Two steps (the second with NaN/+-Inf gradients) over five tensors in one launch: same quantized codes
     and absmax, same fp32 state, parameters within 1 ulp."""
     kwargs = {**kwargs, "optim_bits": optim_bits}
     ref_params, params = make_problem(device), make_problem(device)
     ref_opt = run(cls, kwargs, ref_params, "torch", monkeypatch)
     opt = run(cls, kwargs, params, "triton", monkeypatch)
     assert "backend=triton" in repr(opt)
-    eight_bit = [opt.state[p]["state1"].dtype == torch.uint8 for p in params]
-    assert eight_bit == [optim_bits == 8 and p.numel() >= 4096 for p in params]
+    quantized = [opt.state[p]["state1"].dtype == torch.uint8 for p in params]
+    assert quantized == [optim_bits < 32 and p.numel() >= 4096 for p in params]
     # A state that reads the parameter (L2 weight decay) inherits the parameter's last-bit differences.
     reads_param = cls is hf_optim.RMSprop or kwargs.get("adam_w_mode") is False
     state_ulps = 4 if reads_param else (0 if device == "cpu" else 1)

@@ -47,8 +47,7 @@ ROWS = {"adamw": 2, "ademamix": 3, "lion": 1, "rmsprop": 1, "lamb": 2}
 
 def check_fused_update(algorithm: str) -> None:
     hyper = tuple(["fp32"] * len(triton_rules.HYPER_KEYS[algorithm]))
-    signature = {"meta": "*i64", "tiles": "*i32", "partials": "*fp32", "qmap_signed": "*fp32",
-                 "qmap_unsigned": "*fp32", "table_signed": "*i32", "table_unsigned": "*i32", "h": hyper}
+    signature = {"meta": "*i64", "tiles": "*i32", "partials": "*fp32", "maps": "*i64", "h": hyper}
     lamb = algorithm == "lamb"
     constants = {"RULE": triton_rules.RULES[algorithm], "ROWS": ROWS[algorithm], "SIGNED0": True,
                  "SIGNED1": algorithm == "ademamix", "SIGNED2": False, "WRITE_OUT": lamb, "NORMS": lamb,

@@ -270,9 +270,9 @@ def _apply_kernel(meta, tiles, row_factor, col_factor, clip_denominators, lrs, e
     u = u * lr
     if HAS_M:
         m_values, m_absmax, m_format = tl.load(row + M_VALUES), tl.load(row + M_ABSMAX), tl.load(row + M_FORMAT)
-        old = load_state(m_values, m_absmax, m_format, qmap, blocks, offs, mask, block_mask)
+        old = load_state(m_values, m_absmax, m_format, qmap, qmap, blocks, offs, mask, block_mask)  # no 4-bit state
         m = tl.where(finite, old * beta1 + u * one_minus_beta1, old)
-        store_state(m_values, m_absmax, m_format, table, blocks, offs, m, mask, block_mask, True)
+        store_state(m_values, m_absmax, m_format, table, qmap, blocks, offs, m, mask, block_mask, True)
         u = m
     param, param_dtype = tl.load(row + PARAM), tl.load(row + PARAM_DTYPE)
     p = load_values(param, param_dtype, offs, mask)

@@ -6,8 +6,9 @@ kernel loads and stores through them:
 - :func:`load_values` / :func:`store_values`: fp32, bf16 or fp16 tensors (a runtime dtype code per tensor, so
   one launch serves mixed-precision parameters). bf16 is converted with integer bit operations, round to
   nearest even as torch does, because Triton's interpreter truncates when casting to bf16.
-- :func:`load_state` / :func:`store_state`: one state row, fp32 or 8-bit (a runtime format code per tensor, so
-  tensors below ``min_8bit_size`` keep fp32 state in the same launch). 8-bit rows dequantize as ``qmap[code] *
+- :func:`load_state` / :func:`store_state`: one state row, fp32, 8-bit or 4-bit (a runtime format code per
+  tensor, so tensors below ``min_8bit_size`` keep fp32 state in the same launch; the 4-bit helpers are
+  :mod:`triton_blockwise4`'s). 8-bit rows dequantize as ``qmap[code] *
   absmax[block]`` and re-quantize with the new per-block absmax and the exact nearest-code encoder of
   :mod:`hf_optim.kernels.dynamic_map` (same packed table, same tie and sign rules).
 
@@ -23,7 +24,8 @@ import triton.language as tl
 
 from hf_optim.kernels import dynamic_map as dm
 from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.formats import BLOCKWISE8
+from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8
+from hf_optim.kernels.triton_blockwise4 import load_state4, store_state4
 
 BLOCK: tl.constexpr = tl.constexpr(dm.BLOCK_SIZE)
 KEY_SHIFT: tl.constexpr = tl.constexpr(dm.KEY_SHIFT)
@@ -125,32 +127,39 @@ def quantize_tile(values, mask, table_ptr, SIGNED: tl.constexpr):
 
 
 FORMAT_BLOCKWISE8: tl.constexpr = tl.constexpr(BLOCKWISE8.code)
+FORMAT_BLOCKWISE4: tl.constexpr = tl.constexpr(BLOCKWISE4.code)
 
 
 @triton.jit
-def load_state(address, absmax_address, fmt, qmap_ptr, blocks, offs, mask, block_mask,
+def load_state(address, absmax_address, fmt, qmap_ptr, qmap4_ptr, blocks, offs, mask, block_mask,
                ALIGNED: tl.constexpr = False):
     """fp32 values of one state row in format ``fmt`` (a runtime code, see ``hf_optim.kernels.formats``): fp32
-    values at ``address``, or 8-bit codes there with their absmax."""
+    values at ``address``, or 8-bit (``qmap_ptr``) or 4-bit (``qmap4_ptr``) codes there with their absmax."""
     if fmt == FORMAT_BLOCKWISE8:
         values = dequantize_tile(
             pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)), qmap_ptr,
             blocks, offs, mask, block_mask,
         )
+    elif fmt == FORMAT_BLOCKWISE4:
+        values = load_state4(address.to(tl.pointer_type(tl.uint8)), absmax_address.to(tl.pointer_type(tl.float32)),
+                             qmap4_ptr, offs, mask)
     else:
         values = tl.load(pointer(address, tl.float32, ALIGNED) + offs, mask=mask, other=0.0)
     return values
 
 
 @triton.jit
-def store_state(address, absmax_address, fmt, table_ptr, blocks, offs, values, mask, block_mask,
+def store_state(address, absmax_address, fmt, table_ptr, thresholds4_ptr, blocks, offs, values, mask, block_mask,
                 SIGNED: tl.constexpr, ALIGNED: tl.constexpr = False):
-    """Store fp32 ``values`` into one state row of format ``fmt``, re-quantizing an 8-bit row against its new
-    block absmax."""
+    """Store fp32 ``values`` into one state row of format ``fmt``, re-quantizing an 8-bit (encoder table
+    ``table_ptr``) or 4-bit (``thresholds4_ptr``) row against its new block absmax."""
     if fmt == FORMAT_BLOCKWISE8:
         codes, absmax = quantize_tile(values, mask, table_ptr, SIGNED)
         tl.store(pointer(address, tl.uint8, ALIGNED) + offs, codes, mask=mask)
         tl.store(absmax_address.to(tl.pointer_type(tl.float32)) + blocks, absmax, mask=block_mask)
+    elif fmt == FORMAT_BLOCKWISE4:
+        store_state4(address.to(tl.pointer_type(tl.uint8)), absmax_address.to(tl.pointer_type(tl.float32)),
+                     thresholds4_ptr, offs, values, mask)
     else:
         tl.store(pointer(address, tl.float32, ALIGNED) + offs, values, mask=mask)
 

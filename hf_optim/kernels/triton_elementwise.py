@@ -12,10 +12,17 @@ With ``NORMS`` each program also writes the sums of squares of its parameter and
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
 from hf_optim.kernels import triton_multi_tensor as mt
+from hf_optim.kernels.blockwise4 import encoder_thresholds
+from hf_optim.kernels.dynamic_map import encoder_table
+from hf_optim.kernels.formats.blockwise4 import shared_map as shared_map4
+from hf_optim.kernels.formats.blockwise8 import shared_map as shared_map8
 from hf_optim.kernels.triton_blockwise import (
     load_state,
     load_values,
@@ -35,8 +42,29 @@ structure, so (with aligned addresses) loads and stores vectorize; only each ten
 
 
 @triton.jit
+def _load_row(row, r: tl.constexpr, maps, blocks, offs, mask, block_mask, SIGNED: tl.constexpr,
+              ALIGNED: tl.constexpr):
+    """State row ``r`` of a tensor's meta ``row``; ``maps`` is the table of :func:`maps_table` (addresses)."""
+    kind = 0 if SIGNED else 1
+    return load_state(tl.load(row + mt.VALUES + r), tl.load(row + mt.ABSMAX + r), tl.load(row + mt.FORMAT + r),
+                      tl.load(maps + MAP8 + kind).to(tl.pointer_type(tl.float32)),
+                      tl.load(maps + MAP4 + kind).to(tl.pointer_type(tl.float32)), blocks, offs, mask, block_mask,
+                      ALIGNED)
+
+
+@triton.jit
+def _store_row(row, r: tl.constexpr, maps, blocks, offs, values, mask, block_mask, SIGNED: tl.constexpr,
+               ALIGNED: tl.constexpr):
+    kind = 0 if SIGNED else 1
+    store_state(tl.load(row + mt.VALUES + r), tl.load(row + mt.ABSMAX + r), tl.load(row + mt.FORMAT + r),
+                tl.load(maps + TABLE8 + kind).to(tl.pointer_type(tl.int32)),
+                tl.load(maps + THRESHOLDS4 + kind).to(tl.pointer_type(tl.float32)), blocks, offs, values, mask,
+                block_mask, SIGNED, ALIGNED)
+
+
+@triton.jit
 def _update_tile(
-    row, program, partials, qmap_signed, qmap_unsigned, table_signed, table_unsigned, h, blocks, offs, mask,
+    row, program, partials, maps, h, blocks, offs, mask,
     block_mask, RULE: tl.constexpr, ROWS: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr,
     SIGNED2: tl.constexpr, WRITE_OUT: tl.constexpr, NORMS: tl.constexpr, ALIGNED: tl.constexpr,
 ):
@@ -46,30 +74,21 @@ def _update_tile(
     finite = (g == g) & (tl.abs(g) != float("inf"))
     g = tl.where(finite, g, 0.0)
 
-    s0 = load_state(tl.load(row + 6), tl.load(row + 9), tl.load(row + 12),
-                    qmap_signed if SIGNED0 else qmap_unsigned, blocks, offs, mask, block_mask, ALIGNED)
+    s0 = _load_row(row, 0, maps, blocks, offs, mask, block_mask, SIGNED0, ALIGNED)
     s1 = tl.zeros_like(p)
     s2 = tl.zeros_like(p)
     if ROWS > 1:
-        s1 = load_state(tl.load(row + 7), tl.load(row + 10), tl.load(row + 13),
-                        qmap_signed if SIGNED1 else qmap_unsigned, blocks, offs, mask, block_mask, ALIGNED)
+        s1 = _load_row(row, 1, maps, blocks, offs, mask, block_mask, SIGNED1, ALIGNED)
     if ROWS > 2:
-        s2 = load_state(tl.load(row + 8), tl.load(row + 11), tl.load(row + 14),
-                        qmap_signed if SIGNED2 else qmap_unsigned, blocks, offs, mask, block_mask, ALIGNED)
+        s2 = _load_row(row, 2, maps, blocks, offs, mask, block_mask, SIGNED2, ALIGNED)
 
     out, n0, n1, n2 = RULE(p, g, s0, s1, s2, h)
 
-    store_state(tl.load(row + 6), tl.load(row + 9), tl.load(row + 12),
-                table_signed if SIGNED0 else table_unsigned, blocks, offs, tl.where(finite, n0, s0), mask,
-                block_mask, SIGNED0, ALIGNED)
+    _store_row(row, 0, maps, blocks, offs, tl.where(finite, n0, s0), mask, block_mask, SIGNED0, ALIGNED)
     if ROWS > 1:
-        store_state(tl.load(row + 7), tl.load(row + 10), tl.load(row + 13),
-                    table_signed if SIGNED1 else table_unsigned, blocks, offs, tl.where(finite, n1, s1), mask,
-                    block_mask, SIGNED1, ALIGNED)
+        _store_row(row, 1, maps, blocks, offs, tl.where(finite, n1, s1), mask, block_mask, SIGNED1, ALIGNED)
     if ROWS > 2:
-        store_state(tl.load(row + 8), tl.load(row + 11), tl.load(row + 14),
-                    table_signed if SIGNED2 else table_unsigned, blocks, offs, tl.where(finite, n2, s2), mask,
-                    block_mask, SIGNED2, ALIGNED)
+        _store_row(row, 2, maps, blocks, offs, tl.where(finite, n2, s2), mask, block_mask, SIGNED2, ALIGNED)
 
     if WRITE_OUT:
         out = tl.where(finite & mask, out, 0.0)
@@ -83,7 +102,7 @@ def _update_tile(
 
 @triton.jit
 def _fused_update_kernel(
-    meta, tiles, partials, qmap_signed, qmap_unsigned, table_signed, table_unsigned, h,
+    meta, tiles, partials, maps, h,
     RULE: tl.constexpr, ROWS: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr,
     SIGNED2: tl.constexpr, WRITE_OUT: tl.constexpr, NORMS: tl.constexpr, BLOCKS: tl.constexpr,
     COLS: tl.constexpr, ALIGNED: tl.constexpr,
@@ -95,13 +114,35 @@ def _fused_update_kernel(
     blocks, offs = tile_offsets(first_block, BLOCKS)
     n = tl.load(row + 3)
     if (first_block + BLOCKS) * 256 <= n:
-        _update_tile(row, program, partials, qmap_signed, qmap_unsigned, table_signed, table_unsigned, h, blocks,
+        _update_tile(row, program, partials, maps, h, blocks,
                      offs, offs < FULL_TILE_BOUND, blocks < FULL_TILE_BOUND, RULE, ROWS, SIGNED0, SIGNED1, SIGNED2,
                      WRITE_OUT, NORMS, ALIGNED)
     else:
-        _update_tile(row, program, partials, qmap_signed, qmap_unsigned, table_signed, table_unsigned, h, blocks,
+        _update_tile(row, program, partials, maps, h, blocks,
                      offs, offs < n, blocks * 256 < n, RULE, ROWS, SIGNED0, SIGNED1, SIGNED2, WRITE_OUT, NORMS,
                      ALIGNED)
+
+
+MAP8: tl.constexpr = tl.constexpr(0)
+TABLE8: tl.constexpr = tl.constexpr(2)
+MAP4: tl.constexpr = tl.constexpr(4)
+THRESHOLDS4: tl.constexpr = tl.constexpr(6)
+"""Columns of :func:`maps_table` (each followed by its unsigned twin)."""
+
+
+def maps_table(device: torch.device) -> torch.Tensor:
+    """Addresses of every format's maps on ``device``, for the kernels (one int64 table instead of eight pointer
+    arguments): 8-bit signed/unsigned map, their encoder tables, 4-bit signed/unsigned map, their thresholds.
+    The tensors are cached per device by their modules, so the addresses stay valid."""
+    return _maps_table(torch.device(device))
+
+
+@functools.cache
+def _maps_table(device: torch.device) -> torch.Tensor:
+    tensors = [shared_map8(True, device), shared_map8(False, device), encoder_table(True, device),
+               encoder_table(False, device), shared_map4(True, device), shared_map4(False, device),
+               encoder_thresholds(True, device), encoder_thresholds(False, device)]
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
 
 
 def launch_kwargs(device) -> dict:
@@ -129,7 +170,7 @@ def fused_update(
         rows: how many state rows the rule reads (1 to 3).
         signed: per state row, whether its 8-bit map is signed.
         launch: the multi-tensor tables (:class:`triton_multi_tensor.Launch`).
-        maps: (signed map, unsigned map, signed encoder table, unsigned encoder table) on the device.
+        maps: the int64 table of map addresses on the device (:func:`maps_table`).
         hyper: the rule's scalars (:func:`triton_rules.hyper_tuple`).
         write_out (default False): write the rule's output to each tensor's ``OUT`` address instead of the
             parameter.
@@ -140,7 +181,7 @@ def fused_update(
         return
     norms = partials is not None
     _fused_update_kernel[(launch.num_tiles,)](
-        launch.meta, launch.tiles, partials if norms else launch.meta, *maps, hyper,
+        launch.meta, launch.tiles, partials if norms else launch.meta, maps, hyper,
         RULE=rule, ROWS=rows, SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2], WRITE_OUT=write_out,
         NORMS=norms, BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, ALIGNED=launch.aligned, **launch_kwargs(device),
     )

@@ -25,19 +25,12 @@ import torch
 
 from hf_optim.kernels import triton_adafactor, triton_lamb, triton_rules
 from hf_optim.kernels import triton_multi_tensor as mt
-from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table
-from hf_optim.kernels.triton_elementwise import TILE_BLOCKS, fused_update
+from hf_optim.kernels.triton_elementwise import TILE_BLOCKS, fused_update, maps_table
 
 LAMB_SCRATCH_NUMEL = 1 << 26
 """Most elements of LAMB directions held at once (256 MiB of fp32): larger groups run in several buckets."""
 
 CACHE_ATTR = "_hf_optim_triton_plans"
-
-
-@functools.cache
-def _maps(device: torch.device) -> tuple[torch.Tensor, ...]:
-    return (dynamic_map(True, device), dynamic_map(False, device), encoder_table(True, device),
-            encoder_table(False, device))
 
 
 def supported(optimizer, param: torch.Tensor, sharded: bool) -> bool:
@@ -96,7 +89,8 @@ def _step_batch(optimizer, group, group_index, device, step, batch, cache) -> No
     launch = cache.launch(key, batch, optimizer.state_specs, TILE_BLOCKS, device)
     signed = mt.row_signedness(optimizer.state_specs)
     rows = sum(spec.rows for spec in optimizer.state_specs)
-    fused_update(triton_rules.RULES[optimizer.algorithm], rows, signed, launch, _maps(device), hyper, device=device)
+    fused_update(triton_rules.RULES[optimizer.algorithm], rows, signed, launch, maps_table(device), hyper,
+                 device=device)
 
 
 def _buckets(batch: list, limit: int) -> list[list]:
@@ -126,7 +120,7 @@ def _lamb(optimizer, group, key, batch, hyper, cache, device) -> None:
             offset += param.numel()
         launch = cache.launch((*key, index), bucket, specs, TILE_BLOCKS, device, out_addresses)
         partials = torch.empty(2 * launch.num_tiles, dtype=torch.float32, device=device)
-        fused_update(triton_rules.lamb, 2, mt.row_signedness(specs), launch, _maps(device), hyper,
+        fused_update(triton_rules.lamb, 2, mt.row_signedness(specs), launch, maps_table(device), hyper,
                      write_out=True, partials=partials, device=device)
         ratios = torch.empty(len(bucket), dtype=torch.float32, device=device)
         triton_lamb.trust_ratios(launch, partials, ratios, adapt=adapt, max_trust_ratio=group["max_trust_ratio"],
