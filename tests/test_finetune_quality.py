@@ -27,3 +27,22 @@ def test_8bit_final_loss_within_one_percent_of_32bit(eight, thirty_two, kwargs):
     losses8 = train_tiny(lambda params: eight(params, **kwargs), steps=STEPS, seq_len=32)
     assert final_loss(losses32) < 0.6 * losses32[0], "the run must actually learn for the comparison to mean much"
     assert abs(final_loss(losses8) - final_loss(losses32)) <= 0.01 * final_loss(losses32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "four,thirty_two,kwargs",
+    [
+        (hf_optim.AdamW4bit, hf_optim.AdamW32bit, dict(lr=3e-3)),
+        (hf_optim.AdEMAMix4bit, hf_optim.AdEMAMix32bit, dict(lr=3e-3)),
+    ],
+    ids=["AdamW", "AdEMAMix"],
+)
+def test_4bit_final_loss_within_two_percent_of_32bit(four, thirty_two, kwargs):
+    """The bar for 4-bit state (Li et al. report near-lossless fine-tunes): within 2% of 32-bit. (Lion4bit is
+    not held to it: its sign update is more sensitive to the first moment's quantization; 3.8% here at lr 1e-3,
+    see docs/benchmarks.md.)"""
+    losses32 = train_tiny(lambda params: thirty_two(params, **kwargs), steps=STEPS, seq_len=32)
+    losses4 = train_tiny(lambda params: four(params, **kwargs), steps=STEPS, seq_len=32)
+    assert final_loss(losses32) < 0.6 * losses32[0], "the run must actually learn for the comparison to mean much"
+    assert abs(final_loss(losses4) - final_loss(losses32)) <= 0.02 * final_loss(losses32)

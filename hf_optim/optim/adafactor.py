@@ -201,7 +201,7 @@ class Adafactor(HfOptimizer):
         new = new - update
         param.copy_(new if finite is None else torch.where(finite, new, p32))
 
-    def _state_dims(self, key: str, ndim: int):
+    def _state_dims(self, key: str, ndim: int, state=None):
         """Row statistics follow every dimension but the last, column statistics every one but the second to
         last; reduced (sharded) dimensions are replicated, as the all-reduces keep them identical."""
         if key == "exp_avg_sq_row":

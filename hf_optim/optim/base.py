@@ -146,15 +146,22 @@ class HfOptimizer(torch.optim.Optimizer):
             multi_tensor.step_run(self.rule, flat, multi_tensor.cached_chunks(flat, run), params, grads, hyper,
                                   self._scratch)
 
-    def _state_dims(self, key: str, ndim: int):
+    def _state_dims(self, key: str, ndim: int, state: Mapping | None = None):
         """How state ``key`` of an ``ndim``-dim parameter is laid out, for sharded checkpoints (see
-        :func:`hf_optim.optim.sharding.export_state`): the parameter dimension of each state dimension,
-        ``sharding.ABSMAX``, or None for state that is the same on every rank."""
+        :func:`hf_optim.optim.sharding.export_state`): the parameter dimension of each state dimension, a
+        ``sharding.PerShard`` for state counted on the local shard (absmax vectors, packed 4-bit codes), or None
+        for state that is the same on every rank. ``state`` (the parameter's state, nested or not) tells the
+        slot's format."""
         for spec in self.state_specs:
-            if key == spec.key:
-                return (None,) * (spec.rows > 1) + tuple(range(ndim))
+            if key not in (spec.key, spec.absmax_key):
+                continue
+            flat = {**state, **state.get(QUANT_STATE_KEY, {})} if state is not None else {}
+            fmt = loaded_format(flat, spec) if flat else None
             if key == spec.absmax_key:
-                return sharding.ABSMAX
+                return sharding.PerShard(fmt.num_blocks) if fmt is not None and fmt.block_size else sharding.ABSMAX
+            if fmt is not None and fmt.packed:
+                return sharding.PerShard(fmt.main_length)
+            return (None,) * (spec.rows > 1) + tuple(range(ndim))
         return None
 
     # ----------------------------------------------------------------------------------------------------
@@ -426,7 +433,8 @@ class HfOptimizer(torch.optim.Optimizer):
                 param_state[QUANT_STATE_KEY] = quant
             if sharding.is_dtensor(params[index]):  # for torch.distributed.checkpoint: DTensors like the param
                 # (on the parameter's device mesh, paged or not: DCP moves the local shards itself)
-                param_state = sharding.export_state(param_state, params[index], self._state_dims)
+                param_state = sharding.export_state(param_state, params[index],
+                                                   functools.partial(self._state_dims, state=param_state))
             elif self.is_paged:  # a paged optimizer's state dict holds CPU tensors: loading needs no GPU memory
                 param_state = on_host(param_state)
             nested[index] = param_state
@@ -494,7 +502,8 @@ class HfOptimizer(torch.optim.Optimizer):
                 new_state[saved_id] = copy.deepcopy(param_state)
                 continue
             p = id_map[saved_id]
-            flat = sharding.import_state(dict(param_state), p, local_tensor(p), self._state_dims)
+            flat = sharding.import_state(dict(param_state), p, local_tensor(p),
+                                         functools.partial(self._state_dims, state=param_state))
             flat.update(flat.pop(QUANT_STATE_KEY, {}))
             self._check_loaded_state(local_tensor(p), flat, saved_id)
             # Copy: the loaded optimizer must never share (and mutate) the caller's tensors. State buffers go

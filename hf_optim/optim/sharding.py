@@ -17,7 +17,8 @@ checkpoint saves every rank's blocks and resumes on the same world size and mesh
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -131,8 +132,21 @@ def largest_local_numel(param) -> int:
     return math.prod(sizes)
 
 
-def distribute_absmax(local: torch.Tensor, param):
-    """Wrap the local shard's 8-bit ``absmax`` as a DTensor with one zero-padded row per shard.
+@dataclass(frozen=True)
+class PerShard:
+    """What ``_state_dims`` returns for state counted on the LOCAL shard (blockwise absmax vectors, packed 4-bit
+    codes): ``length(local numel)`` entries per row, saved as one zero-padded row per shard."""
+
+    length: Callable[[int], int]
+
+
+ABSMAX = PerShard(num_blocks)
+"""A 256-element-block absmax vector (8-bit state)."""
+
+
+def distribute_absmax(local: torch.Tensor, param, length: Callable[[int], int] = num_blocks):
+    """Wrap the local shard's per-shard vector (8-bit ``absmax`` by default: ``length`` counts its entries for a
+    shard's element count) as a DTensor with one zero-padded row per shard.
 
     ``local`` has shape ``(blocks,)`` or ``(rows, blocks)`` with ``blocks`` counted on the local shard. The
     global tensor has a leading dimension per sharding mesh dimension (sharded over it) and the block count of
@@ -141,7 +155,7 @@ def distribute_absmax(local: torch.Tensor, param):
     DTensor, Replicate, Shard = _dtensor_types()
     mesh = param.device_mesh
     shard_dims = _shard_dims(param)
-    width = num_blocks(largest_local_numel(param))
+    width = length(largest_local_numel(param))
     padded = torch.zeros((*local.shape[:-1], width), dtype=local.dtype, device=local.device)
     padded[..., : local.shape[-1]] = local
     lead = len(shard_dims)
@@ -154,23 +168,20 @@ def distribute_absmax(local: torch.Tensor, param):
                               stride=_contiguous_stride(shape))
 
 
-def local_absmax(saved: torch.Tensor, param, local_param: torch.Tensor) -> torch.Tensor:
-    """Undo :func:`distribute_absmax` on a loaded tensor: this shard's row, trimmed to its own block count."""
+def local_absmax(saved: torch.Tensor, param, local_param: torch.Tensor,
+                 length: Callable[[int], int] = num_blocks) -> torch.Tensor:
+    """Undo :func:`distribute_absmax` on a loaded tensor: this shard's row, trimmed to its own length."""
     if not is_dtensor(saved):
         return saved
     local = saved.to_local()
     local = local.reshape(local.shape[len(_shard_dims(param)) :])
-    return local[..., : num_blocks(local_param.numel())]
-
-
-ABSMAX = "absmax"
-"""What an optimizer's ``_state_dims`` returns for a blockwise absmax vector."""
+    return local[..., : length(local_param.numel())]
 
 
 def export_state(param_state: dict, param, state_dims) -> dict:
     """A parameter's state dict entry with every tensor wrapped as a DTensor laid out like ``param``.
 
-    ``state_dims(key, ndim)`` gives the parameter dimension each state dimension follows, :data:`ABSMAX`, or
+    ``state_dims(key, ndim)`` gives the parameter dimension each state dimension follows, a :class:`PerShard`, or
     None for state identical on every rank (scalars, quantization maps, fully reduced statistics), which stays
     a plain tensor. Nested dicts (bitsandbytes' quantization state) are converted too.
     """
@@ -182,8 +193,8 @@ def export_state(param_state: dict, param, state_dims) -> dict:
         dims = state_dims(key, param.dim()) if isinstance(value, torch.Tensor) else None
         if dims is None:
             out[key] = value
-        elif dims == ABSMAX:
-            out[key] = distribute_absmax(value, param)
+        elif isinstance(dims, PerShard):
+            out[key] = distribute_absmax(value, param, dims.length)
         else:
             out[key] = distribute_state(value, param, dims)
     return out
@@ -197,7 +208,8 @@ def import_state(param_state: dict, param, local_param: torch.Tensor, state_dims
             out[key] = import_state(value, param, local_param, state_dims)
         elif is_dtensor(value):
             dims = state_dims(key, param.dim())
-            out[key] = local_absmax(value, param, local_param) if dims == ABSMAX else value.to_local()
+            out[key] = (local_absmax(value, param, local_param, dims.length) if isinstance(dims, PerShard)
+                        else value.to_local())
         else:
             out[key] = value
     return out

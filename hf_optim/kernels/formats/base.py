@@ -31,6 +31,16 @@ class StateFormat:
     """Elements per quantization block (0: not quantized)."""
     width: ClassVar[int]
     """How many raw tensors a slot passes to the kernels."""
+    packed: ClassVar[bool] = False
+    """Whether the main tensor is not shaped like the parameter (several codes per byte)."""
+
+    def num_blocks(self, numel: int) -> int:
+        """Quantization blocks (absmax entries) per row of ``numel`` elements."""
+        return -(-numel // self.block_size)
+
+    def main_length(self, numel: int) -> int:
+        """Entries per row of the main tensor for ``numel`` elements (a packed format's bytes)."""
+        return numel
 
     # -- allocation -------------------------------------------------------------------------------------------
     def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:

@@ -44,7 +44,10 @@ def shared_map(signed: bool, device: torch.device) -> torch.Tensor:
 
 
 class Blockwise4(StateFormat):
-    name, bits, code, width, block_size = "blockwise4", 4, 2, 4, BLOCK_SIZE
+    name, bits, code, width, block_size, packed = "blockwise4", 4, 2, 4, BLOCK_SIZE, True
+
+    def main_length(self, numel: int) -> int:
+        return packed_length(numel)
 
     def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
         n = param.numel()
