@@ -92,7 +92,8 @@ HYPER_CASES = [
         (hf_optim.AdamW, {"weight_decay": float("inf")}, ValueError, r"Invalid weight_decay: inf"),
         (hf_optim.AdamW8bit, {"eps": 0.0}, ValueError, r"Invalid eps: 0.0"),
         (hf_optim.AdamW, {"betas": 0.9}, ValueError, r"betas must be a tuple of 2 floats, got 0.9"),
-        (hf_optim.AdamW, {"optim_bits": 4}, ValueError, r"Invalid optim_bits: 4; expected 8 or 32"),
+        (hf_optim.AdamW, {"optim_bits": 16}, ValueError, r"Invalid optim_bits: 16; expected 4 or 8 or 32"),
+        (hf_optim.Adafactor, {"optim_bits": 4}, ValueError, r"Invalid optim_bits: 4; expected 8 or 32 \(Adafactor"),
         (hf_optim.AdamW, {"min_8bit_size": 4096.0}, ValueError, r"Invalid min_8bit_size: 4096.0"),
         (hf_optim.AdEMAMix, {"t_beta3": 0}, ValueError, r"Invalid t_beta3: 0"),
         (hf_optim.AdEMAMix, {"alpha": float("nan")}, ValueError, r"Invalid alpha: nan"),
@@ -107,8 +108,8 @@ HYPER_CASES = [
 ] + [
     Case("bad value in an added param group",
          lambda t: hf_optim.AdamW(make_params([(4,)])).add_param_group({"params": make_params([(3,)]),
-                                                                        "optim_bits": 4}),
-         ValueError, r"Invalid optim_bits: 4"),
+                                                                        "optim_bits": 16}),
+         ValueError, r"Invalid optim_bits: 16"),
 ]
 
 # ------------------------------------------------------------------------------------------------------------

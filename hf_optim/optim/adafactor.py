@@ -79,6 +79,7 @@ class Adafactor(HfOptimizer):
     """
 
     algorithm = "adafactor"
+    supported_bits = (8, 32)  # the Triton kernel reads an 8-bit or fp32 first moment
 
     def __init__(
         self,

@@ -62,7 +62,6 @@ class AdamW(HfOptimizer):
     """
 
     algorithm = "adamw"
-    supported_bits = (4, 8, 32)
     state_specs = (StateSpec("state1", signed=True), StateSpec("state2", signed=False))
 
     def __init__(
@@ -94,7 +93,7 @@ class AdamW(HfOptimizer):
     _hyper = staticmethod(adamw_hyper)
 
 
-_twins = family(AdamW, "AdamW")
+_twins = family(AdamW, "AdamW", bits=(4, 8, 32))
 AdamW4bit = _twins["AdamW4bit"]
 AdamW8bit = _twins["AdamW8bit"]
 AdamW32bit = _twins["AdamW32bit"]

@@ -98,7 +98,6 @@ class AdEMAMix(HfOptimizer):
     """
 
     algorithm = "ademamix"
-    supported_bits = (4, 8, 32)
     state_specs = (StateSpec("state1", signed=True, rows=2), StateSpec("state2", signed=False))
 
     def __init__(
@@ -137,7 +136,7 @@ class AdEMAMix(HfOptimizer):
     _hyper = staticmethod(ademamix_hyper)
 
 
-_twins = family(AdEMAMix, "AdEMAMix")
+_twins = family(AdEMAMix, "AdEMAMix", bits=(4, 8, 32))
 AdEMAMix4bit = _twins["AdEMAMix4bit"]
 AdEMAMix8bit = _twins["AdEMAMix8bit"]
 AdEMAMix32bit = _twins["AdEMAMix32bit"]

@@ -19,7 +19,7 @@ import torch
 from hf_optim.kernels import backend as kernel_backend
 from hf_optim.kernels import multi_tensor
 from hf_optim.kernels.flat_state import FlatState, FlatStates
-from hf_optim.kernels.formats import FP32, SlotLayout, StateFormat, format_for_bits, loaded_format
+from hf_optim.kernels.formats import FORMATS, FP32, SlotLayout, StateFormat, format_for_bits, loaded_format
 from hf_optim.kernels.formats.base import StateDictError
 from hf_optim.kernels.state_store import (
     QUANT_KEYS,
@@ -71,8 +71,9 @@ class HfOptimizer(torch.optim.Optimizer):
 
     algorithm: ClassVar[str] = ""
     state_specs: ClassVar[tuple[StateSpec, ...]] = ()
-    supported_bits: ClassVar[tuple[int, ...]] = (8, 32)
-    """The ``optim_bits`` values (state formats) the algorithm runs with."""
+    supported_bits: ClassVar[tuple[int, ...] | None] = None
+    """The ``optim_bits`` values the algorithm runs with; None (elementwise algorithms): every registered state
+    format (``hf_optim.kernels.formats``), so a new format needs no change to any algorithm."""
     group_keys: ClassVar[tuple[str, ...]] = ()
     """Param-group keys the algorithm reads (filled from defaults when a foreign state dict lacks them)."""
 
@@ -86,7 +87,7 @@ class HfOptimizer(torch.optim.Optimizer):
         is_paged: bool = False,
     ) -> None:
         defaults = dict(defaults)
-        defaults["optim_bits"] = check_optim_bits(optim_bits, self.supported_bits, type(self).__name__)
+        defaults["optim_bits"] = check_optim_bits(optim_bits, self._supported_bits(), type(self).__name__)
         defaults["min_8bit_size"] = check_min_8bit_size(min_8bit_size)
         super().__init__(params, defaults)
         self.is_paged = bool(is_paged)
@@ -99,8 +100,12 @@ class HfOptimizer(torch.optim.Optimizer):
     # Hooks for subclasses
     def _check_group(self, group: dict) -> None:
         """Validate a param group's hyperparameters (called for every group, including added ones)."""
-        check_optim_bits(group["optim_bits"], self.supported_bits, type(self).__name__)
+        check_optim_bits(group["optim_bits"], self._supported_bits(), type(self).__name__)
         check_min_8bit_size(group["min_8bit_size"])
+
+    @classmethod
+    def _supported_bits(cls) -> tuple[int, ...]:
+        return cls.supported_bits or tuple(sorted(fmt.bits for fmt in FORMATS.values()))
 
     def rule(self, param, grad, states, hyper):  # pragma: no cover - abstract
         raise NotImplementedError

@@ -52,7 +52,6 @@ class Lion(HfOptimizer):
     """
 
     algorithm = "lion"
-    supported_bits = (4, 8, 32)
     state_specs = (StateSpec("state1", signed=True),)
 
     def __init__(
@@ -83,7 +82,7 @@ class Lion(HfOptimizer):
     _hyper = staticmethod(lion_hyper)
 
 
-_twins = family(Lion, "Lion")
+_twins = family(Lion, "Lion", bits=(4, 8, 32))
 Lion4bit = _twins["Lion4bit"]
 Lion8bit = _twins["Lion8bit"]
 Lion32bit = _twins["Lion32bit"]

@@ -54,12 +54,12 @@ def precision_variant(base: type, name: str, *, optim_bits: int | None = None, i
     return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": base.__module__})
 
 
-def family(base: type, prefix: str) -> dict[str, type]:
+def family(base: type, prefix: str, bits: tuple[int, ...] = (8, 32)) -> dict[str, type]:
     """The bitsandbytes family of ``base``: {prefix}8bit, {prefix}32bit, Paged{prefix}, Paged{prefix}8bit/32bit,
-    and {prefix}4bit, Paged{prefix}4bit when the algorithm runs with 4-bit state (``base.supported_bits``)."""
+    and {prefix}{b}bit, Paged{prefix}{b}bit for every other width in ``bits`` (4 for AdamW, AdEMAMix, Lion)."""
     twins = {f"Paged{prefix}": precision_variant(base, f"Paged{prefix}", is_paged=True)}
-    for bits in sorted(base.supported_bits):
-        twins[f"{prefix}{bits}bit"] = precision_variant(base, f"{prefix}{bits}bit", optim_bits=bits)
-        twins[f"Paged{prefix}{bits}bit"] = precision_variant(base, f"Paged{prefix}{bits}bit", optim_bits=bits,
+    for width in sorted(bits):
+        twins[f"{prefix}{width}bit"] = precision_variant(base, f"{prefix}{width}bit", optim_bits=width)
+        twins[f"Paged{prefix}{width}bit"] = precision_variant(base, f"Paged{prefix}{width}bit", optim_bits=width,
                                                               is_paged=True)
     return twins
