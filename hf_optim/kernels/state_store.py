@@ -117,3 +117,11 @@ def write_slot(state: dict, spec: StateSpec, values: torch.Tensor) -> None:
 def slot_kinds(state: dict, specs: tuple[StateSpec, ...]) -> tuple[bool | None, ...]:
     """Static description of the slots for kernels: None for fp32, else the map's signedness."""
     return tuple(spec.signed if is_8bit(state, spec) else None for spec in specs)
+
+
+def slot_bytes(spec: StateSpec, numel: int, quantized: bool) -> int:
+    """Bytes one slot takes for a tensor of ``numel`` elements, as :func:`init_slot` allocates it: fp32 values, or
+    8-bit codes with an fp32 absmax per block and the slot's own 256-entry fp32 map."""
+    if not quantized:
+        return 4 * spec.rows * numel
+    return spec.rows * (numel + 4 * num_blocks(numel)) + 4 * 256

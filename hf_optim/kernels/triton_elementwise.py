@@ -12,10 +12,14 @@ With ``NORMS`` each program also writes the sums of squares of its parameter and
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
 from hf_optim.kernels import triton_multi_tensor as mt
+from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table
 from hf_optim.kernels.triton_blockwise import (
     load_state,
     load_values,
@@ -130,7 +134,7 @@ def fused_update(
         signed: per state row, whether its 8-bit map is signed.
         launch: the multi-tensor tables (:class:`triton_multi_tensor.Launch`).
         maps: (signed map, unsigned map, signed encoder table, unsigned encoder table) on the device.
-        hyper: the rule's scalars (:func:`triton_rules.hyper_tuple`).
+        hyper: the rule's scalars: the algorithm's ``hyper`` named tuple of floats (the rule reads them by name).
         write_out (default False): write the rule's output to each tensor's ``OUT`` address instead of the
             parameter.
         partials (default None): an fp32 tensor of ``2 * launch.num_tiles`` to receive per-tile sums of squares.
@@ -144,6 +148,14 @@ def fused_update(
         RULE=rule, ROWS=rows, SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2], WRITE_OUT=write_out,
         NORMS=norms, BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, ALIGNED=launch.aligned, **launch_kwargs(device),
     )
+
+
+@functools.cache
+def device_maps(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """:func:`fused_update`'s ``maps`` on ``device``: (signed map, unsigned map, signed and unsigned encoder
+    tables)."""
+    return (dynamic_map(True, device), dynamic_map(False, device), encoder_table(True, device),
+            encoder_table(False, device))
 
 
 # The kernel reads the meta table by column number; keep it in step with triton_multi_tensor's layout.

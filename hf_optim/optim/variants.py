@@ -55,11 +55,16 @@ def precision_variant(base: type, name: str, *, optim_bits: int | None = None, i
 
 
 def family(base: type, prefix: str) -> dict[str, type]:
-    """The bitsandbytes family of ``base``: {prefix}8bit, {prefix}32bit, Paged{prefix}, Paged{prefix}8bit/32bit."""
-    return {
+    """The bitsandbytes family of ``base``: {prefix}8bit, {prefix}32bit and, when ``base`` takes ``is_paged``,
+    Paged{prefix}, Paged{prefix}8bit and Paged{prefix}32bit."""
+    classes = {
         f"{prefix}8bit": precision_variant(base, f"{prefix}8bit", optim_bits=8),
         f"{prefix}32bit": precision_variant(base, f"{prefix}32bit", optim_bits=32),
-        f"Paged{prefix}": precision_variant(base, f"Paged{prefix}", is_paged=True),
-        f"Paged{prefix}8bit": precision_variant(base, f"Paged{prefix}8bit", optim_bits=8, is_paged=True),
-        f"Paged{prefix}32bit": precision_variant(base, f"Paged{prefix}32bit", optim_bits=32, is_paged=True),
     }
+    if "is_paged" in inspect.signature(base.__init__).parameters:
+        classes.update({
+            f"Paged{prefix}": precision_variant(base, f"Paged{prefix}", is_paged=True),
+            f"Paged{prefix}8bit": precision_variant(base, f"Paged{prefix}8bit", optim_bits=8, is_paged=True),
+            f"Paged{prefix}32bit": precision_variant(base, f"Paged{prefix}32bit", optim_bits=32, is_paged=True),
+        })
+    return classes
