@@ -20,7 +20,6 @@ from hf_optim.kernels import (  # noqa: E402
     blockwise,
     triton_blockwise,
     triton_elementwise,
-    triton_rules,
     triton_step,
 )
 from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table  # noqa: E402
