@@ -140,7 +140,7 @@ def name_precision(name: str) -> tuple[int, bool]:
     return (8 if "8bit" in name else 32), name.startswith("paged_")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # a registered description is compared (and hashed) by identity
 class Algorithm:
     """One optimizer algorithm (see the module docstring).
 
