@@ -1,12 +1,15 @@
 """hf_optim: memory-efficient optimizers for Hugging Face training, compatible with bitsandbytes' state format.
 
 Every class is a ``torch.optim.Optimizer`` with the constructor arguments of its ``bitsandbytes.optim``
-namesake, so switching is a one-line import change.
+namesake, so switching is a one-line import change. New algorithms are added with :func:`register_algorithm`
+(README, "Adding an algorithm").
 """
 
 from hf_optim.checkpoints import last_complete_checkpoint
 from hf_optim.integrations import transformers as _transformers_integration
 from hf_optim.integrations.names import OptimizerName, available_optimizers
+from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, TritonPlan
+from hf_optim.kernels.state_store import StateSpec
 from hf_optim.memory import StateMemory, state_memory
 from hf_optim.optim.adafactor import Adafactor
 from hf_optim.optim.adamw import (
@@ -41,6 +44,7 @@ from hf_optim.optim.lion import (
     PagedLion8bit,
     PagedLion32bit,
 )
+from hf_optim.optim.registry import Family, UnknownAlgorithmError, lookup_algorithm, register_algorithm
 from hf_optim.optim.rmsprop import RMSprop, RMSprop8bit, RMSprop32bit
 
 __version__ = "0.1.0"
@@ -57,4 +61,6 @@ __all__ = [
     "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adafactor",
     "HfOptimizer", "StateDictError", "OptimizerName", "available_optimizers", "StateMemory", "state_memory",
     "last_complete_checkpoint",
+    "Algorithm", "StateSpec", "TrainerMapping", "TritonPlan", "Family", "register_algorithm", "lookup_algorithm",
+    "UnknownAlgorithmError",
 ]

@@ -213,7 +213,7 @@ def cmd_compare(args, console) -> int:
 def cmd_optimizers(args, console) -> int:
     import hf_optim
 
-    rows = [(entry.name, f"hf_optim.{entry.cls.__name__}", entry.precision, "yes" if entry.paged else "no",
+    rows = [(entry.name, entry.class_label, entry.precision, "yes" if entry.paged else "no",
              "transformers name, taken over" if entry.takes_over else "added by hf_optim")
             for entry in hf_optim.available_optimizers()]
     header = ("name", "class", "state", "paged", "origin")

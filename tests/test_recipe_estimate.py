@@ -87,18 +87,33 @@ def test_qlora_weights_are_4bit_with_double_quant_constants():
     assert est.weights_bytes - 2 * est.trainable_params == quantized + bf16  # adapters in bf16
 
 
-@pytest.mark.parametrize("optim,states,bits", [("adamw_32bit", 2, 32), ("lion_32bit", 1, 32), ("ademamix", 3, 32),
-                                               ("adamw_8bit", 2, 8), ("paged_ademamix_8bit", 3, 8),
-                                               ("lion_8bit", 1, 8), ("lamb_8bit", 2, 8), ("rmsprop_bnb", 1, 32)])
-def test_state_bytes_per_name(optim, states, bits):
+@pytest.mark.parametrize("optim,slot_rows,bits", [("adamw_32bit", [1, 1], 32), ("lion_32bit", [1], 32),
+                                                  ("ademamix", [2, 1], 32), ("adamw_8bit", [1, 1], 8),
+                                                  ("paged_ademamix_8bit", [2, 1], 8), ("lion_8bit", [1], 8),
+                                                  ("lamb_8bit", [1, 1], 8), ("rmsprop_bnb", [1], 32)])
+def test_state_bytes_per_name(optim, slot_rows, bits):
     big = TensorCount(256 * 64, 2, (256, 64), False)
-    per_state = big.numel + 4 * 64 + 1024 if bits == 8 else 4 * big.numel  # 1 byte, absmax per 256, map
-    assert state_bytes(optim, [big]) == states * per_state
+    # 8-bit, per slot: 1 byte and an absmax per 256 elements for each of its rows, and one 256-entry fp32 map
+    per_slot = [rows * (big.numel + 4 * 64) + 1024 if bits == 8 else rows * 4 * big.numel for rows in slot_rows]
+    assert state_bytes(optim, [big]) == sum(per_slot)
     # under 4096 elements, and embeddings, state stays fp32 whatever the name
     small = TensorCount(100, 2, (100,), False)
     embedding = TensorCount(256 * 64, 2, (256, 64), True)
-    assert state_bytes(optim, [small]) == states * 4 * 100
-    assert state_bytes(optim, [embedding]) == states * 4 * embedding.numel
+    assert state_bytes(optim, [small]) == sum(slot_rows) * 4 * 100
+    assert state_bytes(optim, [embedding]) == sum(slot_rows) * 4 * embedding.numel
+
+
+@pytest.mark.parametrize("optim,cls", [("paged_ademamix_8bit", hf_optim.AdEMAMix8bit),
+                                       ("lion_8bit", hf_optim.Lion8bit), ("adafactor_8bit", None)])
+def test_state_bytes_equal_a_real_step(optim, cls):
+    """The bytes the estimator reads from the algorithm's slots are the bytes a real optimizer allocates."""
+    param = torch.nn.Parameter(torch.randn(70, 100))  # 7000 elements: 8-bit state, a partial last block
+    param.grad = torch.randn_like(param)
+    optimizer = cls([param]) if cls else hf_optim.Adafactor([param], lr=1e-3, relative_step=False, optim_bits=8,
+                                                               beta1=0.9)
+    optimizer.step()
+    count = TensorCount(param.numel(), 4, tuple(param.shape), False)
+    assert state_bytes(optim, [count]) == hf_optim.state_memory(optimizer).total_bytes
 
 
 def test_adafactor_state_is_factored():

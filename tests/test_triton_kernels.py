@@ -20,7 +20,6 @@ from hf_optim.kernels import (  # noqa: E402
     blockwise,
     triton_blockwise,
     triton_elementwise,
-    triton_rules,
     triton_step,
 )
 from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table  # noqa: E402
@@ -230,28 +229,46 @@ def test_one_launch_per_group_and_step_counters(device, monkeypatch, use_triton)
                       state_ulps=0 if device == "cpu" else 1)
 
 
-def test_hyper_keys_follow_the_pytorch_rules():
-    """Each Triton rule reads exactly the scalars its PyTorch twin's ``_hyper`` provides."""
-    groups = {
-        "adamw": hf_optim.AdamW([torch.zeros(1)]).param_groups[0],
-        "ademamix": hf_optim.AdEMAMix([torch.zeros(1)]).param_groups[0],
-        "lion": hf_optim.Lion([torch.zeros(1)]).param_groups[0],
-        "rmsprop": hf_optim.RMSprop([torch.zeros(1)]).param_groups[0],
-        "lamb": hf_optim.LAMB([torch.zeros(1)]).param_groups[0],
-    }
-    classes = {"adamw": hf_optim.AdamW, "ademamix": hf_optim.AdEMAMix, "lion": hf_optim.Lion,
-               "rmsprop": hf_optim.RMSprop, "lamb": hf_optim.LAMB}
-    assert set(triton_rules.RULES) == set(classes)
-    for name, group in groups.items():
-        hyper = classes[name]._hyper(group, 3)
-        assert {key.removeprefix("1/") for key in triton_rules.HYPER_KEYS[name]} == set(hyper), name
-        assert all(isinstance(v, float) for v in triton_rules.hyper_tuple(name, hyper))
+def _fields_read(function, argument: str) -> set[str]:
+    """The attributes ``function``'s source reads from its parameter ``argument``."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(function, "fn", function))))
+    return {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == argument}
+
+
+def test_rules_read_their_hyper_fields():
+    """Each Triton rule and its PyTorch twin read only fields of the algorithm's ``hyper`` class, and every field is
+    read by one of them (a field neither reads would be a scalar the description computes for nothing). The host
+    function returns that class, and the kernel receives it as floats (an int would recompile per value)."""
+    from hf_optim.kernels.algorithm import kernel_scalars, resolve
+    from hf_optim.optim import registry
+
+    with_triton = [f for f in registry.families() if f.algorithm.triton_rule is not None]
+    assert {f.algorithm.name for f in with_triton} == {"adamw", "ademamix", "lion", "rmsprop", "lamb"}
+    for family in with_triton:
+        algorithm = family.algorithm
+        fields = set(algorithm.hyper._fields)
+        torch_reads = _fields_read(algorithm.rule, "h")
+        triton_reads = _fields_read(resolve(algorithm.triton_rule), "h")
+        assert torch_reads <= fields and triton_reads <= fields, algorithm.name
+        assert torch_reads | triton_reads == fields, (algorithm.name, fields - torch_reads - triton_reads)
+        group = family.base([torch.zeros(1)]).param_groups[0]
+        hyper = algorithm.hyper_values(group, 3)
+        assert type(hyper) is algorithm.hyper
+        scalars = kernel_scalars(hyper)
+        assert type(scalars) is algorithm.hyper and all(type(v) is float for v in scalars)
 
 
 def test_reciprocal_hyper_is_the_fp32_division():
+    from hf_optim.kernels.algorithm import fp32_reciprocal
+
     for value in (0.1, 1 - 0.999**3, 0.7, 3.0):
         expected = (torch.tensor(1.0) / torch.tensor(value, dtype=torch.float32)).item()
-        assert triton_rules.fp32(1.0 / triton_rules.fp32(value)) == expected
+        assert fp32_reciprocal(value) == expected
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -451,7 +468,7 @@ def test_subclass_with_its_own_rule_takes_the_pytorch_path(device, use_triton):
     class SignSGD(hf_optim.Lion):
         @staticmethod
         def rule(param, grad, states, h):
-            return param - h["lr"] * torch.sign(grad), states
+            return param - h.lr * torch.sign(grad), states
 
     param = torch.nn.Parameter(torch.zeros(10, device=device))
     param.grad = torch.arange(10.0, device=device) - 4.5

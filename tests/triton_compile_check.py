@@ -23,8 +23,9 @@ from hf_optim.kernels import (  # noqa: E402
     triton_blockwise,
     triton_elementwise,
     triton_lamb,
-    triton_rules,
 )
+from hf_optim.kernels.algorithm import resolve  # noqa: E402
+from hf_optim.optim import registry  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
 
@@ -42,15 +43,14 @@ def accesses(ptx: str) -> collections.Counter:
     return collections.Counter(re.findall(r"(?:ld|st)\.global[a-z0-9._]*", ptx))
 
 
-ROWS = {"adamw": 2, "ademamix": 3, "lion": 1, "rmsprop": 1, "lamb": 2}
-
-
-def check_fused_update(algorithm: str) -> None:
-    hyper = tuple(["fp32"] * len(triton_rules.HYPER_KEYS[algorithm]))
+def check_fused_update(algorithm) -> None:
+    """The fused kernel with ``algorithm``'s Triton rule (its scalars: its ``hyper`` class of fp32 values)."""
+    hyper = algorithm.hyper(*["fp32"] * len(algorithm.hyper._fields))
     signature = {"meta": "*i64", "tiles": "*i32", "partials": "*fp32", "maps": "*i64", "h": hyper}
-    lamb = algorithm == "lamb"
-    constants = {"RULE": triton_rules.RULES[algorithm], "ROWS": ROWS[algorithm], "SIGNED0": True,
-                 "SIGNED1": algorithm == "ademamix", "SIGNED2": False, "WRITE_OUT": lamb, "NORMS": lamb,
+    out = not algorithm.triton_plan.elementwise  # LAMB: the direction, with per-tile norms
+    signed = [spec.signed for spec in algorithm.slots for _ in range(spec.rows)] + [False] * 3
+    constants = {"RULE": resolve(algorithm.triton_rule), "ROWS": algorithm.state_rows, "SIGNED0": signed[0],
+                 "SIGNED1": signed[1], "SIGNED2": signed[2], "WRITE_OUT": out, "NORMS": out,
                  "BLOCKS": triton_elementwise.TILE_BLOCKS, "COLS": 16, "ALIGNED": True}
     ptx = compile_ptx(triton_elementwise._fused_update_kernel, signature, constants, enable_fp_fusion=False)
     found = accesses(ptx)
@@ -99,7 +99,10 @@ def check_adafactor_kernels() -> None:
 
 
 if __name__ == "__main__":
-    for name in sorted(triton_rules.RULES):
-        check_fused_update(name)
+    import hf_optim  # noqa: F401  (registers the algorithms)
+
+    for family in registry.families():
+        if family.algorithm.triton_rule is not None:
+            check_fused_update(family.algorithm)
     check_other_kernels()
     print("all kernels compiled")

@@ -7,6 +7,9 @@ Two kinds of name:
   :mod:`hf_optim.integrations.transformers` to keep bitsandbytes for them);
 * names transformers does not have (``lamb_8bit``, ...): hf_optim adds them.
 
+Each algorithm's description lists its names (``Algorithm.trainer``); this module reads them from the registry
+(:mod:`hf_optim.optim.registry`), including algorithms registered later with ``hf_optim.register_algorithm``.
+
 Precision and paging follow the name exactly as transformers reads it: ``8bit`` in the name means 8-bit state,
 otherwise 32-bit (so ``ademamix`` and ``rmsprop_bnb`` are 32-bit, as in transformers); ``paged_`` means paged.
 """
@@ -14,9 +17,11 @@ otherwise 32-bit (so ``ademamix`` and ``rmsprop_bnb`` are 32-bit, as in transfor
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from hf_optim.optim import adafactor, adamw, ademamix, lamb, lion, rmsprop
+from hf_optim.kernels.algorithm import Algorithm, name_precision
+from hf_optim.optim import adafactor, adamw, ademamix, lamb, lion, registry, rmsprop  # noqa: F401  (they register)
 
 
 @dataclass(frozen=True)
@@ -25,61 +30,73 @@ class OptimizerName:
 
     name: str
     cls: type
-    family: str  # adamw | ademamix | lamb | lion | rmsprop | adafactor
+    family: str  # the algorithm's registered name: adamw | ademamix | lamb | lion | rmsprop | adafactor | ...
     optim_bits: int
     paged: bool
     takes_over: bool  # True: a transformers name hf_optim takes over; False: a name hf_optim adds
 
     @property
+    def algorithm(self) -> Algorithm:
+        """The algorithm's description (its state slots, Trainer mapping, ...)."""
+        return registry.lookup_algorithm(self.family).algorithm
+
+    @property
     def precision(self) -> str:
         return "8-bit blockwise" if self.optim_bits == 8 else "32-bit"
+
+    @property
+    def class_label(self) -> str:
+        """``hf_optim.PagedAdamW8bit`` for hf_optim's classes, ``module.Class`` for registered ones."""
+        module = self.cls.__module__
+        return f"hf_optim.{self.cls.__name__}" if module.startswith("hf_optim.") else f"{module}.{self.cls.__name__}"
 
     def describe(self, backend: str | None = None) -> str:
         """``hf_optim.PagedAdamW8bit (8-bit blockwise, paged, backend=...)``."""
         details = [self.precision] + (["paged"] if self.paged else []) + ([f"backend={backend}"] if backend else [])
-        return f"hf_optim.{self.cls.__name__} ({', '.join(details)})"
+        return f"{self.class_label} ({', '.join(details)})"
 
 
-def _entry(name: str, cls: type, family: str, takes_over: bool) -> OptimizerName:
-    bits = 8 if "8bit" in name else 32
-    return OptimizerName(name, cls, family, bits, name.startswith("paged_"), takes_over)
+def _entries() -> dict[str, OptimizerName]:
+    """Every registered algorithm's names: the names transformers has first (as transformers lists them), then
+    the names hf_optim adds."""
+    taken, added = {}, {}
+    for family in registry.families():
+        algorithm = family.algorithm
+        for name in algorithm.trainer_names(family.pages):
+            bits, paged = name_precision(name)
+            takes_over = name in algorithm.trainer.takes_over
+            entry = OptimizerName(name, family.class_for(bits, paged), algorithm.name, bits, paged, takes_over)
+            (taken if takes_over else added)[name] = entry
+    return {**taken, **added}
 
 
-_TAKEN_OVER = [
-    ("adamw_bnb_8bit", adamw.AdamW8bit, "adamw"),
-    ("adamw_8bit", adamw.AdamW8bit, "adamw"),
-    ("paged_adamw_8bit", adamw.PagedAdamW8bit, "adamw"),
-    ("paged_adamw_32bit", adamw.PagedAdamW32bit, "adamw"),
-    ("ademamix", ademamix.AdEMAMix32bit, "ademamix"),
-    ("ademamix_8bit", ademamix.AdEMAMix8bit, "ademamix"),
-    ("paged_ademamix_8bit", ademamix.PagedAdEMAMix8bit, "ademamix"),
-    ("paged_ademamix_32bit", ademamix.PagedAdEMAMix32bit, "ademamix"),
-    ("lion_8bit", lion.Lion8bit, "lion"),
-    ("lion_32bit", lion.Lion32bit, "lion"),
-    ("paged_lion_8bit", lion.PagedLion8bit, "lion"),
-    ("paged_lion_32bit", lion.PagedLion32bit, "lion"),
-    ("rmsprop_bnb", rmsprop.RMSprop32bit, "rmsprop"),
-    ("rmsprop_bnb_8bit", rmsprop.RMSprop8bit, "rmsprop"),
-    ("rmsprop_bnb_32bit", rmsprop.RMSprop32bit, "rmsprop"),
-    ("adafactor", adafactor.Adafactor, "adafactor"),
-]
+class _Names(Mapping):
+    """``{name: OptimizerName}`` of every registered algorithm, kept up to date as algorithms are registered."""
 
-_ADDED = [
-    ("adamw_32bit", adamw.AdamW32bit, "adamw"),
-    ("ademamix_32bit", ademamix.AdEMAMix32bit, "ademamix"),
-    ("lamb", lamb.LAMB32bit, "lamb"),
-    ("lamb_32bit", lamb.LAMB32bit, "lamb"),
-    ("lamb_8bit", lamb.LAMB8bit, "lamb"),
-    ("paged_lamb_8bit", lamb.PagedLAMB8bit, "lamb"),
-    ("paged_lamb_32bit", lamb.PagedLAMB32bit, "lamb"),
-    ("rmsprop_8bit", rmsprop.RMSprop8bit, "rmsprop"),
-    ("adafactor_8bit", adafactor.Adafactor, "adafactor"),
-]
+    def __init__(self) -> None:
+        self._table: dict[str, OptimizerName] | None = None
+        registry.on_register(lambda family: self._forget())
 
-OPTIMIZER_NAMES: dict[str, OptimizerName] = {
-    **{name: _entry(name, cls, family, True) for name, cls, family in _TAKEN_OVER},
-    **{name: _entry(name, cls, family, False) for name, cls, family in _ADDED},
-}
+    def _forget(self) -> None:
+        self._table = None
+
+    @property
+    def table(self) -> dict[str, OptimizerName]:
+        if self._table is None:
+            self._table = _entries()
+        return self._table
+
+    def __getitem__(self, name: str) -> OptimizerName:
+        return self.table[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.table)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+
+OPTIMIZER_NAMES: Mapping[str, OptimizerName] = _Names()
 
 
 def available_optimizers() -> list[OptimizerName]:

@@ -36,6 +36,7 @@ from torch import nn
 from hf_optim.integrations.names import OPTIMIZER_NAMES, OptimizerName, suggest
 from hf_optim.integrations.optim_args import parse_optim_args, typed_optim_args
 from hf_optim.kernels import backend as kernel_backend
+from hf_optim.optim import registry
 from hf_optim.optim.adafactor import Adafactor, RelativeStepSchedule
 from hf_optim.optim.base import PARAM_OVERRIDES_ATTR
 
@@ -69,33 +70,12 @@ def _name_str(name: Any) -> str:
 # ------------------------------------------------------------------------------------------------------------
 # Resolving a name into (class, kwargs)
 def optimizer_kwargs(entry: OptimizerName, args: Any) -> dict[str, Any]:
-    """Constructor kwargs for ``entry`` from ``TrainingArguments``: the Trainer's lr, betas and eps as it passes
-    them to bitsandbytes for the same name, then ``optim_args`` on top. Weight decay comes in the param groups."""
+    """Constructor kwargs for ``entry`` from ``TrainingArguments``, as its algorithm's Trainer mapping says
+    (``Algorithm.trainer``: the Trainer's lr, betas and eps as it passes them to bitsandbytes for the same name),
+    then ``optim_args`` on top. Weight decay comes in the param groups."""
     extra = typed_optim_args(entry, parse_optim_args(getattr(args, "optim_args", None)))
     betas = [extra.pop(key, None) for key in ("beta1", "beta2", "beta3")]
-    kwargs: dict[str, Any] = {"lr": args.learning_rate}
-    beta1 = args.adam_beta1 if betas[0] is None else betas[0]
-    beta2 = args.adam_beta2 if betas[1] is None else betas[1]
-    if entry.family in ("adamw", "lamb"):
-        kwargs.update(betas=(beta1, beta2), eps=args.adam_epsilon)
-    elif entry.family == "ademamix":
-        kwargs.update(betas=(beta1, beta2, 0.9999 if betas[2] is None else betas[2]), alpha=5.0, eps=args.adam_epsilon)
-    elif entry.family == "lion":
-        kwargs.update(betas=(beta1, beta2))
-    elif entry.family == "adafactor":
-        # The Trainer's behaviour for optim="adafactor": an external lr, no relative step, no parameter scaling.
-        kwargs.update(scale_parameter=False, relative_step=False)
-        if entry.optim_bits == 8:
-            kwargs.update(optim_bits=8, beta1=beta1)  # the first moment is the state kept in 8-bit
-        if betas[0] is not None:
-            kwargs["beta1"] = betas[0]
-        if extra.get("relative_step") and "lr" not in extra:
-            kwargs["lr"] = None  # Adafactor's own time-dependent step replaces the Trainer's lr
-    # rmsprop: transformers passes only lr and optim_args for its rmsprop_bnb names; so does hf_optim.
-    if "betas" in extra:
-        kwargs["betas"] = extra.pop("betas")
-    kwargs.update(extra)
-    return kwargs
+    return entry.algorithm.trainer.kwargs(args, betas, extra, entry.optim_bits)
 
 
 def keep_embeddings_32bit(model: nn.Module) -> int:
@@ -239,8 +219,9 @@ def _patch_create_scheduler(trainer_cls) -> None:
     trainer_cls.create_scheduler = create_scheduler
 
 
-def _update_existing_parsers() -> None:
-    """Parsers built before ``import hf_optim`` froze the ``--optim`` choices: add hf_optim's names and warn."""
+def _update_existing_parsers(warn: bool = True) -> None:
+    """Parsers built before ``import hf_optim`` froze the ``--optim`` choices: add hf_optim's names and warn
+    (``warn=False``: names of an algorithm registered later, which no parser could have known)."""
     module = sys.modules.get("transformers.hf_argparser")
     if module is None:
         return
@@ -254,7 +235,7 @@ def _update_existing_parsers() -> None:
                         stale += 1
                         # The parser's type function passes unknown strings through; only the choices need the names.
                         action.choices = list(action.choices) + missing
-    if stale:
+    if stale and warn:
         warnings.warn(
             f"{stale} argument parser(s) were built before `import hf_optim`; their --optim choices were updated. "
             "Import hf_optim before building TrainingArguments, SFTConfig or their parsers.",
@@ -302,10 +283,21 @@ def _ensure_log_handler() -> None:
         logger.propagate = False
 
 
+def _add_registered_names(family) -> None:
+    """An algorithm registered after transformers' training arguments were imported: add its names there too."""
+    module = sys.modules.get("transformers.training_args")
+    if module is not None:
+        _add_enum_members(module.OptimizerNames)
+        _update_existing_parsers(warn=False)
+
+
 def install() -> None:
     """Patch transformers now (modules already imported) or when it is imported. Idempotent."""
     if os.environ.get(PATCH_ENV, "1") == "0":
         return
+    if not _state.get("subscribed"):
+        registry.on_register(_add_registered_names)
+        _state["subscribed"] = True
     _ensure_log_handler()
     hooks = {"transformers.training_args": _patch_training_args, "transformers.trainer": _patch_trainer}
     pending = {}

@@ -4,10 +4,11 @@ An algorithm supplies a *rule*: a pure function on fp32 tensors
 
     rule(param, grad, states, hyper) -> (output, new_states)
 
-where ``param``/``grad`` are ``(1, n)``, each state is ``(rows, n)`` and ``hyper`` maps names to scalars. The
-output is either the new parameter or, for two-pass algorithms such as LAMB, an update direction written to a
-scratch buffer. This module loads the states (dequantizing 8-bit ones), runs the rule, masks non-finite
-gradients and stores everything back (re-quantizing), so each algorithm is written once for every precision.
+where ``param``/``grad`` are ``(1, n)``, each state is ``(rows, n)`` and ``hyper`` is the algorithm's named
+tuple of scalars (``hf_optim.kernels.algorithm.Algorithm.hyper``). The output is either the new parameter or, for
+two-pass algorithms such as LAMB, an update direction written to a scratch buffer. This module loads the states
+(dequantizing 8-bit ones), runs the rule, masks non-finite gradients and stores everything back (re-quantizing),
+so each algorithm is written once for every precision.
 
 Non-finite gradients: an element whose gradient is NaN or +-Inf is skipped for that step. Its parameter and its
 state keep their values (an 8-bit state is re-encoded against its block's new absmax), a direction output is 0,
@@ -23,8 +24,14 @@ import torch
 from hf_optim.kernels.formats import SlotLayout
 
 Rule = Callable[
-    [torch.Tensor, torch.Tensor, list[torch.Tensor], dict], tuple[torch.Tensor, list[torch.Tensor]]
+    [torch.Tensor, torch.Tensor, list[torch.Tensor], tuple], tuple[torch.Tensor, list[torch.Tensor]]
 ]
+
+
+def scalar_tensors(hyper: tuple) -> tuple:
+    """The named tuple ``hyper`` with every scalar an fp32 0-d tensor (a no-op on values that already are)."""
+    return type(hyper)(*(torch.as_tensor(value, dtype=torch.float32) for value in hyper))
+
 
 
 def update(
@@ -34,7 +41,7 @@ def update(
     grad: torch.Tensor,
     out: torch.Tensor | None,
     tensors: Sequence[torch.Tensor],
-    hyper: dict,
+    hyper: tuple,
 ) -> None:
     """Run ``rule`` over ``param``/``grad`` and the slots' raw ``tensors``, in place.
 
@@ -46,7 +53,7 @@ def update(
     """
     # Scalars enter the rule as fp32 0-d tensors on every path, so any scalar arithmetic inside a rule rounds
     # the same way eagerly and compiled (a Python float would be combined in double precision).
-    hyper = {name: torch.as_tensor(value, dtype=torch.float32) for name, value in hyper.items()}
+    hyper = scalar_tensors(hyper)
     p32 = param.float().unsqueeze(0)
     g32 = grad.float().unsqueeze(0)
     finite = torch.isfinite(g32)

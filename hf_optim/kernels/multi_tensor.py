@@ -78,10 +78,10 @@ def run_update(rule, layouts, param, grad, out, tensors, hyper) -> None:
         elementwise.update(rule, layouts, param, grad, out, tensors, hyper)
 
 
-def hyper_tensors(hyper: dict) -> dict[str, torch.Tensor]:
-    """The rule's scalars as fp32 0-d CPU tensors (made once per step, shared by every chunk; a CPU scalar tensor
-    combines with tensors on any device)."""
-    return {name: torch.as_tensor(value, dtype=torch.float32) for name, value in hyper.items()}
+def hyper_tensors(hyper: tuple) -> tuple:
+    """The rule's scalars (the algorithm's ``hyper`` named tuple) as fp32 0-d CPU tensors, in the same class (made
+    once per step, shared by every chunk; a CPU scalar tensor combines with tensors on any device)."""
+    return elementwise.scalar_tensors(hyper)
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ def step_run(
     chunks: Sequence[Chunk],
     params: dict[int, torch.Tensor],
     grads: dict[int, torch.Tensor],
-    hyper: dict,
+    hyper: tuple,
     scratch: Scratch,
     out: torch.Tensor | None = None,
     out_offset: int = 0,
@@ -278,7 +278,7 @@ def step_tensor(
     grad: torch.Tensor,
     out: torch.Tensor | None,
     tensors: Sequence[torch.Tensor],
-    hyper: dict,
+    hyper: tuple,
 ) -> None:
     """Run ``rule`` over one tensor's own state (``state_store.slot_tensors``): its whole blocks chunk by chunk
     in the kernels' block form, a last partial block as it is."""

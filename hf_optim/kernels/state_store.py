@@ -95,3 +95,9 @@ def write_slot(state: dict, spec: StateSpec, values: torch.Tensor) -> None:
 def slot_layouts(state: dict, specs: tuple[StateSpec, ...]) -> tuple[SlotLayout, ...]:
     """Static description of the slots for kernels: each slot's format and map signedness."""
     return tuple(SlotLayout(slot_format(state, spec), spec.signed) for spec in specs)
+
+
+def slot_bytes(spec: StateSpec, numel: int, fmt: StateFormat) -> int:
+    """Bytes one slot takes for a tensor of ``numel`` elements in format ``fmt``, as :func:`init_slot` allocates
+    it (values or codes, absmax per block, the slot's own map)."""
+    return fmt.state_bytes(numel, spec.rows)

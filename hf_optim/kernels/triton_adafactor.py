@@ -1,5 +1,8 @@
 """Adafactor's passes in Triton: the twin of ``Adafactor._update`` in ``hf_optim/optim/adafactor.py``.
 
+:func:`step` is Adafactor's Triton plan (``ADAFACTOR.triton_plan``); it takes the step's host scalars (the
+algorithm's ``AdafactorHyper``) and its first-moment slot from the description, never from the optimizer.
+
 Every pass is one launch over all Adafactor tensors of a group that share a step counter (a per-tensor ``meta``
 table of addresses, sizes and offsets, and a program-to-tensor table built with
 :func:`hf_optim.kernels.triton_multi_tensor.unit_table`), so a step costs six launches whatever the group's size:
@@ -24,13 +27,12 @@ PyTorch path's in the last bits, and parameters agree within an ulp rather than 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from hf_optim.kernels import triton_multi_tensor as mt
+from hf_optim.kernels.algorithm import kernel_scalars
 from hf_optim.kernels.blockwise import num_blocks
 from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table
 from hf_optim.kernels.state_store import slot_format
@@ -44,7 +46,6 @@ from hf_optim.kernels.triton_blockwise import (
     tile_offsets,
 )
 from hf_optim.kernels.triton_elementwise import TILE_BLOCKS, launch_kwargs
-from hf_optim.kernels.triton_rules import fp32
 
 ROWS_PER_PROGRAM = 16
 COLS_PER_PROGRAM = 256
@@ -314,15 +315,17 @@ def _meta_rows(items: list, first_moment) -> tuple[list[list[int]], int, int, li
     return table, row_offset, col_offset, tiles
 
 
-def step(optimizer, group: dict, key, items: list, step: int, cache: mt.PlanCache, device: torch.device) -> None:
+def step(optimizer, algorithm, group: dict, key, items: list, step: int, hyper, cache: mt.PlanCache,
+         device: torch.device) -> None:
     """One Adafactor step of ``items`` = [(param, grad, state), ...] (contiguous local tensors on ``device``, all
-    with step counter ``step``, already counted): six launches, each over every tensor (five when no tensor is
-    factored: no column pass)."""
+    with step counter ``step``, already counted; ``hyper`` its ``AdafactorHyper``): six launches, each over every
+    tensor (five when no tensor is factored: no column pass)."""
     kwargs = launch_kwargs(device)
-    first_moment = _first_moment()
-    eps1, eps2 = (float(e) for e in group["eps"])
+    (first_moment,) = algorithm.slots
+    h = kernel_scalars(hyper)
+    eps1, eps2 = h.eps1, h.eps2
     table, total_rows, total_cols, tiles = _meta_rows(items, first_moment)
-    meta = cache.table(("adafactor", *key), table, torch.int64, device)
+    meta = cache.table((algorithm.name, *key), table, torch.int64, device)
     tiles_table = cache.units([num_blocks(row[NUMEL.value]) for row in table], TILE_BLOCKS, device)
     row_units = [triton.cdiv(row[ROWS.value], ROWS_PER_PROGRAM) for row in table]
     row_table = cache.units(row_units, 1, device)
@@ -343,7 +346,6 @@ def step(optimizer, group: dict, key, items: list, step: int, cache: mt.PlanCach
     num_tiles = sum(tiles)
     partials = torch.empty(num_tiles, dtype=torch.float32, device=device)
     clip_denominators = torch.empty(len(table), dtype=torch.float32, device=device)
-    beta2t = 1.0 - math.pow(step, group["decay_rate"])
 
     _row_stats_kernel[(sum(row_units),)](
         meta, row_table, row_sums, param_sq, eps1, BR=ROWS_PER_PROGRAM, BC=COLS_PER_PROGRAM, NCOLS=META_COLS,
@@ -355,27 +357,21 @@ def step(optimizer, group: dict, key, items: list, step: int, cache: mt.PlanCach
         )
     _finalize_kernel[(sum(matrices),)](
         meta, matrix_table, row_sums, param_sq, col_sums, row_factor, col_factor, lrs,
-        float(optimizer._step_size(group, step)), eps2, beta2t, 1.0 - beta2t, SCALE=bool(group["scale_parameter"]),
+        h.step_size, eps2, h.beta2t, h.one_minus_beta2t, SCALE=bool(group["scale_parameter"]),
         CHUNK=REDUCE_CHUNK, NCOLS=META_COLS, **kwargs,
     )
     _update_sq_kernel[(num_tiles,)](
-        meta, tiles_table, row_factor, col_factor, partials, beta2t, 1.0 - beta2t, eps1, BLOCKS=TILE_BLOCKS,
+        meta, tiles_table, row_factor, col_factor, partials, h.beta2t, h.one_minus_beta2t, eps1, BLOCKS=TILE_BLOCKS,
         NCOLS=META_COLS, **kwargs,
     )
     _clip_kernel[(len(table),)](
-        meta, partials, clip_denominators, fp32(1.0 / fp32(group["clip_threshold"])), CHUNK=REDUCE_CHUNK,
+        meta, partials, clip_denominators, h.inv_clip_threshold, CHUNK=REDUCE_CHUNK,
         BLOCKS=TILE_BLOCKS, NCOLS=META_COLS, **kwargs,
     )
-    has_m = group["beta1"] is not None
-    beta1 = float(group["beta1"]) if has_m else 0.0
     _apply_kernel[(num_tiles,)](
-        meta, tiles_table, row_factor, col_factor, clip_denominators, lrs, eps1, -float(group["weight_decay"]),
-        dynamic_map(True, device), encoder_table(True, device), beta1, 1.0 - beta1, HAS_M=has_m,
+        meta, tiles_table, row_factor, col_factor, clip_denominators, lrs, eps1, h.negative_decay,
+        dynamic_map(True, device), encoder_table(True, device), h.beta1, h.one_minus_beta1,
+        HAS_M=group["beta1"] is not None,
         HAS_DECAY=group["weight_decay"] != 0, BLOCKS=TILE_BLOCKS, NCOLS=META_COLS, **kwargs,
     )
 
-
-def _first_moment():
-    from hf_optim.optim.adafactor import FIRST_MOMENT
-
-    return FIRST_MOMENT

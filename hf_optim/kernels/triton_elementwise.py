@@ -171,7 +171,7 @@ def fused_update(
         signed: per state row, whether its 8-bit map is signed.
         launch: the multi-tensor tables (:class:`triton_multi_tensor.Launch`).
         maps: the int64 table of map addresses on the device (:func:`maps_table`).
-        hyper: the rule's scalars (:func:`triton_rules.hyper_tuple`).
+        hyper: the rule's scalars: the algorithm's ``hyper`` named tuple of floats (the rule reads them by name).
         write_out (default False): write the rule's output to each tensor's ``OUT`` address instead of the
             parameter.
         partials (default None): an fp32 tensor of ``2 * launch.num_tiles`` to receive per-tile sums of squares.

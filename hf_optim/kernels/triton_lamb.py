@@ -2,6 +2,8 @@
 fused elementwise kernel with ``NORMS``): a norm pass reduces each tensor's partial sums to ``||p||`` and
 ``||u||`` and computes its trust ratio on the device, and an apply pass updates ``p -= lr * ratio * u``.
 
+:func:`step` is LAMB's Triton plan (``LAMB_ALGORITHM.triton_plan`` in ``hf_optim/optim/lamb.py``).
+
 Twin of ``LAMB._update`` / ``trust_ratio`` in ``hf_optim/optim/lamb.py``. The norms are sums in another order
 than torch's ``norm()``, so ratios can differ from the PyTorch path's in the last bits of fp32; the parameter
 update ``lr * ratio * u`` is small next to ``p``, so parameters agree to within an ulp of their dtype.
@@ -9,12 +11,17 @@ update ``lr * ratio * u`` is small next to ``p``, so parameters agree to within 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from hf_optim.kernels import triton_multi_tensor as mt
+from hf_optim.kernels.algorithm import kernel_scalars, resolve
 from hf_optim.kernels.triton_blockwise import load_values, pointer, store_values, tile_offsets
-from hf_optim.kernels.triton_elementwise import FULL_TILE_BOUND, TILE_BLOCKS, launch_kwargs
+from hf_optim.kernels.triton_elementwise import FULL_TILE_BOUND, TILE_BLOCKS, fused_update, launch_kwargs, maps_table
+
+SCRATCH_NUMEL = 1 << 26
+"""Most elements of LAMB directions held at once (256 MiB of fp32): larger groups run in several buckets."""
 
 REDUCE_CHUNK = 1024
 
@@ -83,3 +90,41 @@ def apply(launch: mt.Launch, ratios, lr: float, device) -> None:
         launch.meta, launch.tiles, ratios, float(lr), BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, ALIGNED=launch.aligned,
         **launch_kwargs(device),
     )
+
+
+def _buckets(batch: list, limit: int) -> list[list]:
+    buckets, current, size = [], [], 0
+    for item in batch:
+        n = item[0].numel()
+        if current and size + n > limit:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += n
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def step(optimizer, algorithm, group: dict, key, batch: list, step: int, hyper, cache: mt.PlanCache,
+         device: torch.device) -> None:
+    """LAMB's passes over ``batch`` = [(param, grad, state), ...] (one device, one step counter): the update pass
+    (moments, direction, per-tile sums of squares: the fused kernel with the algorithm's Triton rule), the norm
+    pass and the apply pass, per bucket of at most :data:`SCRATCH_NUMEL` elements."""
+    specs = algorithm.slots
+    rule, scalars = resolve(algorithm.triton_rule), kernel_scalars(hyper)
+    adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
+    for index, bucket in enumerate(_buckets(batch, SCRATCH_NUMEL)):
+        total = sum(param.numel() for param, _, _ in bucket)
+        scratch = torch.empty(total, dtype=torch.float32, device=device)
+        out_addresses, offset = [], 0
+        for param, _, _ in bucket:
+            out_addresses.append(scratch.data_ptr() + 4 * offset)
+            offset += param.numel()
+        launch = cache.launch((*key, index), bucket, specs, TILE_BLOCKS, device, out_addresses)
+        partials = torch.empty(2 * launch.num_tiles, dtype=torch.float32, device=device)
+        fused_update(rule, algorithm.state_rows, mt.row_signedness(specs), launch, maps_table(device), scalars,
+                     write_out=True, partials=partials, device=device)
+        ratios = torch.empty(len(bucket), dtype=torch.float32, device=device)
+        trust_ratios(launch, partials, ratios, adapt=adapt, max_trust_ratio=group["max_trust_ratio"], device=device)
+        apply(launch, ratios, group["lr"], device)

@@ -9,16 +9,105 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
-from hf_optim.kernels.formats import loaded_format
-from hf_optim.kernels.state_store import StateSpec, init_slot, read_slot, write_slot
+from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, TritonPlan, fp32_reciprocal
+from hf_optim.kernels.formats import FP32, format_for_bits, loaded_format
+from hf_optim.kernels.state_store import StateSpec, init_slot, read_slot, slot_bytes, write_slot
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import as_tuple, check_beta, check_eps, check_lr, check_real, check_weight_decay
 from hf_optim.optim.base import HfOptimizer, StateDictError, local_tensor
+from hf_optim.optim.registry import register_algorithm
 
 FIRST_MOMENT = StateSpec("exp_avg", signed=True)
+
+
+class AdafactorHyper(NamedTuple):
+    """The host scalars of one Adafactor step (what its Triton passes take; the PyTorch path computes the same)."""
+
+    step_size: float  # the step's learning rate before scale_parameter's RMS factor (see relative_step_size)
+    eps1: float
+    eps2: float
+    beta2t: float  # 1 - t**decay_rate
+    one_minus_beta2t: float
+    inv_clip_threshold: float  # fp32 reciprocal: the kernels multiply, as torch's CUDA division does
+    negative_decay: float  # -weight_decay
+    beta1: float  # 0 without a first moment
+    one_minus_beta1: float
+
+
+def relative_step_size(group: dict, step: int) -> float:
+    """The step's learning rate before ``scale_parameter``'s RMS factor (a host float)."""
+    step_size = group["lr"]
+    # A relative-step group's lr is None or what RelativeStepSchedule reports (always > 0). An lr of exactly 0
+    # means "take no step": torch.distributed.checkpoint's get/set_optimizer_state_dict create missing state
+    # by stepping with zero gradients and lr=0, and weight decay must not move the weights then.
+    if group["relative_step"] and step_size != 0:
+        floor = 1e-6 * step if group["warmup_init"] else 1e-2
+        step_size = min(floor, 1.0 / math.sqrt(step))
+    return step_size
+
+
+def adafactor_hyper(group: dict, step: int) -> AdafactorHyper:
+    beta1 = group["beta1"] if group["beta1"] is not None else 0.0
+    beta2t = 1.0 - math.pow(step, group["decay_rate"])
+    return AdafactorHyper(
+        step_size=relative_step_size(group, step),
+        eps1=group["eps"][0],
+        eps2=group["eps"][1],
+        beta2t=beta2t,
+        one_minus_beta2t=1.0 - beta2t,
+        inv_clip_threshold=fp32_reciprocal(group["clip_threshold"]),
+        negative_decay=-group["weight_decay"],
+        beta1=beta1,
+        one_minus_beta1=1.0 - beta1,
+    )
+
+
+def adafactor_state_bytes(shape: tuple[int, ...], quantized: bool, bits: int) -> int:
+    """Factored second moment (rows + columns, fp32) for >= 2-D tensors, a full one for vectors, the RMS scalar,
+    and, for the 8-bit Trainer name (which sets beta1), the first moment."""
+    numel = math.prod(shape)
+    if len(shape) >= 2:
+        total = 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2] + shape[-1:]))
+    else:
+        total = 4 * numel
+    total += 4  # RMS
+    if bits == 8:
+        total += slot_bytes(FIRST_MOMENT, numel, format_for_bits(8) if quantized else FP32)
+    return total
+
+
+def _trainer_adjust(kwargs: dict, args, betas: list, optim_args: dict, optim_bits: int) -> None:
+    """The Trainer's ``optim="adafactor"`` (external lr, no relative step, no parameter scaling: in ``fixed``);
+    ``adafactor_8bit`` keeps a first moment (the state kept in 8-bit) with ``adam_beta1``; optim_args ``beta1``
+    sets it, and ``relative_step=True`` without an ``lr`` lets Adafactor's own step replace the Trainer's lr."""
+    if optim_bits == 8:
+        kwargs.update(optim_bits=8, beta1=args.adam_beta1)
+    if betas and betas[0] is not None:
+        kwargs["beta1"] = betas[0]
+    if optim_args.get("relative_step") and "lr" not in optim_args:
+        kwargs["lr"] = None
+
+
+ADAFACTOR = Algorithm(
+    name="adafactor",
+    class_name="Adafactor",
+    slots=(FIRST_MOMENT,),  # only with beta1; the factored statistics are not per-element slots
+    hyper=AdafactorHyper,
+    hyper_at=adafactor_hyper,
+    # six passes (triton_adafactor); statistics over the whole tensor: shards and empty tensors take PyTorch's path
+    triton_plan=TritonPlan(step="hf_optim.kernels.triton_adafactor:step", shards=False, empty=False),
+    trainer=TrainerMapping(
+        names=("adafactor", "adafactor_8bit"),
+        takes_over=("adafactor",),
+        fixed={"scale_parameter": False, "relative_step": False},
+        adjust=_trainer_adjust,
+    ),
+    state_bytes=adafactor_state_bytes,
+)
 
 
 def finite_mask(grad: torch.Tensor) -> torch.Tensor | None:
@@ -78,7 +167,7 @@ class Adafactor(HfOptimizer):
         min_8bit_size (int, default 4096): tensors with fewer elements keep an fp32 first moment.
     """
 
-    algorithm = "adafactor"
+    definition = ADAFACTOR
     supported_bits = (8, 32)  # the Triton kernel reads an 8-bit or fp32 first moment
 
     def __init__(
@@ -137,21 +226,8 @@ class Adafactor(HfOptimizer):
         if group["beta1"] is not None:
             init_slot(state, FIRST_MOMENT, param, self._state_format(full, group), self._allocate)
 
-    @staticmethod
-    def _step_size(group: dict, step: int) -> float:
-        """The step's learning rate before ``scale_parameter``'s RMS factor (a host float; the Triton path uses
-        it too)."""
-        step_size = group["lr"]
-        # A relative-step group's lr is None or what RelativeStepSchedule reports (always > 0). An lr of exactly 0
-        # means "take no step": torch.distributed.checkpoint's get/set_optimizer_state_dict create missing state
-        # by stepping with zero gradients and lr=0, and weight decay must not move the weights then.
-        if group["relative_step"] and step_size != 0:
-            floor = 1e-6 * step if group["warmup_init"] else 1e-2
-            step_size = min(floor, 1.0 / math.sqrt(step))
-        return step_size
-
     def _learning_rate(self, group: dict, step: int, param_rms: torch.Tensor) -> torch.Tensor:
-        step_size = self._step_size(group, step)
+        step_size = relative_step_size(group, step)
         if group["scale_parameter"]:
             return param_rms.clamp(min=group["eps"][1]) * step_size
         return torch.as_tensor(step_size, dtype=torch.float32, device=param_rms.device)  # a float or a tensor lr
@@ -264,6 +340,9 @@ class _ShardedStatistics:
     def row_mean(self, row: torch.Tensor) -> torch.Tensor:
         # row statistics drop the parameter's last dimension: their last dimension is parameter dim -2
         return sharding.mean(row, -1, self.full, -2, keepdim=True)
+
+
+register_algorithm(ADAFACTOR, Adafactor, variants=False)
 
 
 class RelativeStepSchedule(torch.optim.lr_scheduler.LRScheduler):

@@ -4,40 +4,76 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from hf_optim.kernels import exact_math
+from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, fp32_reciprocal
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
-from hf_optim.optim.variants import family
+from hf_optim.optim.registry import register_algorithm
 
 
-def adamw_rule(param, grad, states, h):
-    """One AdamW step on fp32 tensors, written as torch.optim.AdamW computes it (decay before the step).
+class AdamWHyper(NamedTuple):
+    """The scalars of one AdamW step, in the Triton rule's argument order."""
 
-    ``h``: decay = 1 - lr*wd, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, step_size.
-    """
+    decay: float  # 1 - lr*wd
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    bias_correction2_sqrt: float  # sqrt(1 - beta2**t): the PyTorch rule divides by it, as torch's CPU kernels do
+    inv_bias_correction2_sqrt: float  # its fp32 reciprocal: the Triton rule multiplies, as torch's CUDA kernels do
+    eps: float
+    step_size: float  # lr / (1 - beta1**t)
+
+
+def adamw_rule(param, grad, states, h: AdamWHyper):
+    """One AdamW step on fp32 tensors, written as torch.optim.AdamW computes it (decay before the step)."""
     exp_avg, exp_avg_sq = states
-    param = param * h["decay"]
-    exp_avg = exact_math.lerp(exp_avg, grad, h["one_minus_beta1"])
-    exp_avg_sq = exp_avg_sq * h["beta2"] + h["one_minus_beta2"] * grad * grad
-    denom = exact_math.sqrt(exp_avg_sq) / h["bias_correction2_sqrt"] + h["eps"]
-    param = param - h["step_size"] * (exp_avg / denom)
+    param = param * h.decay
+    exp_avg = exact_math.lerp(exp_avg, grad, h.one_minus_beta1)
+    exp_avg_sq = exp_avg_sq * h.beta2 + h.one_minus_beta2 * grad * grad
+    denom = exact_math.sqrt(exp_avg_sq) / h.bias_correction2_sqrt + h.eps
+    param = param - h.step_size * (exp_avg / denom)
     return param, [exp_avg, exp_avg_sq]
 
 
-def adamw_hyper(group: dict, step: int) -> dict[str, float]:
+def adamw_hyper(group: dict, step: int) -> AdamWHyper:
     """Host-side scalars of :func:`adamw_rule` at ``step`` (>= 1)."""
     lr, (beta1, beta2) = group["lr"], group["betas"]
-    return {
-        "decay": 1.0 - lr * group["weight_decay"],
-        "one_minus_beta1": 1.0 - beta1,
-        "beta2": beta2,
-        "one_minus_beta2": 1.0 - beta2,
-        "bias_correction2_sqrt": math.sqrt(1.0 - beta2**step),
-        "eps": group["eps"],
-        "step_size": lr / (1.0 - beta1**step),
-    }
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    return AdamWHyper(
+        decay=1.0 - lr * group["weight_decay"],
+        one_minus_beta1=1.0 - beta1,
+        beta2=beta2,
+        one_minus_beta2=1.0 - beta2,
+        bias_correction2_sqrt=bias_correction2_sqrt,
+        inv_bias_correction2_sqrt=fp32_reciprocal(bias_correction2_sqrt),
+        eps=group["eps"],
+        step_size=lr / (1.0 - beta1**step),
+    )
+
+
+ADAMW = Algorithm(
+    name="adamw",
+    class_name="AdamW",
+    slots=(StateSpec("state1", signed=True), StateSpec("state2", signed=False)),
+    hyper=AdamWHyper,
+    hyper_at=adamw_hyper,
+    rule=adamw_rule,
+    triton_rule="hf_optim.kernels.triton_rules:adamw",
+    variant_bits=(4, 8, 32),
+    trainer=TrainerMapping(
+        names=("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_32bit", "adamw_4bit",
+               "paged_adamw_4bit", "adamw_torch_4bit", "adamw_torch_8bit"),
+        # adamw_torch_4bit / adamw_torch_8bit are transformers' torchao-backed names: hf_optim's 4-bit and 8-bit
+        # AdamW run them (same maps and blocks for 4-bit; bitsandbytes' 8-bit format for 8-bit).
+        takes_over=("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_torch_4bit",
+                    "adamw_torch_8bit"),
+        betas=("adam_beta1", "adam_beta2"),
+        eps=True,
+    ),
+)
 
 
 class AdamW(HfOptimizer):
@@ -61,8 +97,7 @@ class AdamW(HfOptimizer):
         is_paged (bool, default False): paged state (see ``hf_optim.paging``).
     """
 
-    algorithm = "adamw"
-    state_specs = (StateSpec("state1", signed=True), StateSpec("state2", signed=False))
+    definition = ADAMW
 
     def __init__(
         self,
@@ -89,15 +124,13 @@ class AdamW(HfOptimizer):
         check_eps(group["eps"])
         check_weight_decay(group["weight_decay"])
 
-    rule = staticmethod(adamw_rule)
-    _hyper = staticmethod(adamw_hyper)
 
-
-_twins = family(AdamW, "AdamW", bits=(4, 8, 32))
+_twins = register_algorithm(ADAMW, AdamW)
 AdamW4bit = _twins["AdamW4bit"]
 AdamW8bit = _twins["AdamW8bit"]
 AdamW32bit = _twins["AdamW32bit"]
 PagedAdamW = _twins["PagedAdamW"]
+PagedAdamW4bit = _twins["PagedAdamW4bit"]
 PagedAdamW4bit = _twins["PagedAdamW4bit"]
 PagedAdamW8bit = _twins["PagedAdamW8bit"]
 PagedAdamW32bit = _twins["PagedAdamW32bit"]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
 from hf_optim.kernels import exact_math
+from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, fp32_reciprocal
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import (
     as_tuple,
@@ -19,24 +21,39 @@ from hf_optim.optim._validation import (
     check_weight_decay,
 )
 from hf_optim.optim.base import HfOptimizer
-from hf_optim.optim.variants import family
+from hf_optim.optim.registry import register_algorithm
 
 
-def ademamix_rule(param, grad, states, h):
-    """One AdEMAMix step on fp32 tensors. ``states[0]`` stacks (fast EMA m1, slow EMA m2); ``states[1]`` is nu.
+class AdEMAMixHyper(NamedTuple):
+    """The scalars of one AdEMAMix step, in the Triton rule's argument order. Every derived scalar comes from the
+    host in double precision: ``1 - beta3`` computed in fp32 would lose four digits."""
 
-    ``h``: decay, beta1..3 and one_minus_beta1..3 (beta3 is the scheduled beta3_t), alpha (the scheduled
-    alpha_t), bias_correction1, bias_correction2_sqrt, eps, lr. Every derived scalar comes from the host in
-    double precision: ``1 - beta3`` computed in fp32 would lose four digits.
-    """
+    decay: float  # 1 - lr*wd
+    beta1: float
+    beta2: float
+    beta3: float  # the scheduled beta3_t
+    one_minus_beta1: float
+    one_minus_beta2: float
+    one_minus_beta3: float
+    alpha: float  # the scheduled alpha_t
+    bias_correction1: float  # the PyTorch rule divides by the bias corrections (torch's CPU kernels) ...
+    inv_bias_correction1: float  # ... the Triton rule multiplies by their fp32 reciprocals (torch's CUDA kernels)
+    bias_correction2_sqrt: float
+    inv_bias_correction2_sqrt: float
+    eps: float
+    lr: float
+
+
+def ademamix_rule(param, grad, states, h: AdEMAMixHyper):
+    """One AdEMAMix step on fp32 tensors. ``states[0]`` stacks (fast EMA m1, slow EMA m2); ``states[1]`` is nu."""
     stacked, nu = states
     m1, m2 = stacked[0:1], stacked[1:2]
-    param = param * h["decay"]
-    m1 = h["beta1"] * m1 + h["one_minus_beta1"] * grad
-    m2 = h["beta3"] * m2 + h["one_minus_beta3"] * grad
-    nu = h["beta2"] * nu + h["one_minus_beta2"] * grad * grad
-    denom = exact_math.sqrt(nu) / h["bias_correction2_sqrt"] + h["eps"]
-    param = param - h["lr"] * (m1 / h["bias_correction1"] + h["alpha"] * m2) / denom
+    param = param * h.decay
+    m1 = h.beta1 * m1 + h.one_minus_beta1 * grad
+    m2 = h.beta3 * m2 + h.one_minus_beta3 * grad
+    nu = h.beta2 * nu + h.one_minus_beta2 * grad * grad
+    denom = exact_math.sqrt(nu) / h.bias_correction2_sqrt + h.eps
+    param = param - h.lr * (m1 / h.bias_correction1 + h.alpha * m2) / denom
     return param, [torch.cat([m1, m2], dim=0), nu]
 
 
@@ -54,24 +71,49 @@ def beta3_schedule(beta1: float, beta3: float, step: int, t_beta3: int | None) -
     return min(math.exp(log1 * log3 / ((1.0 - s) * log3 + s * log1)), beta3)
 
 
-def ademamix_hyper(group: dict, step: int) -> dict[str, float]:
+def ademamix_hyper(group: dict, step: int) -> AdEMAMixHyper:
     beta1, beta2, beta3 = group["betas"]
     beta3_t = beta3_schedule(beta1, beta3, step, group["t_beta3"])
     lr = group["lr"]
-    return {
-        "decay": 1.0 - lr * group["weight_decay"],
-        "beta1": beta1,
-        "beta2": beta2,
-        "beta3": beta3_t,
-        "one_minus_beta1": 1.0 - beta1,
-        "one_minus_beta2": 1.0 - beta2,
-        "one_minus_beta3": 1.0 - beta3_t,
-        "alpha": alpha_schedule(group["alpha"], step, group["t_alpha"]),
-        "bias_correction1": 1.0 - beta1**step,
-        "bias_correction2_sqrt": math.sqrt(1.0 - beta2**step),
-        "eps": group["eps"],
-        "lr": lr,
-    }
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    return AdEMAMixHyper(
+        decay=1.0 - lr * group["weight_decay"],
+        beta1=beta1,
+        beta2=beta2,
+        beta3=beta3_t,
+        one_minus_beta1=1.0 - beta1,
+        one_minus_beta2=1.0 - beta2,
+        one_minus_beta3=1.0 - beta3_t,
+        alpha=alpha_schedule(group["alpha"], step, group["t_alpha"]),
+        bias_correction1=bias_correction1,
+        inv_bias_correction1=fp32_reciprocal(bias_correction1),
+        bias_correction2_sqrt=bias_correction2_sqrt,
+        inv_bias_correction2_sqrt=fp32_reciprocal(bias_correction2_sqrt),
+        eps=group["eps"],
+        lr=lr,
+    )
+
+
+ADEMAMIX = Algorithm(
+    name="ademamix",
+    class_name="AdEMAMix",
+    slots=(StateSpec("state1", signed=True, rows=2), StateSpec("state2", signed=False)),
+    hyper=AdEMAMixHyper,
+    hyper_at=ademamix_hyper,
+    rule=ademamix_rule,
+    triton_rule="hf_optim.kernels.triton_rules:ademamix",
+    # transformers reads optim_args beta1, beta2, beta3, alpha, eps, t_alpha, t_beta3 for its ademamix names
+    variant_bits=(4, 8, 32),
+    trainer=TrainerMapping(
+        names=("ademamix", "ademamix_8bit", "paged_ademamix_8bit", "paged_ademamix_32bit", "ademamix_32bit",
+               "ademamix_4bit", "paged_ademamix_4bit"),
+        takes_over=("ademamix", "ademamix_8bit", "paged_ademamix_8bit", "paged_ademamix_32bit"),
+        betas=("adam_beta1", "adam_beta2", 0.9999),
+        eps=True,
+        fixed={"alpha": 5.0},
+    ),
+)
 
 
 class AdEMAMix(HfOptimizer):
@@ -97,8 +139,7 @@ class AdEMAMix(HfOptimizer):
         is_paged (bool, default False): paged state (see ``hf_optim.paging``).
     """
 
-    algorithm = "ademamix"
-    state_specs = (StateSpec("state1", signed=True, rows=2), StateSpec("state2", signed=False))
+    definition = ADEMAMIX
 
     def __init__(
         self,
@@ -132,15 +173,13 @@ class AdEMAMix(HfOptimizer):
         if group["t_beta3"] and min(group["betas"][0], group["betas"][2]) == 0.0:
             raise ValueError("t_beta3 needs beta1 > 0 and beta3 > 0 (the warm-up works on their logarithms)")
 
-    rule = staticmethod(ademamix_rule)
-    _hyper = staticmethod(ademamix_hyper)
 
-
-_twins = family(AdEMAMix, "AdEMAMix", bits=(4, 8, 32))
+_twins = register_algorithm(ADEMAMIX, AdEMAMix)
 AdEMAMix4bit = _twins["AdEMAMix4bit"]
 AdEMAMix8bit = _twins["AdEMAMix8bit"]
 AdEMAMix32bit = _twins["AdEMAMix32bit"]
 PagedAdEMAMix = _twins["PagedAdEMAMix"]
+PagedAdEMAMix4bit = _twins["PagedAdEMAMix4bit"]
 PagedAdEMAMix4bit = _twins["PagedAdEMAMix4bit"]
 PagedAdEMAMix8bit = _twins["PagedAdEMAMix8bit"]
 PagedAdEMAMix32bit = _twins["PagedAdEMAMix32bit"]

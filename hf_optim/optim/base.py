@@ -1,8 +1,8 @@
 """The base class of every hf_optim optimizer: lazy state creation, dispatch, and bitsandbytes-format state dicts.
 
-Subclasses declare their state slots (``state_specs``) and an elementwise ``rule`` (see
-``hf_optim.kernels.elementwise``), or override ``_init_state`` / ``_update`` when the algorithm is not
-elementwise (LAMB's trust ratio, Adafactor's factored statistics). Precision is never handled here: the state
+Subclasses set ``definition``, the algorithm's description (:class:`hf_optim.kernels.algorithm.Algorithm`: its
+state slots, elementwise ``rule`` and scalars), and override ``_init_state`` / ``_update`` when the algorithm is
+not elementwise (LAMB's trust ratio, Adafactor's factored statistics). Precision is never handled here: the state
 store decides 32-bit or 8-bit per tensor, the kernels dequantize and requantize.
 """
 
@@ -18,6 +18,7 @@ import torch
 
 from hf_optim.kernels import backend as kernel_backend
 from hf_optim.kernels import multi_tensor
+from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.flat_state import FlatState, FlatStates
 from hf_optim.kernels.formats import FORMATS, FP32, SlotLayout, StateFormat, format_for_bits, loaded_format
 from hf_optim.kernels.formats.base import StateDictError
@@ -67,8 +68,11 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class HfOptimizer(torch.optim.Optimizer):
-    """Base class: subclasses set ``algorithm``, ``state_specs`` and ``rule`` (or override the hooks)."""
+    """Base class: subclasses set ``definition`` (or override the hooks)."""
 
+    definition: ClassVar[Algorithm | None] = None
+    """The algorithm's description; a subclass that sets it gets ``algorithm``, ``state_specs``, ``rule`` and
+    ``_hyper`` from it (unless it defines them itself)."""
     algorithm: ClassVar[str] = ""
     state_specs: ClassVar[tuple[StateSpec, ...]] = ()
     supported_bits: ClassVar[tuple[int, ...] | None] = None
@@ -96,6 +100,19 @@ class HfOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             self._check_group(group)
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        definition = cls.__dict__.get("definition")
+        if definition is None:
+            return
+        own = cls.__dict__
+        cls.algorithm = definition.name
+        cls.state_specs = definition.slots
+        if "rule" not in own and definition.rule is not None:
+            cls.rule = staticmethod(definition.rule)
+        if "_hyper" not in own:
+            cls._hyper = staticmethod(definition.hyper_values)
+
     # ----------------------------------------------------------------------------------------------------
     # Hooks for subclasses
     def _check_group(self, group: dict) -> None:
@@ -110,8 +127,8 @@ class HfOptimizer(torch.optim.Optimizer):
     def rule(self, param, grad, states, hyper):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _hyper(self, group: dict, step: int) -> dict[str, float]:  # pragma: no cover - abstract
-        """Scalars for the rule at ``step`` (host math: bias corrections, schedules)."""
+    def _hyper(self, group: dict, step: int) -> tuple:  # pragma: no cover - abstract
+        """Scalars for the rule at ``step`` (host math: bias corrections, schedules): ``definition.hyper``."""
         raise NotImplementedError
 
     def _to_bnb_group(self, group: dict) -> dict:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
 from hf_optim.kernels import exact_math, multi_tensor
+from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, TritonPlan, fp32_reciprocal
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import (
@@ -24,39 +26,73 @@ from hf_optim.optim._validation import (
     check_weight_decay,
 )
 from hf_optim.optim.base import HfOptimizer
-from hf_optim.optim.variants import family
+from hf_optim.optim.registry import register_algorithm
 
 
-def lamb_rule(param, grad, states, h):
-    """First LAMB pass on fp32 tensors: update the moments and return the Adam direction ``u``.
+class LAMBHyper(NamedTuple):
+    """The scalars of LAMB's first pass, in the Triton rule's argument order."""
 
-    ``h``: l2 (weight decay added to the gradient, Adam mode off), beta1, beta2, one_minus_beta1/2, bias_correction1,
-    bias_correction2, eps, decoupled (weight decay added to ``u``, Adam-W mode on).
-    """
+    l2: float  # weight decay added to the gradient (Adam-W mode off)
+    decoupled: float  # weight decay added to the direction (Adam-W mode on)
+    beta1: float
+    beta2: float
+    one_minus_beta1: float
+    one_minus_beta2: float
+    bias_correction1: float  # the PyTorch rule divides by the bias corrections (torch's CPU kernels) ...
+    inv_bias_correction1: float  # ... the Triton rule multiplies by their fp32 reciprocals (torch's CUDA kernels)
+    bias_correction2: float
+    inv_bias_correction2: float
+    eps: float
+
+
+def lamb_rule(param, grad, states, h: LAMBHyper):
+    """First LAMB pass on fp32 tensors: update the moments and return the Adam direction ``u``."""
     exp_avg, exp_avg_sq = states
-    grad = grad + h["l2"] * param
-    exp_avg = h["beta1"] * exp_avg + h["one_minus_beta1"] * grad
-    exp_avg_sq = h["beta2"] * exp_avg_sq + h["one_minus_beta2"] * grad * grad
-    direction = (exp_avg / h["bias_correction1"]) / (exact_math.sqrt(exp_avg_sq / h["bias_correction2"]) + h["eps"])
-    direction = direction + h["decoupled"] * param
+    grad = grad + h.l2 * param
+    exp_avg = h.beta1 * exp_avg + h.one_minus_beta1 * grad
+    exp_avg_sq = h.beta2 * exp_avg_sq + h.one_minus_beta2 * grad * grad
+    direction = (exp_avg / h.bias_correction1) / (exact_math.sqrt(exp_avg_sq / h.bias_correction2) + h.eps)
+    direction = direction + h.decoupled * param
     return direction, [exp_avg, exp_avg_sq]
 
 
-def lamb_hyper(group: dict, step: int) -> dict[str, float]:
+def lamb_hyper(group: dict, step: int) -> LAMBHyper:
     beta1, beta2 = group["betas"]
     corrected = group["bias_correction"]
     wd = group["weight_decay"]
-    return {
-        "l2": 0.0 if group["adam_w_mode"] else wd,
-        "decoupled": wd if group["adam_w_mode"] else 0.0,
-        "beta1": beta1,
-        "beta2": beta2,
-        "one_minus_beta1": 1.0 - beta1,
-        "one_minus_beta2": 1.0 - beta2,
-        "bias_correction1": 1.0 - beta1**step if corrected else 1.0,
-        "bias_correction2": 1.0 - beta2**step if corrected else 1.0,
-        "eps": group["eps"],
-    }
+    bias_correction1 = 1.0 - beta1**step if corrected else 1.0
+    bias_correction2 = 1.0 - beta2**step if corrected else 1.0
+    return LAMBHyper(
+        l2=0.0 if group["adam_w_mode"] else wd,
+        decoupled=wd if group["adam_w_mode"] else 0.0,
+        beta1=beta1,
+        beta2=beta2,
+        one_minus_beta1=1.0 - beta1,
+        one_minus_beta2=1.0 - beta2,
+        bias_correction1=bias_correction1,
+        inv_bias_correction1=fp32_reciprocal(bias_correction1),
+        bias_correction2=bias_correction2,
+        inv_bias_correction2=fp32_reciprocal(bias_correction2),
+        eps=group["eps"],
+    )
+
+
+LAMB_ALGORITHM = Algorithm(
+    name="lamb",
+    class_name="LAMB",
+    slots=(StateSpec("state1", signed=True), StateSpec("state2", signed=False)),
+    hyper=LAMBHyper,
+    hyper_at=lamb_hyper,
+    rule=lamb_rule,
+    triton_rule="hf_optim.kernels.triton_rules:lamb",
+    # three passes (directions, norms, apply); the norms are of the whole tensor, so shards take the PyTorch path
+    triton_plan=TritonPlan(step="hf_optim.kernels.triton_lamb:step", shards=False),
+    trainer=TrainerMapping(
+        names=("lamb", "lamb_32bit", "lamb_8bit", "paged_lamb_8bit", "paged_lamb_32bit"),
+        betas=("adam_beta1", "adam_beta2"),
+        eps=True,
+    ),
+)
 
 
 def trust_ratio(
@@ -102,8 +138,7 @@ class LAMB(HfOptimizer):
         is_paged (bool, default False): paged state (see ``hf_optim.paging``).
     """
 
-    algorithm = "lamb"
-    state_specs = (StateSpec("state1", signed=True), StateSpec("state2", signed=False))
+    definition = LAMB_ALGORITHM
 
     def __init__(
         self,
@@ -147,9 +182,6 @@ class LAMB(HfOptimizer):
         check_weight_decay(group["weight_decay"])
         if group["max_trust_ratio"] is not None:
             check_real("max_trust_ratio", group["max_trust_ratio"], low=0.0, low_open=True)
-
-    rule = staticmethod(lamb_rule)
-    _hyper = staticmethod(lamb_hyper)
 
     def _norms(self, weight: torch.Tensor, direction: torch.Tensor, full=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Norms of the whole tensor; for a sharded ``full`` parameter the squared sums of the local shards are
@@ -199,7 +231,7 @@ class LAMB(HfOptimizer):
 FLAT_DIRECTION_NUMEL = 1 << 22
 """Most LAMB directions the multi-tensor path holds at once (16 MiB of fp32); a larger tensor is a bucket alone."""
 
-_twins = family(LAMB, "LAMB")
+_twins = register_algorithm(LAMB_ALGORITHM, LAMB)
 LAMB8bit = _twins["LAMB8bit"]
 LAMB32bit = _twins["LAMB32bit"]
 PagedLAMB = _twins["PagedLAMB"]

@@ -3,35 +3,65 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
+from hf_optim.kernels.algorithm import Algorithm, TrainerMapping
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import as_tuple, check_betas, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
-from hf_optim.optim.variants import family
+from hf_optim.optim.registry import register_algorithm
 
 
-def lion_rule(param, grad, states, h):
-    """One Lion step on fp32 tensors. ``h``: decay = 1 - lr*wd, lr, beta1, beta2, one_minus_beta1/2 (host math)."""
+class LionHyper(NamedTuple):
+    """The scalars of one Lion step (host math), in the Triton rule's argument order."""
+
+    decay: float  # 1 - lr*wd
+    lr: float
+    beta1: float
+    beta2: float
+    one_minus_beta1: float
+    one_minus_beta2: float
+
+
+def lion_rule(param, grad, states, h: LionHyper):
+    """One Lion step on fp32 tensors."""
     (exp_avg,) = states
-    param = param * h["decay"]
-    direction = torch.sign(h["beta1"] * exp_avg + h["one_minus_beta1"] * grad)
-    param = param - h["lr"] * direction
-    exp_avg = h["beta2"] * exp_avg + h["one_minus_beta2"] * grad
+    param = param * h.decay
+    direction = torch.sign(h.beta1 * exp_avg + h.one_minus_beta1 * grad)
+    param = param - h.lr * direction
+    exp_avg = h.beta2 * exp_avg + h.one_minus_beta2 * grad
     return param, [exp_avg]
 
 
-def lion_hyper(group: dict, step: int) -> dict[str, float]:
+def lion_hyper(group: dict, step: int) -> LionHyper:
     beta1, beta2 = group["betas"]
-    return {
-        "decay": 1.0 - group["lr"] * group["weight_decay"],
-        "lr": group["lr"],
-        "beta1": beta1,
-        "beta2": beta2,
-        "one_minus_beta1": 1.0 - beta1,
-        "one_minus_beta2": 1.0 - beta2,
-    }
+    return LionHyper(
+        decay=1.0 - group["lr"] * group["weight_decay"],
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        one_minus_beta1=1.0 - beta1,
+        one_minus_beta2=1.0 - beta2,
+    )
+
+
+LION = Algorithm(
+    name="lion",
+    class_name="Lion",
+    slots=(StateSpec("state1", signed=True),),
+    hyper=LionHyper,
+    hyper_at=lion_hyper,
+    rule=lion_rule,
+    triton_rule="hf_optim.kernels.triton_rules:lion",
+    variant_bits=(4, 8, 32),
+    trainer=TrainerMapping(
+        names=("lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit", "lion_4bit", "paged_lion_4bit"),
+        takes_over=("lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit"),
+        betas=("adam_beta1", "adam_beta2"),
+    ),
+)
 
 
 class Lion(HfOptimizer):
@@ -51,8 +81,7 @@ class Lion(HfOptimizer):
         is_paged (bool, default False): paged state (see ``hf_optim.paging``).
     """
 
-    algorithm = "lion"
-    state_specs = (StateSpec("state1", signed=True),)
+    definition = LION
 
     def __init__(
         self,
@@ -78,15 +107,13 @@ class Lion(HfOptimizer):
     def _to_bnb_group(self, group: dict) -> dict:
         return {**group, "eps": group.get("eps", 0.0)}  # bitsandbytes' Lion carries an unused eps
 
-    rule = staticmethod(lion_rule)
-    _hyper = staticmethod(lion_hyper)
 
-
-_twins = family(Lion, "Lion", bits=(4, 8, 32))
+_twins = register_algorithm(LION, Lion)
 Lion4bit = _twins["Lion4bit"]
 Lion8bit = _twins["Lion8bit"]
 Lion32bit = _twins["Lion32bit"]
 PagedLion = _twins["PagedLion"]
+PagedLion4bit = _twins["PagedLion4bit"]
 PagedLion4bit = _twins["PagedLion4bit"]
 PagedLion8bit = _twins["PagedLion8bit"]
 PagedLion32bit = _twins["PagedLion32bit"]

@@ -3,32 +3,59 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from hf_optim.kernels import exact_math
+from hf_optim.kernels.algorithm import Algorithm, TrainerMapping
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import check_beta, check_eps, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
-from hf_optim.optim.variants import precision_variant
+from hf_optim.optim.registry import register_algorithm
 
 
-def rmsprop_rule(param, grad, states, h):
-    """One RMSprop step on fp32 tensors. ``h``: weight_decay (L2, added to the gradient), alpha, one_minus_alpha,
-    eps, lr."""
+class RMSpropHyper(NamedTuple):
+    """The scalars of one RMSprop step, in the Triton rule's argument order."""
+
+    weight_decay: float  # L2, added to the gradient
+    alpha: float
+    one_minus_alpha: float
+    eps: float
+    lr: float
+
+
+def rmsprop_rule(param, grad, states, h: RMSpropHyper):
+    """One RMSprop step on fp32 tensors."""
     (square_avg,) = states
-    grad = grad + h["weight_decay"] * param
-    square_avg = h["alpha"] * square_avg + h["one_minus_alpha"] * grad * grad
-    param = param - h["lr"] * grad / (exact_math.sqrt(square_avg) + h["eps"])
+    grad = grad + h.weight_decay * param
+    square_avg = h.alpha * square_avg + h.one_minus_alpha * grad * grad
+    param = param - h.lr * grad / (exact_math.sqrt(square_avg) + h.eps)
     return param, [square_avg]
 
 
-def rmsprop_hyper(group: dict, step: int) -> dict[str, float]:
-    return {
-        "weight_decay": group["weight_decay"],
-        "alpha": group["alpha"],
-        "one_minus_alpha": 1.0 - group["alpha"],
-        "eps": group["eps"],
-        "lr": group["lr"],
-    }
+def rmsprop_hyper(group: dict, step: int) -> RMSpropHyper:
+    return RMSpropHyper(
+        weight_decay=group["weight_decay"],
+        alpha=group["alpha"],
+        one_minus_alpha=1.0 - group["alpha"],
+        eps=group["eps"],
+        lr=group["lr"],
+    )
+
+
+RMSPROP = Algorithm(
+    name="rmsprop",
+    class_name="RMSprop",
+    slots=(StateSpec("state1", signed=True),),
+    hyper=RMSpropHyper,
+    hyper_at=rmsprop_hyper,
+    rule=rmsprop_rule,
+    triton_rule="hf_optim.kernels.triton_rules:rmsprop",
+    # transformers passes only lr and optim_args for its rmsprop_bnb names; so does hf_optim.
+    trainer=TrainerMapping(
+        names=("rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit", "rmsprop_8bit"),
+        takes_over=("rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit"),
+    ),
+)
 
 
 class RMSprop(HfOptimizer):
@@ -54,8 +81,7 @@ class RMSprop(HfOptimizer):
         block_wise (bool, default True): only blockwise quantization is supported.
     """
 
-    algorithm = "rmsprop"
-    state_specs = (StateSpec("state1", signed=True),)
+    definition = RMSPROP
 
     def __init__(
         self,
@@ -95,9 +121,7 @@ class RMSprop(HfOptimizer):
             return saved
         return {**saved, "alpha": saved["betas"][0]}
 
-    rule = staticmethod(rmsprop_rule)
-    _hyper = staticmethod(rmsprop_hyper)
 
-
-RMSprop8bit = precision_variant(RMSprop, "RMSprop8bit", optim_bits=8)
-RMSprop32bit = precision_variant(RMSprop, "RMSprop32bit", optim_bits=32)
+_twins = register_algorithm(RMSPROP, RMSprop)  # no paged twins: bitsandbytes' RMSprop takes no is_paged
+RMSprop8bit = _twins["RMSprop8bit"]
+RMSprop32bit = _twins["RMSprop32bit"]

@@ -55,11 +55,13 @@ def precision_variant(base: type, name: str, *, optim_bits: int | None = None, i
 
 
 def family(base: type, prefix: str, bits: tuple[int, ...] = (8, 32)) -> dict[str, type]:
-    """The bitsandbytes family of ``base``: {prefix}8bit, {prefix}32bit, Paged{prefix}, Paged{prefix}8bit/32bit,
-    and {prefix}{b}bit, Paged{prefix}{b}bit for every other width in ``bits`` (4 for AdamW, AdEMAMix, Lion)."""
-    twins = {f"Paged{prefix}": precision_variant(base, f"Paged{prefix}", is_paged=True)}
+    """The bitsandbytes family of ``base``: {prefix}{b}bit for every width in ``bits`` (8 and 32 by default; 4 too
+    for AdamW, AdEMAMix, Lion) and, when ``base`` takes ``is_paged``, Paged{prefix} and Paged{prefix}{b}bit."""
+    pages = "is_paged" in inspect.signature(base.__init__).parameters
+    classes = {f"Paged{prefix}": precision_variant(base, f"Paged{prefix}", is_paged=True)} if pages else {}
     for width in sorted(bits):
-        twins[f"{prefix}{width}bit"] = precision_variant(base, f"{prefix}{width}bit", optim_bits=width)
-        twins[f"Paged{prefix}{width}bit"] = precision_variant(base, f"Paged{prefix}{width}bit", optim_bits=width,
-                                                              is_paged=True)
-    return twins
+        classes[f"{prefix}{width}bit"] = precision_variant(base, f"{prefix}{width}bit", optim_bits=width)
+        if pages:
+            classes[f"Paged{prefix}{width}bit"] = precision_variant(base, f"Paged{prefix}{width}bit",
+                                                                    optim_bits=width, is_paged=True)
+    return classes

@@ -3,13 +3,13 @@
 The model is built from its config on the meta device (no weights, no download), LoRA is applied there too,
 and every trainable tensor is counted with the state format of the chosen optimizer name:
 
-* hf_optim's (and bitsandbytes') 8-bit names: per state, 1 byte per element plus a 4-byte absmax per block of 256
-  and the 1 KiB quantization map, except tensors under 4096 elements and ``nn.Embedding`` weights, which keep
-  fp32 state (4 bytes per element);
-* their 32-bit names: 4 bytes per element per state, whatever the parameter dtype;
-* torch's AdamW (``adamw_torch``, ``adamw_torch_fused``, ...): two states in the parameter's dtype;
-* Adafactor: factored second moment (rows + columns, fp32) for matrices, full for vectors, plus an 8-bit or no
-  first moment.
+* hf_optim's (and bitsandbytes') names: the bytes of the algorithm's state slots, from its description
+  (``Algorithm.bytes_per_tensor``): 8-bit, per slot row 1 byte per element plus a 4-byte absmax per block of 256,
+  and the slot's 1 KiB quantization map, except tensors under 4096 elements and ``nn.Embedding`` weights, which
+  keep fp32 state (4 bytes per element); 32-bit, 4 bytes per element per slot row, whatever the parameter dtype;
+  Adafactor: factored second moment (rows + columns, fp32) for matrices, full for vectors, plus an 8-bit or no
+  first moment;
+* torch's AdamW (``adamw_torch``, ``adamw_torch_fused``, ...): two states in the parameter's dtype.
 
 Activations, the CUDA context and allocator fragmentation are not included: the figures are a floor.
 """
@@ -27,9 +27,6 @@ from hf_optim.integrations.names import OPTIMIZER_NAMES
 from hf_optim.recipes.schema import Recipe
 
 MIN_8BIT_SIZE = 4096
-BLOCK = 256
-QMAP_BYTES = 256 * 4  # each 8-bit state of a tensor holds its 256-entry fp32 quantization map
-STATES = {"adamw": 2, "lamb": 2, "ademamix": 3, "lion": 1, "rmsprop": 1}
 # transformers' own (non-bitsandbytes) names whose state is torch's: count of states kept in the parameter dtype.
 TORCH_STATE_COUNT = {"adamw_torch": 2, "adamw_torch_fused": 2, "adamw_torch_xla": 2, "adamw_torch_npu_fused": 2,
                      "adamw_apex_fused": 2, "adagrad": 1, "rmsprop": 1, "sgd": 0}
@@ -104,20 +101,11 @@ def state_bytes(optim: str, tensors: list[TensorCount]) -> int | None:
     if entry is None:
         count = TORCH_STATE_COUNT.get(optim)
         return None if count is None else sum(count * t.numel * t.element_size for t in tensors)
+    algorithm = entry.algorithm
     total = 0
     for t in tensors:
-        eight_bit = entry.optim_bits == 8 and t.numel >= MIN_8BIT_SIZE and not t.embedding
-        per_state = t.numel + 4 * math.ceil(t.numel / BLOCK) + QMAP_BYTES if eight_bit else 4 * t.numel
-        if entry.family == "adafactor":
-            if len(t.shape) >= 2:
-                total += 4 * (math.prod(t.shape[:-1]) + math.prod(t.shape[:-2] + t.shape[-1:]))
-            else:
-                total += 4 * t.numel
-            total += 4  # the RMS scalar
-            if entry.optim_bits == 8:  # adafactor_8bit keeps a first moment (beta1), 8-bit where large enough
-                total += per_state
-        else:
-            total += STATES[entry.family] * per_state
+        quantized = entry.optim_bits == 8 and t.numel >= MIN_8BIT_SIZE and not t.embedding
+        total += algorithm.bytes_per_tensor(t.shape, quantized, entry.optim_bits)
     return total
 
 

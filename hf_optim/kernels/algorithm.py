@@ -1,0 +1,227 @@
+"""An optimizer algorithm as one registered description: everything the rest of hf_optim needs to know about it.
+
+An :class:`Algorithm` names the algorithm and holds its state slots, its PyTorch rule, its optional Triton twin, its
+scalars (a ``NamedTuple`` class, ``hyper``, whose field order is the Triton rule's argument order, and the host
+function ``hyper_at(group, step)`` that computes them), how it steps on Triton (:class:`TritonPlan`), how the
+Trainer's arguments map to its constructor (:class:`TrainerMapping`, with its ``optim=`` names), and how many bytes
+its state takes (from the slots). Every module that used to switch on algorithm names reads the description.
+
+This module sits in the lowest layer (``hf_optim.kernels``): the kernels read descriptions, the optimizer classes
+(``hf_optim.optim``) are built from them, and nothing here imports torch's optimizers, triton, or a higher layer.
+A Triton rule or plan may be given as the object itself or as ``"module:attribute"``, imported when a Triton step
+first needs it (so describing an algorithm never imports triton).
+
+:func:`hf_optim.optim.registry.register_algorithm` registers a description, builds its optimizer classes and adds
+its Trainer names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from hf_optim.kernels.formats import FP32, format_for_bits
+from hf_optim.kernels.state_store import StateSpec, slot_bytes
+
+ELEMENTWISE = "elementwise"
+"""The Triton plan of an elementwise algorithm: its Triton rule runs in the shared fused multi-tensor kernel."""
+
+
+def fp32(value: float) -> float:
+    """``value`` rounded to fp32 (as a Python float, exactly representable in fp32)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def fp32_reciprocal(value: float) -> float:
+    """The fp32 reciprocal of ``value`` as torch computes it when it divides a tensor by a Python scalar on CUDA and
+    XPU (the devices Triton runs on): ``a * (1.0f / float(b))``. A Triton rule multiplies by this where its PyTorch
+    twin divides. Done in double and rounded once to fp32, which equals the fp32 IEEE division. (torch's CPU
+    kernels divide instead; the two differ by at most an ulp in that intermediate.)"""
+    return fp32(1.0 / fp32(float(value)))
+
+
+def kernel_scalars(hyper: tuple) -> tuple:
+    """``hyper`` with every value a Python float, in its own class: what a Triton kernel receives (an int would make
+    Triton specialize and recompile on its value; a float arrives as fp32, exactly as torch converts a scalar)."""
+    return type(hyper)(*(float(value) for value in hyper))
+
+
+def resolve(ref: Any) -> Any:
+    """``ref`` itself, or the object a ``"module:attribute"`` string names (imported now)."""
+    if not isinstance(ref, str):
+        return ref
+    module, sep, attribute = ref.partition(":")
+    if not sep or not module or not attribute:
+        raise ValueError(f"{ref!r} is not a 'module:attribute' reference (e.g. 'hf_optim.kernels.triton_rules:adamw')")
+    return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """How an algorithm steps on Triton.
+
+    Args:
+        step: :data:`ELEMENTWISE` (one launch of the shared fused kernel with the algorithm's Triton rule), or a
+            function (or ``"module:function"``) ``step(optimizer, algorithm, group, key, batch, step, hyper, cache,
+            device)`` running its own passes over ``batch`` = ``[(param, grad, state), ...]`` (LAMB's trust ratio,
+            Adafactor's factored statistics).
+        shards: whether a shard of a sharded (DTensor) parameter can step alone; False for algorithms that
+            reduce over the whole tensor (norms, statistics), whose shards take the PyTorch path.
+        empty: whether a tensor with no elements can step on Triton.
+    """
+
+    step: str | Callable = ELEMENTWISE
+    shards: bool = True
+    empty: bool = True
+
+    @property
+    def elementwise(self) -> bool:
+        return isinstance(self.step, str) and self.step == ELEMENTWISE
+
+
+TrainerAdjust = Callable[[dict, Any, list, dict, int], None]
+"""``adjust(kwargs, args, betas, optim_args, optim_bits)``: a last change to the constructor kwargs (in place)."""
+
+
+@dataclass(frozen=True)
+class TrainerMapping:
+    """The ``optim=`` names of an algorithm and how ``TrainingArguments`` become constructor kwargs.
+
+    Every name gets ``lr=args.learning_rate`` (weight decay comes through the Trainer's param groups), then:
+
+    Args:
+        names: the ``optim=`` names; each name's precision and paging are read from it as transformers reads its
+            own (``8bit`` in the name: 8-bit state, else 32-bit; a ``paged_`` prefix: paged). None: the default
+            names ``<name>``, ``<name>_32bit``, ``<name>_8bit`` and, for classes that page, ``paged_<name>_32bit``,
+            ``paged_<name>_8bit``.
+        takes_over: those of ``names`` that transformers already has (sent to bitsandbytes there): hf_optim builds
+            them only while its takeover is on.
+        betas: per entry of the constructor's ``betas``, its default: a ``TrainingArguments`` attribute name
+            (``"adam_beta1"``) or a number. ``optim_args`` keys ``beta1``, ``beta2``, ... override entries.
+            Empty: the Trainer passes no ``betas``.
+        eps: pass ``eps=args.adam_epsilon``.
+        fixed: constant kwargs (AdEMAMix's ``alpha=5.0``, as transformers passes).
+        adjust: an algorithm-specific last step (see :data:`TrainerAdjust`); ``optim_args`` are applied after it.
+    """
+
+    names: tuple[str, ...] | None = None
+    takes_over: tuple[str, ...] = ()
+    betas: tuple[str | float, ...] = ()
+    eps: bool = False
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    adjust: TrainerAdjust | None = None
+
+    def kwargs(self, args: Any, betas: list, optim_args: dict, optim_bits: int) -> dict[str, Any]:
+        """Constructor kwargs from ``args`` (``TrainingArguments``), the ``optim_args`` betas (None where not given)
+        and the other typed ``optim_args``, which win over everything else."""
+        kwargs: dict[str, Any] = {"lr": args.learning_rate}
+        given = [f"beta{i + 1}" for i, beta in enumerate(betas) if beta is not None]
+        if given and not self.betas and self.adjust is None:
+            raise ValueError(f"optim_args {', '.join(given)}: this optimizer name maps no betas from the Trainer; "
+                             "pass them all as betas=b1;b2")
+        if self.betas:
+            defaults = [getattr(args, d) if isinstance(d, str) else d for d in self.betas]
+            kwargs["betas"] = tuple(d if b is None else b for d, b in zip(defaults, [*betas, *[None] * len(defaults)]))
+        if self.eps:
+            kwargs["eps"] = args.adam_epsilon
+        kwargs.update(self.fixed)
+        if self.adjust is not None:
+            self.adjust(kwargs, args, betas, optim_args, optim_bits)
+        kwargs.update(optim_args)
+        return kwargs
+
+
+def name_precision(name: str) -> tuple[int, bool]:
+    """(state bits, paged) of an ``optim=`` name, as transformers reads its own names (``4bit`` and ``8bit`` in
+    the name: that state format; else 32-bit)."""
+    bits = 4 if "4bit" in name else 8 if "8bit" in name else 32
+    return bits, name.startswith("paged_")
+
+
+@dataclass(frozen=True, eq=False)  # a registered description is compared (and hashed) by identity
+class Algorithm:
+    """One optimizer algorithm (see the module docstring).
+
+    Args:
+        name: the registry key, recorded in saved state dicts (``hf_optim_algorithm``); lower case, e.g. ``"adamw"``.
+        class_name: the base class's name (``"AdamW"``); the variants are ``<class_name>8bit``, ``...32bit``,
+            ``Paged<class_name>``, ``Paged<class_name>8bit`` and ``Paged<class_name>32bit``.
+        slots: the per-element state slots (bitsandbytes' ``state1``/``state2`` names; signedness picks the 8-bit
+            map; ``rows`` stacks several states in one slot).
+        hyper: a ``NamedTuple`` class of the scalars both rules read, by name; its field order is the order in
+            which they reach the Triton kernel.
+        hyper_at: ``hyper_at(group, step) -> hyper`` on the host (double precision; bias corrections, schedules).
+        rule: the PyTorch rule ``rule(param, grad, states, h) -> (out, new_states)`` on fp32 tensors (see
+            :mod:`hf_optim.kernels.elementwise`), or None for an algorithm with its own update (Adafactor).
+        triton_rule: the ``@triton.jit`` twin ``rule(p, g, s0, s1, s2, h) -> (out, s0, s1, s2)`` (or
+            ``"module:name"``), or None: the algorithm then always takes the PyTorch path.
+        triton_plan: how it steps on Triton (:class:`TritonPlan`).
+        trainer: its ``optim=`` names and the Trainer's argument mapping (:class:`TrainerMapping`).
+        state_bytes: ``state_bytes(shape, quantized, bits) -> int`` for state that is not per-element slots
+            (Adafactor's factored statistics); None: the slots' bytes.
+        variant_bits: the ``optim_bits`` of the named fixed-precision classes (``<class_name><bits>bit`` and
+            their paged twins); default (8, 32), bitsandbytes' family. Any class runs with every registered state
+            format through ``optim_bits``.
+    """
+
+    name: str
+    class_name: str
+    slots: tuple[StateSpec, ...]
+    hyper: type
+    hyper_at: Callable[[dict, int], Any]
+    rule: Callable | None = None
+    triton_rule: Any = None
+    triton_plan: TritonPlan = TritonPlan()
+    trainer: TrainerMapping = TrainerMapping()
+    state_bytes: Callable[[tuple[int, ...], bool, int], int] | None = None
+    variant_bits: tuple[int, ...] = (8, 32)
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.isidentifier() or self.name != self.name.lower():
+            raise ValueError(f"Algorithm name {self.name!r} must be a lower-case Python identifier, e.g. 'signum'")
+        if not self.class_name.isidentifier():
+            raise ValueError(f"Algorithm class_name {self.class_name!r} must be a Python identifier, e.g. 'Signum'")
+        if not (isinstance(self.hyper, type) and issubclass(self.hyper, tuple) and hasattr(self.hyper, "_fields")):
+            raise TypeError(f"Algorithm {self.name!r}: hyper must be a typing.NamedTuple class, got {self.hyper!r}")
+        if self.triton_rule is not None and self.triton_plan.elementwise and not 1 <= self.state_rows <= 3:
+            raise ValueError(f"Algorithm {self.name!r}: the fused Triton kernel reads 1 to 3 state rows, its slots "
+                             f"have {self.state_rows}")
+        if len({spec.key for spec in self.slots}) != len(self.slots):
+            raise ValueError(f"Algorithm {self.name!r}: slot keys repeat: {[spec.key for spec in self.slots]}")
+        if self.triton_plan.elementwise and self.triton_rule is not None and self.rule is None:
+            raise ValueError(f"Algorithm {self.name!r}: an elementwise Triton rule needs its PyTorch rule")
+
+    @property
+    def runs_on_triton(self) -> bool:
+        """Whether the algorithm has a Triton path (an elementwise twin, or its own plan)."""
+        return self.triton_rule is not None or not self.triton_plan.elementwise
+
+    @property
+    def state_rows(self) -> int:
+        return sum(spec.rows for spec in self.slots)
+
+    def hyper_values(self, group: dict, step: int) -> NamedTuple:
+        """The scalars at ``step`` for ``group``, checked to be of the declared ``hyper`` class."""
+        values = self.hyper_at(group, step)
+        if type(values) is not self.hyper:
+            raise TypeError(f"{self.name}: hyper_at returned {type(values).__name__}, expected {self.hyper.__name__}")
+        return values
+
+    def bytes_per_tensor(self, shape: tuple[int, ...], quantized: bool, bits: int) -> int:
+        """Bytes of state for one tensor of ``shape`` (``quantized``: its slots are in 8-bit state)."""
+        if self.state_bytes is not None:
+            return self.state_bytes(shape, quantized, bits)
+        numel = math.prod(shape)
+        fmt = format_for_bits(bits) if quantized else FP32
+        return sum(slot_bytes(spec, numel, fmt) for spec in self.slots)
+
+    def trainer_names(self, pages: bool) -> tuple[str, ...]:
+        """The ``optim=`` names (``pages``: whether the class takes ``is_paged``, for the default names)."""
+        if self.trainer.names is not None:
+            return self.trainer.names
+        names = (self.name, f"{self.name}_32bit", f"{self.name}_8bit")
+        return names + ((f"paged_{self.name}_32bit", f"paged_{self.name}_8bit") if pages else ())
