@@ -42,7 +42,7 @@ class OptimizerName:
 
     @property
     def precision(self) -> str:
-        return "8-bit blockwise" if self.optim_bits == 8 else "32-bit"
+        return {8: "8-bit blockwise", 4: "4-bit blockwise"}.get(self.optim_bits, f"{self.optim_bits}-bit")
 
     @property
     def class_label(self) -> str:

@@ -5,8 +5,9 @@ and every trainable tensor is counted with the state format of the chosen optimi
 
 * hf_optim's (and bitsandbytes') names: the bytes of the algorithm's state slots, from its description
   (``Algorithm.bytes_per_tensor``): 8-bit, per slot row 1 byte per element plus a 4-byte absmax per block of 256,
-  and the slot's 1 KiB quantization map, except tensors under 4096 elements and ``nn.Embedding`` weights, which
-  keep fp32 state (4 bytes per element); 32-bit, 4 bytes per element per slot row, whatever the parameter dtype;
+  and the slot's 1 KiB quantization map; 4-bit, half a byte per element plus a 4-byte absmax per block of 128;
+  both except tensors under 4096 elements and ``nn.Embedding`` weights, which keep fp32 state (4 bytes per
+  element); 32-bit, 4 bytes per element per slot row, whatever the parameter dtype;
   Adafactor: factored second moment (rows + columns, fp32) for matrices, full for vectors, plus an 8-bit or no
   first moment;
 * torch's AdamW (``adamw_torch``, ``adamw_torch_fused``, ...): two states in the parameter's dtype.
@@ -104,7 +105,7 @@ def state_bytes(optim: str, tensors: list[TensorCount]) -> int | None:
     algorithm = entry.algorithm
     total = 0
     for t in tensors:
-        quantized = entry.optim_bits == 8 and t.numel >= MIN_8BIT_SIZE and not t.embedding
+        quantized = entry.optim_bits < 32 and t.numel >= MIN_8BIT_SIZE and not t.embedding
         total += algorithm.bytes_per_tensor(t.shape, quantized, entry.optim_bits)
     return total
 
@@ -205,7 +206,7 @@ def estimate(recipe: Recipe) -> MemoryEstimate:
         notes.append(f"no state model for {optim!r}: optimizer state not included")
     elif optim in TORCH_STATE_COUNT and tensors:
         notes.append(f"{optim} keeps torch's state in the parameter dtype ({_dtype_names(tensors)})")
-    elif optim in OPTIMIZER_NAMES and OPTIMIZER_NAMES[optim].optim_bits == 8:
+    elif optim in OPTIMIZER_NAMES and OPTIMIZER_NAMES[optim].optim_bits < 32:
         fp32 = sum(t.numel for t in tensors if t.embedding or t.numel < MIN_8BIT_SIZE)
         if fp32:
             notes.append(f"{fp32:,} trainable elements keep fp32 state (nn.Embedding weights and tensors under "
