@@ -183,3 +183,23 @@ def test_loading_copies_so_two_optimizers_never_share_state():
     run_steps(twin, twin_params, 1, start=2)
     assert torch.equal(saved["state"][0][QUANT_STATE_KEY]["state1"], codes_before)
     assert torch.equal(opt.state[params[0]]["state1"], codes_before)
+
+
+def test_torch_and_torchao_adamw_state_dicts_are_refused_with_the_reason():
+    """torch's AdamW (and torchao's AdamW4bit/8bit, which keep torch's keys with tensor-subclass values) save
+    ``exp_avg``/``exp_avg_sq``: loading that into AdamW4bit says whose state it is and why it is not converted."""
+    params = [torch.nn.Parameter(torch.randn(64, 80))]
+    torch_opt = torch.optim.AdamW(params, lr=1e-3)
+    params[0].grad = torch.randn_like(params[0])
+    torch_opt.step()
+    ours = hf_optim.AdamW4bit([torch.nn.Parameter(params[0].detach().clone())])
+    with pytest.raises(StateDictError, match=r"torch.optim.AdamW .*exp_avg|exp_avg.*torch.optim.AdamW"):
+        ours.load_state_dict(torch_opt.state_dict())
+
+    class OptimState4bit(torch.Tensor):  # the name torchao's 4-bit state subclass has
+        pass
+
+    saved = torch_opt.state_dict()
+    saved["state"][0]["exp_avg"] = saved["state"][0]["exp_avg"].as_subclass(OptimState4bit)
+    with pytest.raises(StateDictError, match=r"torchao's low-bit AdamW \(OptimState4bit state\).*need torchao installed"):
+        ours.load_state_dict(saved)

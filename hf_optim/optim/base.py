@@ -42,6 +42,8 @@ from hf_optim.optim.overrides import (
 from hf_optim.paging import on_host, paging_unavailable_reason, state_allocator
 
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
+TORCH_ADAM_KEYS = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
+"""torch.optim.AdamW's (and torchao's AdamW4bit/8bit's) per-parameter state keys."""
 ALGORITHM_KEY = "hf_optim_algorithm"
 """Param-group key recording which algorithm wrote a state dict (ignored by bitsandbytes)."""
 
@@ -567,6 +569,18 @@ class HfOptimizer(torch.optim.Optimizer):
         where = f"state of parameter {index} (shape {tuple(param.shape)})"
         expected = {spec.key for spec in self.state_specs}
         present = {k for k in state if k.startswith("state")}
+        foreign = sorted(TORCH_ADAM_KEYS & set(state))
+        if foreign and not present:
+            subclass = next((type(state[k]).__name__ for k in foreign if type(state[k]) is not torch.Tensor), None)
+            source = f"torchao's low-bit AdamW ({subclass} state)" if subclass else "torch.optim.AdamW (or torchao)"
+            raise StateDictError(
+                f"{where} has {foreign}: a state dict of {source}, not of hf_optim or bitsandbytes "
+                f"(slots {sorted(expected)} with their absmax and qmap). hf_optim does not convert it: torchao keeps "
+                "its 4-bit and 8-bit moments as tensor subclasses that need torchao installed to load, with its "
+                "own 8-bit map and block scales clipped at 1e-12, and torch's AdamW state is unquantized, in another "
+                "layout. Resume the model weights and start the optimizer state afresh, or finish the "
+                "run with the optimizer that saved it."
+            )
         if present != expected:
             raise StateDictError(
                 f"{where} has slots {sorted(present)}, but {type(self).__name__} ({self.algorithm}) keeps "
