@@ -201,5 +201,6 @@ def test_torch_and_torchao_adamw_state_dicts_are_refused_with_the_reason():
 
     saved = torch_opt.state_dict()
     saved["state"][0]["exp_avg"] = saved["state"][0]["exp_avg"].as_subclass(OptimState4bit)
-    with pytest.raises(StateDictError, match=r"torchao's low-bit AdamW \(OptimState4bit state\).*need torchao installed"):
+    refused = r"torchao's low-bit AdamW \(OptimState4bit state\).*need torchao installed"
+    with pytest.raises(StateDictError, match=refused):
         ours.load_state_dict(saved)
