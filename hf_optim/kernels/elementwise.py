@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hf_optim.kernels import blockwise
+from hf_optim.kernels import blockwise, rounding
 
 Rule = Callable[
     [torch.Tensor, torch.Tensor, list[torch.Tensor], dict], tuple[torch.Tensor, list[torch.Tensor]]
@@ -39,6 +39,7 @@ def update(
     out: torch.Tensor | None,
     tensors: Sequence[torch.Tensor],
     hyper: dict,
+    stochastic: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Run ``rule`` over ``param``/``grad`` and the slots' raw ``tensors``, in place.
 
@@ -46,7 +47,9 @@ def update(
     blocks)``), or, in the multi-tensor kernels, ``(blocks, 256)`` and ``(rows, blocks, 256)`` (block-aligned
     chunks: inductor compiles that form to clean vectorized loops for any number of blocks). ``kinds`` holds, per
     slot, None (fp32 values) or the signedness of an 8-bit slot. If ``out`` is given the rule's output goes there
-    (fp32, masked to 0 where the gradient is not finite), else into ``param``.
+    (fp32, masked to 0 where the gradient is not finite), else into ``param``. ``stochastic`` (bf16 ``param``
+    only): ``(per-block counter bases, key words)`` of :mod:`hf_optim.kernels.rounding`, which then rounds the
+    new parameter into bf16 stochastically instead of to nearest.
     """
     # Scalars enter the rule as fp32 0-d tensors on every path, so any scalar arithmetic inside a rule rounds
     # the same way eagerly and compiled (a Python float would be combined in double precision).
@@ -78,6 +81,10 @@ def update(
         index += slot_width(kind)
 
     if out is None:
-        param.copy_(torch.where(finite, result, p32)[0])
+        new_param = torch.where(finite, result, p32)[0]
+        if stochastic is not None:  # an unchanged (skipped) element is exact in bf16: rounding keeps it
+            bases, key = stochastic
+            new_param = rounding.round_to_bf16(new_param, rounding.element_counters(bases, new_param.shape), key)
+        param.copy_(new_param)
     else:
         out.copy_(torch.where(finite, result, torch.zeros_like(result))[0])

@@ -40,10 +40,10 @@ from hf_optim.kernels.triton_blockwise import (
     load_values,
     pointer,
     store_state,
-    store_values,
     tile_offsets,
 )
 from hf_optim.kernels.triton_elementwise import TILE_BLOCKS, launch_kwargs
+from hf_optim.kernels.triton_rounding import store_param
 from hf_optim.kernels.triton_rules import fp32
 
 ROWS_PER_PROGRAM = 16
@@ -252,8 +252,8 @@ def _clip_kernel(meta, partials, clip_denominators, inverse_clip_threshold, CHUN
 
 @triton.jit
 def _apply_kernel(meta, tiles, row_factor, col_factor, clip_denominators, lrs, eps1, negative_decay, qmap, table,
-                  beta1, one_minus_beta1, HAS_M: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCKS: tl.constexpr,
-                  NCOLS: tl.constexpr):
+                  beta1, one_minus_beta1, ordinals, sr_key, HAS_M: tl.constexpr, HAS_DECAY: tl.constexpr,
+                  BLOCKS: tl.constexpr, NCOLS: tl.constexpr, SR: tl.constexpr):
     program = tl.program_id(0)
     tensor = tl.load(tiles + 2 * program)
     row = meta + tensor.to(tl.int64) * NCOLS
@@ -280,7 +280,8 @@ def _apply_kernel(meta, tiles, row_factor, col_factor, clip_denominators, lrs, e
     if HAS_DECAY:
         new = new + new * (negative_decay * lr)
     new = new - u
-    store_values(param, param_dtype, offs, tl.where(finite, new, p), mask)
+    ordinal = tl.load(ordinals + tensor) if SR else 0
+    store_param(param, param_dtype, offs, tl.where(finite, new, p), mask, ordinal, sr_key, SR)
 
 
 def _meta_rows(items: list, first_moment) -> tuple[list[list[int]], int, int, list[int]]:
@@ -313,10 +314,12 @@ def _meta_rows(items: list, first_moment) -> tuple[list[list[int]], int, int, li
     return table, row_offset, col_offset, tiles
 
 
-def step(optimizer, group: dict, key, items: list, step: int, cache: mt.PlanCache, device: torch.device) -> None:
+def step(optimizer, group: dict, key, items: list, step: int, cache: mt.PlanCache, device: torch.device,
+         stochastic=None) -> None:
     """One Adafactor step of ``items`` = [(param, grad, state), ...] (contiguous local tensors on ``device``, all
     with step counter ``step``, already counted): six launches, each over every tensor (five when no tensor is
-    factored: no column pass)."""
+    factored: no column pass). ``stochastic``: ``(ordinals, key)`` device tensors to round bf16 parameters
+    stochastically."""
     kwargs = launch_kwargs(device)
     first_moment = _first_moment()
     eps1, eps2 = (float(e) for e in group["eps"])
@@ -367,10 +370,12 @@ def step(optimizer, group: dict, key, items: list, step: int, cache: mt.PlanCach
     )
     has_m = group["beta1"] is not None
     beta1 = float(group["beta1"]) if has_m else 0.0
+    ordinals, sr_key = stochastic if stochastic is not None else (meta, meta)
     _apply_kernel[(num_tiles,)](
         meta, tiles_table, row_factor, col_factor, clip_denominators, lrs, eps1, -float(group["weight_decay"]),
-        dynamic_map(True, device), encoder_table(True, device), beta1, 1.0 - beta1, HAS_M=has_m,
-        HAS_DECAY=group["weight_decay"] != 0, BLOCKS=TILE_BLOCKS, NCOLS=META_COLS, **kwargs,
+        dynamic_map(True, device), encoder_table(True, device), beta1, 1.0 - beta1, ordinals, sr_key, HAS_M=has_m,
+        HAS_DECAY=group["weight_decay"] != 0, BLOCKS=TILE_BLOCKS, NCOLS=META_COLS, SR=stochastic is not None,
+        **kwargs,
     )
 
 

@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 
 from hf_optim.kernels import triton_multi_tensor as mt
-from hf_optim.kernels.triton_blockwise import load_values, pointer, store_values, tile_offsets
+from hf_optim.kernels.triton_blockwise import load_values, pointer, tile_offsets
 from hf_optim.kernels.triton_elementwise import FULL_TILE_BOUND, TILE_BLOCKS, launch_kwargs
+from hf_optim.kernels.triton_rounding import store_param
 
 REDUCE_CHUNK = 1024
 
@@ -46,15 +47,16 @@ def _ratio_kernel(meta, partials, ratios, max_trust_ratio, ADAPT: tl.constexpr, 
 
 
 @triton.jit
-def _apply_tile(row, step, offs, mask, ALIGNED: tl.constexpr):
+def _apply_tile(row, step, offs, mask, ordinal, key, ALIGNED: tl.constexpr, SR: tl.constexpr):
     param_address, param_dtype = tl.load(row + 0), tl.load(row + 4)
     p = load_values(param_address, param_dtype, offs, mask, ALIGNED)
     direction = tl.load(pointer(tl.load(row + 2), tl.float32, ALIGNED) + offs, mask=mask, other=0.0)
-    store_values(param_address, param_dtype, offs, p - step * direction, mask, ALIGNED)
+    store_param(param_address, param_dtype, offs, p - step * direction, mask, ordinal, key, SR, ALIGNED)
 
 
 @triton.jit
-def _apply_kernel(meta, tiles, ratios, lr, BLOCKS: tl.constexpr, COLS: tl.constexpr, ALIGNED: tl.constexpr):
+def _apply_kernel(meta, tiles, ratios, lr, ordinals, key, BLOCKS: tl.constexpr, COLS: tl.constexpr,
+                  ALIGNED: tl.constexpr, SR: tl.constexpr):
     program = tl.program_id(0)
     tensor = tl.load(tiles + 2 * program)
     row = meta + tensor.to(tl.int64) * COLS
@@ -62,10 +64,11 @@ def _apply_kernel(meta, tiles, ratios, lr, BLOCKS: tl.constexpr, COLS: tl.conste
     _, offs = tile_offsets(first_block, BLOCKS)
     n = tl.load(row + 3)
     step = lr * tl.load(ratios + tensor)
+    ordinal = tl.load(ordinals + tensor) if SR else 0
     if (first_block + BLOCKS) * 256 <= n:  # whole tile: a compile-time mask bound (vector accesses)
-        _apply_tile(row, step, offs, offs < FULL_TILE_BOUND, ALIGNED)
+        _apply_tile(row, step, offs, offs < FULL_TILE_BOUND, ordinal, key, ALIGNED, SR)
     else:
-        _apply_tile(row, step, offs, offs < n, ALIGNED)
+        _apply_tile(row, step, offs, offs < n, ordinal, key, ALIGNED, SR)
 
 
 def trust_ratios(launch: mt.Launch, partials, ratios, *, adapt: bool, max_trust_ratio: float | None, device) -> None:
@@ -77,9 +80,11 @@ def trust_ratios(launch: mt.Launch, partials, ratios, *, adapt: bool, max_trust_
     )
 
 
-def apply(launch: mt.Launch, ratios, lr: float, device) -> None:
-    """``p -= lr * ratio * u`` for every tensor of ``launch`` (``u`` at each tensor's ``OUT`` address)."""
+def apply(launch: mt.Launch, ratios, lr: float, device, stochastic=None) -> None:
+    """``p -= lr * ratio * u`` for every tensor of ``launch`` (``u`` at each tensor's ``OUT`` address);
+    ``stochastic``: ``(ordinals, key)`` device tensors to round bf16 parameters stochastically."""
+    ordinals, key = stochastic if stochastic is not None else (launch.meta, launch.meta)
     _apply_kernel[(launch.num_tiles,)](
-        launch.meta, launch.tiles, ratios, float(lr), BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, ALIGNED=launch.aligned,
-        **launch_kwargs(device),
+        launch.meta, launch.tiles, ratios, float(lr), ordinals, key, BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS,
+        ALIGNED=launch.aligned, SR=stochastic is not None, **launch_kwargs(device),
     )

@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from hf_optim.kernels import triton_adafactor, triton_lamb, triton_rules
+from hf_optim.kernels import rounding, triton_adafactor, triton_lamb, triton_rules
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table
 from hf_optim.kernels.triton_elementwise import TILE_BLOCKS, fused_update
@@ -61,8 +61,10 @@ def _customized(cls: type) -> bool:
     return cls._update is not base._update or cls.rule is not base.rule
 
 
-def step_group(optimizer, group: dict, group_index: int, items: list) -> None:
-    """Update ``items`` = [(param, grad, state), ...] (local, contiguous tensors, state created, step counted)."""
+def step_group(optimizer, group: dict, group_index: int, items: list, ordinals=None) -> None:
+    """Update ``items`` = [(param, grad, state), ...] (local, contiguous tensors, state created, step counted).
+    ``ordinals`` (``id(state)`` -> parameter ordinal), when the group has ``bf16_stochastic_round``: bf16
+    parameters are rounded stochastically (:mod:`hf_optim.kernels.triton_rounding`)."""
     cache = optimizer.__dict__.get(CACHE_ATTR)
     if cache is None:
         cache = optimizer.__dict__[CACHE_ATTR] = mt.PlanCache()
@@ -70,11 +72,18 @@ def step_group(optimizer, group: dict, group_index: int, items: list) -> None:
     for param, grad, state in items:
         batches[(param.device, state["step"])].append((param, grad.contiguous(), state))
     for (device, step), batch in batches.items():
+        stochastic = None
+        if ordinals is not None:
+            values = [ordinals[id(state)] for _, _, state in batch]
+            stochastic = (cache.table(("bf16 ordinals", group_index, device, step), values, torch.int64, device),
+                          mt.to_device(rounding.key_tensor(group["bf16_stochastic_round_seed"], step), torch.int64,
+                                       device))
         with _on(device):
             if optimizer.algorithm == "adafactor":
-                triton_adafactor.step(optimizer, group, (group_index, device, step), batch, step, cache, device)
+                triton_adafactor.step(optimizer, group, (group_index, device, step), batch, step, cache, device,
+                                      stochastic)
             else:
-                _step_batch(optimizer, group, group_index, device, step, batch, cache)
+                _step_batch(optimizer, group, group_index, device, step, batch, cache, stochastic)
 
 
 def _on(device: torch.device):
@@ -86,17 +95,18 @@ def _on(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _step_batch(optimizer, group, group_index, device, step, batch, cache) -> None:
+def _step_batch(optimizer, group, group_index, device, step, batch, cache, stochastic=None) -> None:
     """One launch (LAMB: three per bucket) over tensors on one device sharing one step counter."""
     hyper = triton_rules.hyper_tuple(optimizer.algorithm, optimizer._hyper(group, step))
     key = (group_index, device, step)
     if optimizer.algorithm == "lamb":
-        _lamb(optimizer, group, key, batch, hyper, cache, device)
+        _lamb(optimizer, group, key, batch, hyper, cache, device, stochastic)
         return
     launch = cache.launch(key, batch, optimizer.state_specs, TILE_BLOCKS, device)
     signed = mt.row_signedness(optimizer.state_specs)
     rows = sum(spec.rows for spec in optimizer.state_specs)
-    fused_update(triton_rules.RULES[optimizer.algorithm], rows, signed, launch, _maps(device), hyper, device=device)
+    fused_update(triton_rules.RULES[optimizer.algorithm], rows, signed, launch, _maps(device), hyper, device=device,
+                 stochastic=stochastic)
 
 
 def _buckets(batch: list, limit: int) -> list[list]:
@@ -113,10 +123,11 @@ def _buckets(batch: list, limit: int) -> list[list]:
     return buckets
 
 
-def _lamb(optimizer, group, key, batch, hyper, cache, device) -> None:
+def _lamb(optimizer, group, key, batch, hyper, cache, device, stochastic=None) -> None:
     """LAMB: update pass (moments, direction, per-tile sums of squares), norm pass, apply pass."""
     specs = optimizer.state_specs
     adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
+    first = 0  # index in the batch of the bucket's first tensor
     for index, bucket in enumerate(_buckets(batch, LAMB_SCRATCH_NUMEL)):
         total = sum(param.numel() for param, _, _ in bucket)
         scratch = torch.empty(total, dtype=torch.float32, device=device)
@@ -131,4 +142,8 @@ def _lamb(optimizer, group, key, batch, hyper, cache, device) -> None:
         ratios = torch.empty(len(bucket), dtype=torch.float32, device=device)
         triton_lamb.trust_ratios(launch, partials, ratios, adapt=adapt, max_trust_ratio=group["max_trust_ratio"],
                                  device=device)
-        triton_lamb.apply(launch, ratios, group["lr"], device)
+        rounding_args = None
+        if stochastic is not None:  # this bucket's slice of the batch's ordinals
+            rounding_args = (stochastic[0][first : first + len(bucket)], stochastic[1])
+        first += len(bucket)
+        triton_lamb.apply(launch, ratios, group["lr"], device, rounding_args)
