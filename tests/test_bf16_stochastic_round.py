@@ -284,3 +284,18 @@ def test_triton_kernels_draw_the_pytorch_bits(cls, kwargs, monkeypatch):
     # decision now and then (by one bf16 ulp), as it flips a round-to-nearest one without the option.
     distance = torch.cat([(a.view(torch.int16).long() - b.view(torch.int16).long()).abs().flatten() for a, b in pairs])
     assert int(distance.max()) <= 1 and float((distance > 0).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b-full", "llama-3.2-3b-full", "llama-3.1-8b-full"])
+def test_full_recipes_turn_it_on(name):
+    """The full recipes train bf16 weights at lr 1e-5..2e-5, where rounding to nearest drops most updates
+    (docs/bf16_stochastic_rounding.md): they pass the option through optim_args, and its key is validated."""
+    from hf_optim.integrations.names import OPTIMIZER_NAMES
+    from hf_optim.integrations.optim_args import parse_optim_args, typed_optim_args
+    from hf_optim.recipes import RecipeError, load_recipe
+
+    training = load_recipe(name).training
+    assert typed_optim_args(OPTIMIZER_NAMES[training["optim"]], parse_optim_args(training["optim_args"])) == {
+        "bf16_stochastic_round": True}
+    with pytest.raises(RecipeError, match="'bf16_stochastic_rnd' is not valid.*did you mean 'bf16_stochastic_round'"):
+        load_recipe(name, ["training.optim_args=bf16_stochastic_rnd=true"])
