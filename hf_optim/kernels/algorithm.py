@@ -67,8 +67,9 @@ class TritonPlan:
     Args:
         step: :data:`ELEMENTWISE` (one launch of the shared fused kernel with the algorithm's Triton rule), or a
             function (or ``"module:function"``) ``step(optimizer, algorithm, group, key, batch, step, hyper, cache,
-            device)`` running its own passes over ``batch`` = ``[(param, grad, state), ...]`` (LAMB's trust ratio,
-            Adafactor's factored statistics).
+            device, stochastic)`` running its own passes over ``batch`` = ``[(param, grad, state), ...]`` (LAMB's
+            trust ratio, Adafactor's factored statistics); ``stochastic``: bf16 stochastic rounding's
+            ``(ordinals, key)`` or None.
         shards: whether a shard of a sharded (DTensor) parameter can step alone; False for algorithms that
             reduce over the whole tensor (norms, statistics), whose shards take the PyTorch path.
         empty: whether a tensor with no elements can step on Triton.

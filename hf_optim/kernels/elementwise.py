@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from hf_optim.kernels import rounding
 from hf_optim.kernels.formats import SlotLayout
 
 Rule = Callable[
@@ -42,6 +43,7 @@ def update(
     out: torch.Tensor | None,
     tensors: Sequence[torch.Tensor],
     hyper: tuple,
+    stochastic: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Run ``rule`` over ``param``/``grad`` and the slots' raw ``tensors``, in place.
 
@@ -50,6 +52,9 @@ def update(
     (block-aligned chunks: inductor compiles that form to clean vectorized loops for any number of blocks).
     ``layouts`` holds, per slot, its format and map signedness (``state_store.slot_layouts``). If ``out`` is
     given the rule's output goes there (fp32, masked to 0 where the gradient is not finite), else into ``param``.
+    ``stochastic`` (bf16 ``param`` only): ``(per-block counter bases, key words)`` of
+    :mod:`hf_optim.kernels.rounding`, which then rounds the new parameter into bf16 stochastically instead of to
+    nearest.
     """
     # Scalars enter the rule as fp32 0-d tensors on every path, so any scalar arithmetic inside a rule rounds
     # the same way eagerly and compiled (a Python float would be combined in double precision).
@@ -72,6 +77,10 @@ def update(
         layout.format.store(torch.where(finite, new, old), raw, layout.signed)
 
     if out is None:
-        param.copy_(torch.where(finite, result, p32)[0])
+        new_param = torch.where(finite, result, p32)[0]
+        if stochastic is not None:  # an unchanged (skipped) element is exact in bf16: rounding keeps it
+            bases, key = stochastic
+            new_param = rounding.round_to_bf16(new_param, rounding.element_counters(bases, new_param.shape), key)
+        param.copy_(new_param)
     else:
         out.copy_(torch.where(finite, result, torch.zeros_like(result))[0])

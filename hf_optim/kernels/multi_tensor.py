@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_optim.kernels import elementwise
+from hf_optim.kernels import elementwise, rounding
 from hf_optim.kernels.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.flat_state import FlatState
 from hf_optim.kernels.formats import SlotLayout
@@ -68,14 +68,16 @@ def compiled_update(rule: Callable, layouts: Sequence[SlotLayout], has_out: bool
     return compiled
 
 
-def run_update(rule, layouts, param, grad, out, tensors, hyper) -> None:
+def run_update(rule, layouts, param, grad, out, tensors, hyper, stochastic=None) -> None:
     """:func:`elementwise.update` on one chunk: compiled on CPU (unless disabled, or the chunk is a single element,
     which dynamo would specialize), eager otherwise."""
     if param.device.type == "cpu" and compile_enabled() and param.numel() > 1:
-        compiled = compiled_update(rule, layouts, out is not None, (param.dtype, grad.dtype))
-        compiled(rule, tuple(layouts), param, grad, out, tensors, hyper)
+        # stochastic rounding is a variant of its own (a code object of its own, see compiled_update)
+        variant = (param.dtype, grad.dtype) + (("bf16 stochastic rounding",) if stochastic is not None else ())
+        compiled = compiled_update(rule, layouts, out is not None, variant)
+        compiled(rule, tuple(layouts), param, grad, out, tensors, hyper, stochastic)
     else:
-        elementwise.update(rule, layouts, param, grad, out, tensors, hyper)
+        elementwise.update(rule, layouts, param, grad, out, tensors, hyper, stochastic)
 
 
 def hyper_tensors(hyper: tuple) -> tuple:
@@ -243,11 +245,13 @@ def step_run(
     scratch: Scratch,
     out: torch.Tensor | None = None,
     out_offset: int = 0,
+    stream: rounding.Stream | None = None,
 ) -> None:
     """Run ``rule`` over ``chunks`` of ``flat``; ``params``/``grads`` map member index to flat tensors.
 
     ``out`` (LAMB's direction) receives the rule's output instead of the parameters: flat element ``i`` goes to
-    ``out[i - out_offset]``, and the parameters are left as they are.
+    ``out[i - out_offset]``, and the parameters are left as they are. ``stream`` (bf16 parameters): round the new
+    parameters stochastically, each block with its member's own counters (:meth:`rounding.Stream.chunk_bases`).
     """
     first = next(iter(params.values()))
     device, p_dtype = first.device, first.dtype
@@ -265,8 +269,9 @@ def step_run(
             p = gather(chunk, params, scratch.buffer("param", p_dtype, device, CHUNK), p_zeros)
             g = gather(chunk, grads, scratch.buffer("grad", g_dtype, device, CHUNK), g_zeros)
         o = None if out is None else out[chunk.start - out_offset : chunk.stop - out_offset].view(-1, BLOCK_SIZE)
+        stochastic = None if stream is None or out is not None else (stream.chunk_bases(chunk, device), stream.key)
         run_update(rule, flat.layouts, p.view(-1, BLOCK_SIZE), g.view(-1, BLOCK_SIZE), o,
-                   flat.chunk(chunk.start, chunk.stop), hyper_t)
+                   flat.chunk(chunk.start, chunk.stop), hyper_t, stochastic)
         if whole is None and out is None:
             scatter(chunk, p, params)
 
@@ -279,9 +284,11 @@ def step_tensor(
     out: torch.Tensor | None,
     tensors: Sequence[torch.Tensor],
     hyper: tuple,
+    stream: rounding.Stream | None = None,
 ) -> None:
     """Run ``rule`` over one tensor's own state (``state_store.slot_tensors``): its whole blocks chunk by chunk
-    in the kernels' block form, a last partial block as it is."""
+    in the kernels' block form, a last partial block as it is. ``stream`` (a bf16 ``param``): round the new
+    values stochastically, with counters of the element's index in ``param`` and ``stream.ordinal``."""
     hyper_t = hyper_tensors(hyper)
     n = param.numel()
     whole = n - n % BLOCK_SIZE
@@ -295,4 +302,8 @@ def step_tensor(
         shape = (-1, BLOCK_SIZE) if block_form else (-1,)  # the partial block stays flat (padded inside)
         chunk = [t for layout, raw in zip(layouts, raws) for t in layout.format.slice_raw(raw, start, stop, block_form)]
         o = None if out is None else out[start:stop].view(shape)
-        run_update(rule, layouts, param[start:stop].view(shape), grad[start:stop].view(shape), o, chunk, hyper_t)
+        stochastic = None
+        if stream is not None and out is None:
+            stochastic = (rounding.tensor_bases(stream.ordinal, start, stop, start < whole, param.device), stream.key)
+        run_update(rule, layouts, param[start:stop].view(shape), grad[start:stop].view(shape), o, chunk, hyper_t,
+                   stochastic)

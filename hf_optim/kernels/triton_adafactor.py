@@ -42,10 +42,10 @@ from hf_optim.kernels.triton_blockwise import (
     load_values,
     pointer,
     store_state,
-    store_values,
     tile_offsets,
 )
 from hf_optim.kernels.triton_elementwise import TILE_BLOCKS, launch_kwargs
+from hf_optim.kernels.triton_rounding import store_param
 
 ROWS_PER_PROGRAM = 16
 COLS_PER_PROGRAM = 256
@@ -253,8 +253,8 @@ def _clip_kernel(meta, partials, clip_denominators, inverse_clip_threshold, CHUN
 
 @triton.jit
 def _apply_kernel(meta, tiles, row_factor, col_factor, clip_denominators, lrs, eps1, negative_decay, qmap, table,
-                  beta1, one_minus_beta1, HAS_M: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCKS: tl.constexpr,
-                  NCOLS: tl.constexpr):
+                  beta1, one_minus_beta1, ordinals, sr_key, HAS_M: tl.constexpr, HAS_DECAY: tl.constexpr,
+                  BLOCKS: tl.constexpr, NCOLS: tl.constexpr, SR: tl.constexpr):
     program = tl.program_id(0)
     tensor = tl.load(tiles + 2 * program)
     row = meta + tensor.to(tl.int64) * NCOLS
@@ -281,7 +281,8 @@ def _apply_kernel(meta, tiles, row_factor, col_factor, clip_denominators, lrs, e
     if HAS_DECAY:
         new = new + new * (negative_decay * lr)
     new = new - u
-    store_values(param, param_dtype, offs, tl.where(finite, new, p), mask)
+    ordinal = tl.load(ordinals + tensor) if SR else 0
+    store_param(param, param_dtype, offs, tl.where(finite, new, p), mask, ordinal, sr_key, SR)
 
 
 def _meta_rows(items: list, first_moment) -> tuple[list[list[int]], int, int, list[int]]:
@@ -316,10 +317,11 @@ def _meta_rows(items: list, first_moment) -> tuple[list[list[int]], int, int, li
 
 
 def step(optimizer, algorithm, group: dict, key, items: list, step: int, hyper, cache: mt.PlanCache,
-         device: torch.device) -> None:
+         device: torch.device, stochastic=None) -> None:
     """One Adafactor step of ``items`` = [(param, grad, state), ...] (contiguous local tensors on ``device``, all
     with step counter ``step``, already counted; ``hyper`` its ``AdafactorHyper``): six launches, each over every
-    tensor (five when no tensor is factored: no column pass)."""
+    tensor (five when no tensor is factored: no column pass). ``stochastic``: ``(ordinals, key)`` device tensors
+    to round bf16 parameters stochastically."""
     kwargs = launch_kwargs(device)
     (first_moment,) = algorithm.slots
     h = kernel_scalars(hyper)
@@ -368,10 +370,11 @@ def step(optimizer, algorithm, group: dict, key, items: list, step: int, hyper, 
         meta, partials, clip_denominators, h.inv_clip_threshold, CHUNK=REDUCE_CHUNK,
         BLOCKS=TILE_BLOCKS, NCOLS=META_COLS, **kwargs,
     )
+    ordinals, sr_key = stochastic if stochastic is not None else (meta, meta)
     _apply_kernel[(num_tiles,)](
         meta, tiles_table, row_factor, col_factor, clip_denominators, lrs, eps1, h.negative_decay,
-        dynamic_map(True, device), encoder_table(True, device), h.beta1, h.one_minus_beta1,
-        HAS_M=group["beta1"] is not None,
-        HAS_DECAY=group["weight_decay"] != 0, BLOCKS=TILE_BLOCKS, NCOLS=META_COLS, **kwargs,
+        dynamic_map(True, device), encoder_table(True, device), h.beta1, h.one_minus_beta1, ordinals, sr_key,
+        HAS_M=group["beta1"] is not None, HAS_DECAY=group["weight_decay"] != 0, BLOCKS=TILE_BLOCKS, NCOLS=META_COLS,
+        SR=stochastic is not None, **kwargs,
     )
 

@@ -28,9 +28,9 @@ from hf_optim.kernels.triton_blockwise import (
     load_values,
     pointer,
     store_state,
-    store_values,
     tile_offsets,
 )
+from hf_optim.kernels.triton_rounding import store_param
 
 TILE_BLOCKS = 4
 """Quantization blocks (of 256 elements) per program."""
@@ -65,8 +65,8 @@ def _store_row(row, r: tl.constexpr, maps, blocks, offs, values, mask, block_mas
 @triton.jit
 def _update_tile(
     row, program, partials, maps, h, blocks, offs, mask,
-    block_mask, RULE: tl.constexpr, ROWS: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr,
-    SIGNED2: tl.constexpr, WRITE_OUT: tl.constexpr, NORMS: tl.constexpr, ALIGNED: tl.constexpr,
+    block_mask, ordinal, key, RULE: tl.constexpr, ROWS: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr,
+    SIGNED2: tl.constexpr, WRITE_OUT: tl.constexpr, NORMS: tl.constexpr, ALIGNED: tl.constexpr, SR: tl.constexpr,
 ):
     param_address, param_dtype = tl.load(row + 0), tl.load(row + 4)
     p = load_values(param_address, param_dtype, offs, mask, ALIGNED)
@@ -94,7 +94,7 @@ def _update_tile(
         out = tl.where(finite & mask, out, 0.0)
         tl.store(pointer(tl.load(row + 2), tl.float32, ALIGNED) + offs, out, mask=mask)
     else:
-        store_values(param_address, param_dtype, offs, tl.where(finite, out, p), mask, ALIGNED)
+        store_param(param_address, param_dtype, offs, tl.where(finite, out, p), mask, ordinal, key, SR, ALIGNED)
     if NORMS:
         tl.store(partials + 2 * program, tl.sum(tl.sum(p * p, axis=1), axis=0))
         tl.store(partials + 2 * program + 1, tl.sum(tl.sum(out * out, axis=1), axis=0))
@@ -102,10 +102,10 @@ def _update_tile(
 
 @triton.jit
 def _fused_update_kernel(
-    meta, tiles, partials, maps, h,
+    meta, tiles, partials, maps, h, ordinals, key,
     RULE: tl.constexpr, ROWS: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr,
     SIGNED2: tl.constexpr, WRITE_OUT: tl.constexpr, NORMS: tl.constexpr, BLOCKS: tl.constexpr,
-    COLS: tl.constexpr, ALIGNED: tl.constexpr,
+    COLS: tl.constexpr, ALIGNED: tl.constexpr, SR: tl.constexpr,
 ):
     program = tl.program_id(0)
     tensor = tl.load(tiles + 2 * program)
@@ -113,14 +113,14 @@ def _fused_update_kernel(
     first_block = tl.load(tiles + 2 * program + 1)
     blocks, offs = tile_offsets(first_block, BLOCKS)
     n = tl.load(row + 3)
+    ordinal = tl.load(ordinals + tensor) if SR else 0  # bf16 stochastic rounding: the parameter's ordinal
     if (first_block + BLOCKS) * 256 <= n:
-        _update_tile(row, program, partials, maps, h, blocks,
-                     offs, offs < FULL_TILE_BOUND, blocks < FULL_TILE_BOUND, RULE, ROWS, SIGNED0, SIGNED1, SIGNED2,
-                     WRITE_OUT, NORMS, ALIGNED)
+        _update_tile(row, program, partials, maps, h, blocks, offs, offs < FULL_TILE_BOUND,
+                     blocks < FULL_TILE_BOUND, ordinal, key, RULE, ROWS, SIGNED0, SIGNED1, SIGNED2, WRITE_OUT, NORMS,
+                     ALIGNED, SR)
     else:
-        _update_tile(row, program, partials, maps, h, blocks,
-                     offs, offs < n, blocks * 256 < n, RULE, ROWS, SIGNED0, SIGNED1, SIGNED2, WRITE_OUT, NORMS,
-                     ALIGNED)
+        _update_tile(row, program, partials, maps, h, blocks, offs, offs < n, blocks * 256 < n, ordinal, key, RULE,
+                     ROWS, SIGNED0, SIGNED1, SIGNED2, WRITE_OUT, NORMS, ALIGNED, SR)
 
 
 MAP8: tl.constexpr = tl.constexpr(0)
@@ -162,6 +162,7 @@ def fused_update(
     write_out: bool = False,
     partials=None,
     device=None,
+    stochastic=None,
 ) -> None:
     """Launch the fused update over ``launch``'s tensors.
 
@@ -176,14 +177,18 @@ def fused_update(
             parameter.
         partials (default None): an fp32 tensor of ``2 * launch.num_tiles`` to receive per-tile sums of squares.
         device (default None): the tensors' device (for the launch options).
+        stochastic (default None): ``(ordinals, key)``, int64 device tensors (each tensor's parameter ordinal,
+            the step's two key words): round bf16 parameters stochastically (:mod:`triton_rounding`).
     """
     if launch.num_tiles == 0:
         return
     norms = partials is not None
+    ordinals, key = stochastic if stochastic is not None else (launch.meta, launch.meta)
     _fused_update_kernel[(launch.num_tiles,)](
-        launch.meta, launch.tiles, partials if norms else launch.meta, maps, hyper,
+        launch.meta, launch.tiles, partials if norms else launch.meta, maps, hyper, ordinals, key,
         RULE=rule, ROWS=rows, SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2], WRITE_OUT=write_out,
-        NORMS=norms, BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, ALIGNED=launch.aligned, **launch_kwargs(device),
+        NORMS=norms, BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, ALIGNED=launch.aligned, SR=stochastic is not None,
+        **launch_kwargs(device),
     )
 
 

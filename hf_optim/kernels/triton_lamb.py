@@ -17,8 +17,9 @@ import triton.language as tl
 
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import kernel_scalars, resolve
-from hf_optim.kernels.triton_blockwise import load_values, pointer, store_values, tile_offsets
+from hf_optim.kernels.triton_blockwise import load_values, pointer, tile_offsets
 from hf_optim.kernels.triton_elementwise import FULL_TILE_BOUND, TILE_BLOCKS, fused_update, launch_kwargs, maps_table
+from hf_optim.kernels.triton_rounding import store_param
 
 SCRATCH_NUMEL = 1 << 26
 """Most elements of LAMB directions held at once (256 MiB of fp32): larger groups run in several buckets."""
@@ -53,15 +54,16 @@ def _ratio_kernel(meta, partials, ratios, max_trust_ratio, ADAPT: tl.constexpr, 
 
 
 @triton.jit
-def _apply_tile(row, step, offs, mask, ALIGNED: tl.constexpr):
+def _apply_tile(row, step, offs, mask, ordinal, key, ALIGNED: tl.constexpr, SR: tl.constexpr):
     param_address, param_dtype = tl.load(row + 0), tl.load(row + 4)
     p = load_values(param_address, param_dtype, offs, mask, ALIGNED)
     direction = tl.load(pointer(tl.load(row + 2), tl.float32, ALIGNED) + offs, mask=mask, other=0.0)
-    store_values(param_address, param_dtype, offs, p - step * direction, mask, ALIGNED)
+    store_param(param_address, param_dtype, offs, p - step * direction, mask, ordinal, key, SR, ALIGNED)
 
 
 @triton.jit
-def _apply_kernel(meta, tiles, ratios, lr, BLOCKS: tl.constexpr, COLS: tl.constexpr, ALIGNED: tl.constexpr):
+def _apply_kernel(meta, tiles, ratios, lr, ordinals, key, BLOCKS: tl.constexpr, COLS: tl.constexpr,
+                  ALIGNED: tl.constexpr, SR: tl.constexpr):
     program = tl.program_id(0)
     tensor = tl.load(tiles + 2 * program)
     row = meta + tensor.to(tl.int64) * COLS
@@ -69,10 +71,11 @@ def _apply_kernel(meta, tiles, ratios, lr, BLOCKS: tl.constexpr, COLS: tl.conste
     _, offs = tile_offsets(first_block, BLOCKS)
     n = tl.load(row + 3)
     step = lr * tl.load(ratios + tensor)
+    ordinal = tl.load(ordinals + tensor) if SR else 0
     if (first_block + BLOCKS) * 256 <= n:  # whole tile: a compile-time mask bound (vector accesses)
-        _apply_tile(row, step, offs, offs < FULL_TILE_BOUND, ALIGNED)
+        _apply_tile(row, step, offs, offs < FULL_TILE_BOUND, ordinal, key, ALIGNED, SR)
     else:
-        _apply_tile(row, step, offs, offs < n, ALIGNED)
+        _apply_tile(row, step, offs, offs < n, ordinal, key, ALIGNED, SR)
 
 
 def trust_ratios(launch: mt.Launch, partials, ratios, *, adapt: bool, max_trust_ratio: float | None, device) -> None:
@@ -84,11 +87,13 @@ def trust_ratios(launch: mt.Launch, partials, ratios, *, adapt: bool, max_trust_
     )
 
 
-def apply(launch: mt.Launch, ratios, lr: float, device) -> None:
-    """``p -= lr * ratio * u`` for every tensor of ``launch`` (``u`` at each tensor's ``OUT`` address)."""
+def apply(launch: mt.Launch, ratios, lr: float, device, stochastic=None) -> None:
+    """``p -= lr * ratio * u`` for every tensor of ``launch`` (``u`` at each tensor's ``OUT`` address);
+    ``stochastic``: ``(ordinals, key)`` device tensors to round bf16 parameters stochastically."""
+    ordinals, key = stochastic if stochastic is not None else (launch.meta, launch.meta)
     _apply_kernel[(launch.num_tiles,)](
-        launch.meta, launch.tiles, ratios, float(lr), BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, ALIGNED=launch.aligned,
-        **launch_kwargs(device),
+        launch.meta, launch.tiles, ratios, float(lr), ordinals, key, BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS,
+        ALIGNED=launch.aligned, SR=stochastic is not None, **launch_kwargs(device),
     )
 
 
@@ -107,13 +112,15 @@ def _buckets(batch: list, limit: int) -> list[list]:
 
 
 def step(optimizer, algorithm, group: dict, key, batch: list, step: int, hyper, cache: mt.PlanCache,
-         device: torch.device) -> None:
+         device: torch.device, stochastic=None) -> None:
     """LAMB's passes over ``batch`` = [(param, grad, state), ...] (one device, one step counter): the update pass
     (moments, direction, per-tile sums of squares: the fused kernel with the algorithm's Triton rule), the norm
-    pass and the apply pass, per bucket of at most :data:`SCRATCH_NUMEL` elements."""
+    pass and the apply pass, per bucket of at most :data:`SCRATCH_NUMEL` elements. ``stochastic``: bf16
+    stochastic rounding's ``(ordinals, key)`` for the batch (the apply pass rounds)."""
     specs = algorithm.slots
     rule, scalars = resolve(algorithm.triton_rule), kernel_scalars(hyper)
     adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
+    first = 0  # index in the batch of the bucket's first tensor
     for index, bucket in enumerate(_buckets(batch, SCRATCH_NUMEL)):
         total = sum(param.numel() for param, _, _ in bucket)
         scratch = torch.empty(total, dtype=torch.float32, device=device)
@@ -127,4 +134,8 @@ def step(optimizer, algorithm, group: dict, key, batch: list, step: int, hyper, 
                      write_out=True, partials=partials, device=device)
         ratios = torch.empty(len(bucket), dtype=torch.float32, device=device)
         trust_ratios(launch, partials, ratios, adapt=adapt, max_trust_ratio=group["max_trust_ratio"], device=device)
-        apply(launch, ratios, group["lr"], device)
+        rounding_args = None
+        if stochastic is not None:  # this bucket's slice of the batch's ordinals
+            rounding_args = (stochastic[0][first : first + len(bucket)], stochastic[1])
+        first += len(bucket)
+        apply(launch, ratios, group["lr"], device, rounding_args)

@@ -23,6 +23,7 @@ from collections import defaultdict
 
 import torch
 
+from hf_optim.kernels import rounding
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import Algorithm, kernel_scalars, resolve
 from hf_optim.kernels.triton_elementwise import TILE_BLOCKS, fused_update, maps_table
@@ -50,8 +51,10 @@ def _customized(cls: type) -> bool:
     return cls._update is not base._update or cls.rule is not base.rule
 
 
-def step_group(optimizer, group: dict, group_index: int, items: list) -> None:
-    """Update ``items`` = [(param, grad, state), ...] (local, contiguous tensors, state created, step counted)."""
+def step_group(optimizer, group: dict, group_index: int, items: list, ordinals=None) -> None:
+    """Update ``items`` = [(param, grad, state), ...] (local, contiguous tensors, state created, step counted).
+    ``ordinals`` (``id(state)`` -> parameter ordinal), when the group has ``bf16_stochastic_round``: bf16
+    parameters are rounded stochastically (:mod:`hf_optim.kernels.triton_rounding`)."""
     cache = optimizer.__dict__.get(CACHE_ATTR)
     if cache is None:
         cache = optimizer.__dict__[CACHE_ATTR] = mt.PlanCache()
@@ -63,11 +66,17 @@ def step_group(optimizer, group: dict, group_index: int, items: list) -> None:
     for (device, step), batch in batches.items():
         hyper = optimizer._hyper(group, step)
         key = (group_index, device, step)
+        stochastic = None
+        if ordinals is not None:
+            values = [ordinals[id(state)] for _, _, state in batch]
+            stochastic = (cache.table(("bf16 ordinals", group_index, device, step), values, torch.int64, device),
+                          mt.to_device(rounding.key_tensor(group["bf16_stochastic_round_seed"], step), torch.int64,
+                                       device))
         with _on(device):
             if plan.elementwise:
-                _elementwise(algorithm, key, batch, hyper, cache, device)
+                _elementwise(algorithm, key, batch, hyper, cache, device, stochastic)
             else:
-                resolve(plan.step)(optimizer, algorithm, group, key, batch, step, hyper, cache, device)
+                resolve(plan.step)(optimizer, algorithm, group, key, batch, step, hyper, cache, device, stochastic)
 
 
 def _on(device: torch.device):
@@ -79,9 +88,10 @@ def _on(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _elementwise(algorithm: Algorithm, key, batch, hyper, cache, device) -> None:
-    """One launch of the fused kernel over tensors on one device sharing one step counter."""
+def _elementwise(algorithm: Algorithm, key, batch, hyper, cache, device, stochastic=None) -> None:
+    """One launch of the fused kernel over tensors on one device sharing one step counter (``stochastic``: bf16
+    stochastic rounding's ``(ordinals, key)``, see :func:`fused_update`)."""
     specs = algorithm.slots
     launch = cache.launch(key, batch, specs, TILE_BLOCKS, device)
     fused_update(resolve(algorithm.triton_rule), algorithm.state_rows, mt.row_signedness(specs), launch,
-                 maps_table(device), kernel_scalars(hyper), device=device)
+                 maps_table(device), kernel_scalars(hyper), device=device, stochastic=stochastic)

@@ -92,3 +92,12 @@ def check_unsupported(name: str, value, supported, why: str) -> None:
     """Reject bitsandbytes arguments hf_optim accepts for compatibility but does not implement."""
     if value != supported:
         raise ValueError(f"{name}={value!r} is not supported by hf_optim (only {supported!r}): {why}")
+
+
+def check_stochastic_round(enabled, seed) -> None:
+    """``bf16_stochastic_round`` is a bool and its seed (param-group key ``bf16_stochastic_round_seed``) an int
+    in [0, 2**32)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"bf16_stochastic_round must be True or False, got {enabled!r} ({type(enabled).__name__})")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"bf16_stochastic_round_seed must be an int in [0, 2**32), got {seed!r}")

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from hf_optim.kernels import rounding
 from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, TritonPlan, fp32_reciprocal
 from hf_optim.kernels.formats import FP32, format_for_bits, loaded_format
 from hf_optim.kernels.state_store import StateSpec, init_slot, read_slot, slot_bytes, write_slot
@@ -165,6 +166,9 @@ class Adafactor(HfOptimizer):
         warmup_init (bool, default False): warm the relative step up from 1e-6 (needs ``relative_step``).
         optim_bits (int, default 32): 8 keeps the first moment in 8-bit (see above).
         min_8bit_size (int, default 4096): tensors with fewer elements keep an fp32 first moment.
+        bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
+            stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
+            (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
     """
 
     definition = ADAFACTOR
@@ -184,6 +188,7 @@ class Adafactor(HfOptimizer):
         warmup_init: bool = False,
         optim_bits: int = 32,
         min_8bit_size: int = 4096,
+        bf16_stochastic_round: bool = False,
     ) -> None:
         if lr is not None and relative_step:
             raise ValueError("Cannot combine a manual lr with relative_step=True; pass relative_step=False or lr=None")
@@ -196,7 +201,8 @@ class Adafactor(HfOptimizer):
             weight_decay=weight_decay, scale_parameter=bool(scale_parameter), relative_step=bool(relative_step),
             warmup_init=bool(warmup_init),
         )
-        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size)
+        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size,
+                         bf16_stochastic_round=bf16_stochastic_round)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
@@ -276,7 +282,12 @@ class Adafactor(HfOptimizer):
         if group["weight_decay"] != 0:
             new = new + new * (-group["weight_decay"] * lr)
         new = new - update
-        param.copy_(new if finite is None else torch.where(finite, new, p32))
+        new = new if finite is None else torch.where(finite, new, p32)
+        stream = self._stream(group, state, param)
+        if stream is None:
+            param.copy_(new)
+        else:
+            rounding.write_rounded(param, new, stream.ordinal, stream.key)
 
     def _state_dims(self, key: str, ndim: int, state=None):
         """Row statistics follow every dimension but the last, column statistics every one but the second to

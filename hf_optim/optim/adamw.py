@@ -95,6 +95,9 @@ class AdamW(HfOptimizer):
         args (default None): bitsandbytes' config object; only None is accepted.
         min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
         is_paged (bool, default False): paged state (see ``hf_optim.paging``).
+        bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
+            stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
+            (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
     """
 
     definition = ADAMW
@@ -111,11 +114,13 @@ class AdamW(HfOptimizer):
         args=None,
         min_8bit_size: int = 4096,
         is_paged: bool = False,
+        bf16_stochastic_round: bool = False,
     ) -> None:
         check_unsupported("amsgrad", amsgrad, False, "AMSGrad needs a third state; use amsgrad=False")
         check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
         defaults = dict(lr=lr, betas=as_tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged)
+        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged,
+                         bf16_stochastic_round=bf16_stochastic_round)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)

@@ -137,6 +137,9 @@ class AdEMAMix(HfOptimizer):
             4 for 4-bit blockwise state (two codes per byte, blocks of 128).
         min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
         is_paged (bool, default False): paged state (see ``hf_optim.paging``).
+        bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
+            stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
+            (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
     """
 
     definition = ADEMAMIX
@@ -154,12 +157,14 @@ class AdEMAMix(HfOptimizer):
         optim_bits: int = 32,
         min_8bit_size: int = 4096,
         is_paged: bool = False,
+        bf16_stochastic_round: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, betas=as_tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
             weight_decay=weight_decay,
         )
-        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged)
+        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged,
+                         bf16_stochastic_round=bf16_stochastic_round)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)

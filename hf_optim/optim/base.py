@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from hf_optim.kernels import backend as kernel_backend
-from hf_optim.kernels import multi_tensor
+from hf_optim.kernels import multi_tensor, rounding
 from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.flat_state import FlatState, FlatStates
 from hf_optim.kernels.formats import FORMATS, FP32, SlotLayout, StateFormat, format_for_bits, loaded_format
@@ -30,7 +30,7 @@ from hf_optim.kernels.state_store import (
     slot_tensors,
 )
 from hf_optim.optim import sharding
-from hf_optim.optim._validation import check_min_8bit_size, check_optim_bits
+from hf_optim.optim._validation import check_min_8bit_size, check_optim_bits, check_stochastic_round
 from hf_optim.optim.overrides import (
     PARAM_OVERRIDES_ATTR,
     bitsandbytes_config,
@@ -46,6 +46,8 @@ TORCH_ADAM_KEYS = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
 """torch.optim.AdamW's (and torchao's AdamW4bit/8bit's) per-parameter state keys."""
 ALGORITHM_KEY = "hf_optim_algorithm"
 """Param-group key recording which algorithm wrote a state dict (ignored by bitsandbytes)."""
+SR_KEY, SR_SEED_KEY = "bf16_stochastic_round", "bf16_stochastic_round_seed"
+"""Param-group keys of bf16 stochastic rounding: on or off, and the seed of its random bits (default 0)."""
 
 
 def _override_key(hyper: dict):
@@ -91,14 +93,18 @@ class HfOptimizer(torch.optim.Optimizer):
         optim_bits: int = 32,
         min_8bit_size: int = 4096,
         is_paged: bool = False,
+        bf16_stochastic_round: bool = False,
     ) -> None:
         defaults = dict(defaults)
         defaults["optim_bits"] = check_optim_bits(optim_bits, self._supported_bits(), type(self).__name__)
         defaults["min_8bit_size"] = check_min_8bit_size(min_8bit_size)
+        defaults[SR_KEY] = bf16_stochastic_round
+        defaults[SR_SEED_KEY] = 0
         super().__init__(params, defaults)
         self.is_paged = bool(is_paged)
         self._allocate = state_allocator(self.is_paged, type(self).__name__)
         self._flat = FlatStates()  # where the multi-tensor path keeps each parameter's state
+        self._ordinals: dict[int, int] = {}  # during a step with stochastic rounding: id(state) -> param ordinal
         for group in self.param_groups:
             self._check_group(group)
 
@@ -121,6 +127,7 @@ class HfOptimizer(torch.optim.Optimizer):
         """Validate a param group's hyperparameters (called for every group, including added ones)."""
         check_optim_bits(group["optim_bits"], self._supported_bits(), type(self).__name__)
         check_min_8bit_size(group["min_8bit_size"])
+        check_stochastic_round(group.get(SR_KEY, False), group.get(SR_SEED_KEY, 0))
 
     @classmethod
     def _supported_bits(cls) -> tuple[int, ...]:
@@ -161,14 +168,55 @@ class HfOptimizer(torch.optim.Optimizer):
         """Update the local tensor ``param``; ``full`` is the parameter itself (a DTensor when sharded), for
         algorithms that reduce across shards."""
         hyper = self._hyper(group, state["step"])
-        self._run_rule(self.rule, param, grad, state, hyper)
+        self._run_rule(self.rule, param, grad, state, hyper, stream=self._stream(group, state, param))
 
-    def _step_flat(self, group: dict, flat: FlatState, members: list, hyper: dict) -> None:
+    def _step_flat(self, group: dict, flat: FlatState, members: list, hyper: dict,
+                   stream: rounding.Stream | None = None) -> None:
         """Update ``members`` = ``[(index in flat, local param, local grad)]``, sorted by index, whose state is in
-        ``flat``: the multi-tensor path (``hf_optim.kernels.multi_tensor``), one call per chunk of flat state."""
+        ``flat``: the multi-tensor path (``hf_optim.kernels.multi_tensor``), one call per chunk of flat state.
+        ``stream``: bf16 stochastic rounding of the new parameters (its ``ordinals`` by member index)."""
         for run, params, grads in multi_tensor.runs_of(flat, members):
             multi_tensor.step_run(self.rule, flat, multi_tensor.cached_chunks(flat, run), params, grads, hyper,
-                                  self._scratch)
+                                  self._scratch, stream=stream)
+
+    # ----------------------------------------------------------------------------------------------------
+    # bf16 stochastic rounding (hf_optim.kernels.rounding)
+    def _stream(self, group: dict, state: dict, param: torch.Tensor) -> rounding.Stream | None:
+        """The stochastic rounding of ``param``'s new values at this step, or None (rounding to nearest): only
+        for bf16 parameters of groups with ``bf16_stochastic_round``; fp32 parameters need no rounding."""
+        if not group[SR_KEY] or param.dtype != torch.bfloat16:
+            return None
+        return rounding.Stream(rounding.key_tensor(group[SR_SEED_KEY], state["step"]),
+                               ordinal=self._ordinals[id(state)])
+
+    def _flat_stream(self, group: dict, step: int, param: torch.Tensor, ordinals: dict[int, int]):
+        """:meth:`_stream` for a multi-tensor batch, ``ordinals`` by member index (chunk bases are cached)."""
+        if not group[SR_KEY] or param.dtype != torch.bfloat16:
+            return None
+        return rounding.Stream(rounding.key_tensor(group[SR_SEED_KEY], step), ordinals=ordinals,
+                               cache=self.__dict__.setdefault("_chunk_bases", {}))
+
+    @staticmethod
+    def _check_stochastic_param(param: torch.Tensor, where: str) -> None:
+        if param.dtype == torch.float16:
+            raise ValueError(
+                f"bf16_stochastic_round rounds into bfloat16 parameters; {where} is float16, which would still be "
+                "rounded to nearest. Keep float16 parameters in a param group with bf16_stochastic_round=False, or "
+                "train them in bfloat16 or float32"
+            )
+        rounding.check_index_range(param.numel(), where)
+
+    def _number_states(self) -> None:
+        """Number every parameter's state by the parameter's place in torch's state-dict order (the ordinal in
+        the counters of its random bits), when some group rounds stochastically."""
+        self._ordinals = {}
+        if not any(group.get(SR_KEY) for group in self.param_groups):
+            return
+        params = [p for group in self.param_groups for p in group["params"]]
+        for ordinal, p in enumerate(params):
+            state = self.state.get(p)
+            if state is not None:
+                self._ordinals.setdefault(id(state), ordinal)
 
     def _state_dims(self, key: str, ndim: int, state: Mapping | None = None):
         """How state ``key`` of an ``ndim``-dim parameter is laid out, for sharded checkpoints (see
@@ -248,7 +296,10 @@ class HfOptimizer(torch.optim.Optimizer):
         if flat_items:
             self._update_flat(group, flat_items)
         if fused:
-            triton_step.step_group(self, group, group_index, fused)
+            if group[SR_KEY]:
+                triton_step.step_group(self, group, group_index, fused, ordinals=self._ordinals)
+            else:
+                triton_step.step_group(self, group, group_index, fused)
 
     # The multi-tensor path runs its own compiled kernels: under an outer torch.compile(optimizer.step) it runs as
     # it is (dynamo would otherwise specialize on every step's learning rate and bias corrections).
@@ -266,24 +317,33 @@ class HfOptimizer(torch.optim.Optimizer):
             self._flat.adopt(self.state_specs, homeless, self._allocate)
             located = [place or self._flat.locate(full, state) for (_, _, state, full), place in zip(items, located)]
         batches: dict[tuple, tuple[FlatState, list]] = {}
+        ordinals: dict[int, dict[int, int]] = {}  # per flat buffer: member index -> parameter ordinal
         for (param, grad, state, _), (flat, index) in zip(items, located):
             batches.setdefault((id(flat), state["step"]), (flat, []))[1].append((index, param, grad))
+            if group[SR_KEY]:
+                ordinals.setdefault(id(flat), {})[index] = self._ordinals[id(state)]
         for (_, step), (flat, members) in batches.items():
             members.sort(key=lambda member: member[0])
-            self._step_flat(group, flat, members, self._hyper(group, step))
+            stream = self._flat_stream(group, step, members[0][1], ordinals.get(id(flat), {}))
+            if stream is None:  # the call as it was before stochastic rounding (subclasses may not take it)
+                self._step_flat(group, flat, members, self._hyper(group, step))
+            else:
+                self._step_flat(group, flat, members, self._hyper(group, step), stream=stream)
 
     @functools.cached_property
     def _scratch(self) -> multi_tensor.Scratch:
         return multi_tensor.Scratch()
 
-    def _run_rule(self, rule, param, grad, state, hyper, out: torch.Tensor | None = None) -> None:
-        """Apply an elementwise rule to one parameter, in place, on its device."""
+    def _run_rule(self, rule, param, grad, state, hyper, out: torch.Tensor | None = None,
+                  stream: rounding.Stream | None = None) -> None:
+        """Apply an elementwise rule to one parameter, in place, on its device (``stream``: round a bf16 result
+        stochastically)."""
         if param.numel() == 0:  # an empty local shard of a sharded parameter
             return
         flat_param = param.view(-1) if param.is_contiguous() else param.contiguous().view(-1)
         layouts = slot_layouts(state, self.state_specs)
         tensors = [t for spec in self.state_specs for t in slot_tensors(state, spec)]
-        multi_tensor.step_tensor(rule, layouts, flat_param, grad.reshape(-1), out, tensors, hyper)
+        multi_tensor.step_tensor(rule, layouts, flat_param, grad.reshape(-1), out, tensors, hyper, stream=stream)
         if not param.is_contiguous():
             param.copy_(flat_param.view_as(param))
 
@@ -298,6 +358,8 @@ class HfOptimizer(torch.optim.Optimizer):
             # State is created lazily, for all of a step's new parameters at once (flat buffers hold them together).
             fresh = [(p, param, overrides) for p, param, _, overrides in entries if not self.state[p]]
             self._create_states(group, fresh)
+            if group_index == 0 or fresh:
+                self._number_states()
             items, overridden = [], {}
             for p, param, grad, overrides in entries:
                 state = self.state[p]
@@ -341,6 +403,8 @@ class HfOptimizer(torch.optim.Optimizer):
                     overrides = self._param_overrides(p, group_index, index, manager, by_module)
                 if overrides:
                     self._check_overrides(overrides, group, f"parameter {index} of param group {group_index}")
+                if (overrides or {}).get(SR_KEY, group[SR_KEY]):
+                    self._check_stochastic_param(param, f"parameter {index} of param group {group_index}")
                 entries.append((p, param, grad, overrides))
             plan.append((group_index, group, entries))
         # HF_OPTIM_BACKEND is checked now, not when the first group is already updated: a bad value raises here, and

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from hf_optim.kernels import exact_math, multi_tensor
+from hf_optim.kernels import exact_math, multi_tensor, rounding
 from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, TritonPlan, fp32_reciprocal
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim import sharding
@@ -136,6 +136,9 @@ class LAMB(HfOptimizer):
         args (default None): bitsandbytes' config object; only None is accepted.
         min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
         is_paged (bool, default False): paged state (see ``hf_optim.paging``).
+        bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
+            stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
+            (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
     """
 
     definition = LAMB_ALGORITHM
@@ -156,6 +159,7 @@ class LAMB(HfOptimizer):
         args=None,
         min_8bit_size: int = 4096,
         is_paged: bool = False,
+        bf16_stochastic_round: bool = False,
     ) -> None:
         check_unsupported("amsgrad", amsgrad, False, "AMSGrad needs a third state; use amsgrad=False")
         check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
@@ -163,7 +167,8 @@ class LAMB(HfOptimizer):
             lr=lr, bias_correction=bool(bias_correction), betas=as_tuple(betas), eps=eps, weight_decay=weight_decay,
             adam_w_mode=bool(adam_w_mode), use_nvlamb=bool(use_nvlamb), max_trust_ratio=max_trust_ratio,
         )
-        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged)
+        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged,
+                         bf16_stochastic_round=bf16_stochastic_round)
         if not any(group["weight_decay"] != 0 or group["use_nvlamb"] for group in self.param_groups):
             # The Trainer's default weight_decay is 0: LAMB would then silently be Adam (apex semantics).
             warnings.warn(
@@ -199,9 +204,14 @@ class LAMB(HfOptimizer):
         adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
         ratio = trust_ratio(weight_norm, update_norm, adapt=adapt, max_trust_ratio=group["max_trust_ratio"])
         updated = param.float() - (group["lr"] * ratio) * direction
-        param.copy_(updated)
+        stream = self._stream(group, state, param)
+        if stream is None:
+            param.copy_(updated)
+        else:
+            rounding.write_rounded(param, updated, stream.ordinal, stream.key)
 
-    def _step_flat(self, group: dict, flat, members: list, hyper: dict) -> None:
+    def _step_flat(self, group: dict, flat, members: list, hyper: dict,
+                   stream: rounding.Stream | None = None) -> None:
         """The multi-tensor path: directions of a bucket of tensors in one flat buffer (one call per chunk), the
         norms with one ``_foreach_norm`` each, then ``p -= lr * ratio * u`` with foreach operations. Every value
         equals the per-tensor :meth:`_update`'s bit for bit."""
@@ -224,6 +234,9 @@ class LAMB(HfOptimizer):
                 torch._foreach_mul_(directions, list((ratios * group["lr"]).unbind()))
                 if weights[0].dtype == torch.float32:
                     torch._foreach_sub_(weights, directions)
+                elif stream is not None:  # bf16 stochastic rounding, each tensor with its own counters
+                    for index, weight, step in zip(bucket, weights, directions):
+                        rounding.write_rounded(weight, weight.float() - step, stream.ordinals[index], stream.key)
                 else:
                     torch._foreach_copy_(weights, torch._foreach_sub([w.float() for w in weights], directions))
 

@@ -79,6 +79,9 @@ class RMSprop(HfOptimizer):
         percentile_clipping (int, default 100): only 100 (off) is supported; clip with the Trainer's
             ``max_grad_norm`` instead.
         block_wise (bool, default True): only blockwise quantization is supported.
+        bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
+            stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
+            (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
     """
 
     definition = RMSPROP
@@ -97,6 +100,7 @@ class RMSprop(HfOptimizer):
         min_8bit_size: int = 4096,
         percentile_clipping: int = 100,
         block_wise: bool = True,
+        bf16_stochastic_round: bool = False,
     ) -> None:
         check_unsupported("momentum", momentum, 0.0, "RMSprop with momentum is not implemented (nor in bitsandbytes)")
         check_unsupported("centered", centered, False, "centered RMSprop is not implemented (nor in bitsandbytes)")
@@ -104,7 +108,8 @@ class RMSprop(HfOptimizer):
         check_unsupported("percentile_clipping", percentile_clipping, 100, "use the Trainer's max_grad_norm")
         check_unsupported("block_wise", block_wise, True, "hf_optim stores 8-bit state blockwise only")
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size)
+        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size,
+                         bf16_stochastic_round=bf16_stochastic_round)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)

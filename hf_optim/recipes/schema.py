@@ -246,6 +246,20 @@ def check_optimizer(raw: RawRecipe, name: Any, issues: list[RecipeIssue]) -> Non
                               "transformers' are in transformers.training_args.OptimizerNames)"))
 
 
+def check_optim_args(raw: RawRecipe, name: Any, optim_args: Any, issues: list[RecipeIssue]) -> None:
+    """``training.optim_args`` of an hf_optim name, checked as the optimizer will read them (keys and types), so
+    that a typo fails at validation, not when training starts."""
+    entry = OPTIMIZER_NAMES.get(str(getattr(name, "value", name)))
+    if entry is None or not optim_args:
+        return
+    from hf_optim.integrations.optim_args import OptimArgsError, parse_optim_args, typed_optim_args
+
+    try:
+        typed_optim_args(entry, parse_optim_args(str(optim_args)))
+    except OptimArgsError as error:
+        issues.append(RecipeIssue(raw.origin("training.optim_args"), "training.optim_args", str(error)))
+
+
 def _construct(raw: RawRecipe, name: str, factory, values: dict, label: str, issues: list[RecipeIssue]) -> None:
     """Build the Hugging Face object once, so that its own value checks (ranges, combinations) are reported too."""
     try:
@@ -295,6 +309,7 @@ def validate(raw: RawRecipe) -> Recipe:
     training = _check_pass_through(raw, "training", sections["training"] or {}, targets["training"], issues)
     if "optim" in training:
         check_optimizer(raw, training["optim"], issues)
+        check_optim_args(raw, training["optim"], training.get("optim_args"), issues)
 
     data_section = sections["data"]
     if data_section is None and "data" not in data:

@@ -1,0 +1,95 @@
+"""bf16 stochastic rounding in Triton: the twin of :mod:`hf_optim.kernels.rounding`, the same bits for every element.
+
+Same counter-based hash on int64 values held in 32 bits (multipliers below 2^31, masked after each multiply), same
+counters ``(ordinal << 32) + index in the parameter``, same key words (read from a device tensor, so they are int64
+whatever their value and a new step never recompiles). Kernels store parameters through :func:`store_param`, which
+rounds stochastically only where asked (``SR``) and only into bf16 parameters (dtype code 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_optim.kernels import rounding
+from hf_optim.kernels.triton_blockwise import pointer, store_values
+
+MULTIPLIER_1: tl.constexpr = tl.constexpr(rounding.MULTIPLIER_1)
+MULTIPLIER_2: tl.constexpr = tl.constexpr(rounding.MULTIPLIER_2)
+
+
+@triton.jit
+def _low32(x):
+    """``x mod 2^32`` of a non-negative int64 (two shifts: no 64-bit mask literal to type)."""
+    return x - ((x >> 32) << 32)
+
+
+@triton.jit
+def mix32(x):
+    """:func:`rounding.mix32` on int64 values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _low32(x * MULTIPLIER_1)
+    x = x ^ (x >> 15)
+    x = _low32(x * MULTIPLIER_2)
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def random_bits16(index, ordinal, k0, k1):
+    """16 random bits (int64) for element ``index`` (< 2^32) of the parameter with ``ordinal``."""
+    x = mix32(index.to(tl.int64) ^ k0)
+    x = mix32(x ^ ordinal ^ k1)
+    return x >> 16
+
+
+@triton.jit
+def round_to_bf16_bits(values, index, ordinal, k0, k1):
+    """bf16 bit patterns (uint16) of fp32 ``values``, rounded stochastically (NaN stays the quiet NaN 0x7FC0)."""
+    bits = values.to(tl.int32, bitcast=True).to(tl.int64)
+    rounded = (bits + random_bits16(index, ordinal, k0, k1)) >> 16
+    return tl.where(values != values, 0x7FC0, rounded & 0xFFFF).to(tl.uint16)
+
+
+@triton.jit
+def store_param(address, dtype, offs, values, mask, ordinal, key, SR: tl.constexpr, ALIGNED: tl.constexpr = False):
+    """``store_values`` of fp32 ``values`` into a parameter; with ``SR`` a bf16 parameter (dtype code 1) is rounded
+    stochastically, ``offs`` being the elements' indices in it and ``key`` the address of the two key words."""
+    if SR:
+        if dtype == 1:
+            k0 = tl.load(key)
+            k1 = tl.load(key + 1)
+            bits = round_to_bf16_bits(values, offs, ordinal, k0, k1)
+            tl.store(pointer(address, tl.uint16, ALIGNED) + offs, bits, mask=mask)
+        else:
+            store_values(address, dtype, offs, values, mask, ALIGNED)
+    else:
+        store_values(address, dtype, offs, values, mask, ALIGNED)
+
+
+@triton.jit
+def _round_kernel(values_ptr, out_ptr, n, start, ordinal, key, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    values = tl.load(values_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, round_to_bf16_bits(values, start + offs, ordinal, tl.load(key), tl.load(key + 1)),
+             mask=mask)
+
+
+def round_to_bf16(values: torch.Tensor, ordinal: int, key: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Standalone twin of :func:`rounding.round_to_bf16` for flat fp32 ``values`` that are elements ``start...`` of
+    the parameter with ``ordinal`` (for tests and tools)."""
+    values = values.contiguous().view(-1)
+    out = torch.empty(values.shape, dtype=torch.int16, device=values.device)
+    if values.numel():
+        block = 1024
+        _round_kernel[(triton.cdiv(values.numel(), block),)](
+            values, out, values.numel(), start, torch.tensor(ordinal, dtype=torch.int64).item(),
+            key.to(values.device), BLOCK=block,
+        )
+    return out.view(torch.bfloat16)
+
+
+def device_key(seed: int, step: int, device: torch.device) -> torch.Tensor:
+    """The step's two key words as an int64 device tensor."""
+    return rounding.key_tensor(seed, step).to(device)
