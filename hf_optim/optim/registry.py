@@ -155,7 +155,7 @@ def _caller_module() -> str:
 
 def _generated_class(algorithm: Algorithm, defaults: dict, check, module: str) -> type:
     """An :class:`HfOptimizer` subclass for ``algorithm`` whose constructor takes ``defaults``' hyperparameters."""
-    reserved = {"params", "optim_bits", "min_8bit_size", "is_paged"} & set(defaults)
+    reserved = {"params", "optim_bits", "min_8bit_size", "is_paged", "bf16_stochastic_round"} & set(defaults)
     if reserved:
         raise ValueError(f"defaults of {algorithm.name!r} may not set {sorted(reserved)}: every class takes them")
     keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD
@@ -164,7 +164,8 @@ def _generated_class(algorithm: Algorithm, defaults: dict, check, module: str) -
         + [inspect.Parameter(name, keyword, default=value) for name, value in defaults.items()]
         + [inspect.Parameter("optim_bits", keyword, default=32),
            inspect.Parameter("min_8bit_size", keyword, default=4096),
-           inspect.Parameter("is_paged", keyword, default=False)]
+           inspect.Parameter("is_paged", keyword, default=False),
+           inspect.Parameter("bf16_stochastic_round", keyword, default=False)]
     )
 
     def __init__(self, params, *args, **kwargs) -> None:
@@ -172,12 +173,13 @@ def _generated_class(algorithm: Algorithm, defaults: dict, check, module: str) -
             arguments = signature.bind(self, params, *args, **kwargs)
         except TypeError as error:
             raise TypeError(f"{type(self).__name__}.__init__() {error}; it takes {', '.join(defaults)}, optim_bits, "
-                            "min_8bit_size and is_paged") from None
+                            "min_8bit_size, is_paged and bf16_stochastic_round") from None
         arguments.apply_defaults()
         values = arguments.arguments
         hyper = {name: as_tuple(values[name]) if isinstance(values[name], list) else values[name] for name in defaults}
         HfOptimizer.__init__(self, values["params"], hyper, optim_bits=values["optim_bits"],
-                             min_8bit_size=values["min_8bit_size"], is_paged=values["is_paged"])
+                             min_8bit_size=values["min_8bit_size"], is_paged=values["is_paged"],
+                             bf16_stochastic_round=values["bf16_stochastic_round"])
 
     def _check_group(self, group: dict) -> None:
         HfOptimizer._check_group(self, group)
@@ -188,7 +190,8 @@ def _generated_class(algorithm: Algorithm, defaults: dict, check, module: str) -
     __init__.__signature__ = signature
     described = ", ".join(f"{name}={value!r}" for name, value in defaults.items())
     doc = (f"The {algorithm.name!r} algorithm ({described}), registered with "
-           "``hf_optim.register_algorithm``; 32-bit or 8-bit blockwise state, optionally paged.")
+           "``hf_optim.register_algorithm``; 32-bit, 8-bit or 4-bit blockwise state (``optim_bits``), optionally "
+           "paged, optionally with bf16 stochastic rounding.")
     return type(algorithm.class_name, (HfOptimizer,), {
         "definition": algorithm, "__init__": __init__, "_check_group": _check_group, "__doc__": doc,
         "__module__": module,
