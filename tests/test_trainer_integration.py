@@ -31,7 +31,7 @@ def collator(tokenizer):
     return DataCollatorForLanguageModeling(tokenizer, mlm=False)
 
 
-@pytest.mark.parametrize("name", ["paged_adamw_8bit", "lamb_8bit"])
+@pytest.mark.parametrize("name", ["paged_adamw_8bit", "lamb_8bit", "adamw_torch_4bit"])
 def test_plain_trainer(tmp_path, name):
     tokenizer = tiny_tokenizer()
     model = tiny_llama()
@@ -153,8 +153,14 @@ def test_takeover_can_be_turned_off(tmp_path):
         assert cls.__module__.startswith("bitsandbytes") and cls is bitsandbytes.optim.AdamW
         cls, _ = Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(output_dir=str(tmp_path), optim="lamb_8bit"))
         assert cls is hf_optim.LAMB8bit  # hf_optim's own names still resolve
+        cls, _ = Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(output_dir=str(tmp_path), optim="adamw_4bit"))
+        assert cls is hf_optim.AdamW4bit
     finally:
         integration.set_takeover(True)
+    # With the takeover on, transformers' torchao-backed names run hf_optim's 4-bit and 8-bit AdamW.
+    for name, expected in (("adamw_torch_4bit", hf_optim.AdamW4bit), ("adamw_torch_8bit", hf_optim.AdamW8bit)):
+        cls, _ = Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(output_dir=str(tmp_path), optim=name))
+        assert cls is expected, (name, cls)
 
 
 @pytest.mark.skipif("optimizer_cls_and_kwargs" not in inspect.signature(Trainer.__init__).parameters,

@@ -58,16 +58,20 @@ def losses(trainer) -> list[float]:
 
 
 def check_state(optimizer, model, name: str) -> None:
-    """8-bit names keep uint8 state for large non-embedding tensors, fp32 for embeddings and small tensors."""
+    """8-bit and 4-bit names keep uint8 state (4-bit: packed, half the elements) for large non-embedding tensors,
+    fp32 for embeddings and small tensors."""
     entry = OPTIMIZER_NAMES[name]
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    saw_8bit = False
+    saw_quantized = False
     for param, state in optimizer.state.items():
         dtypes = {v.dtype for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1}
-        expect_8bit = entry.optim_bits == 8 and param.numel() >= 4096 and id(param) not in embeddings
-        assert (torch.uint8 in dtypes) == expect_8bit, (name, tuple(param.shape), dtypes)
-        saw_8bit |= expect_8bit
-    assert saw_8bit == (entry.optim_bits == 8)
+        expect_quantized = entry.optim_bits < 32 and param.numel() >= 4096 and id(param) not in embeddings
+        assert (torch.uint8 in dtypes) == expect_quantized, (name, tuple(param.shape), dtypes)
+        if expect_quantized:
+            codes = next(v for v in state.values() if isinstance(v, torch.Tensor) and v.dtype == torch.uint8)
+            assert codes.numel() == -(-param.numel() * entry.optim_bits // 8), (name, codes.shape)
+        saw_quantized |= expect_quantized
+    assert saw_quantized == (entry.optim_bits < 32)
 
 
 def assert_same_training_state(expected, got) -> None:

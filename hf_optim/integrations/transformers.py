@@ -95,14 +95,15 @@ def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None, name: st
     """(class, kwargs) for hf_optim name ``name`` (default ``args.optim``), as the Trainer needs them.
 
     Usable without any patching: ``Trainer(..., optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(args,
-    model, name="lamb_8bit"))``. With ``model``, embedding weights keep 32-bit state under 8-bit names.
+    model, name="lamb_8bit"))``. With ``model``, embedding weights keep 32-bit state under 8-bit and 4-bit names
+    (the Trainer does this for bitsandbytes' 8-bit names: embedding rows see sparse, spiky gradients).
     """
     name = _name_str(args.optim if name is None else name)
     entry = OPTIMIZER_NAMES.get(name)
     if entry is None:
         raise ValueError(unknown_name_message(name))
     kwargs = optimizer_kwargs(entry, args)
-    if model is not None and entry.optim_bits == 8:
+    if model is not None and entry.optim_bits < 32:
         skipped = keep_embeddings_32bit(model)
         if skipped:
             logger.info("hf_optim: %d embedding parameters keep 32-bit state", skipped)
