@@ -248,7 +248,8 @@ def test_rules_read_their_hyper_fields():
     from hf_optim.optim import registry
 
     with_triton = [f for f in registry.families() if f.algorithm.triton_rule is not None]
-    assert {f.algorithm.name for f in with_triton} == {"adamw", "ademamix", "lion", "rmsprop", "lamb"}
+    # hf_optim's own, and any a test registered (tests/test_custom_algorithm.py) in this process
+    assert {f.algorithm.name for f in with_triton} >= {"adamw", "ademamix", "lion", "rmsprop", "lamb"}
     for family in with_triton:
         algorithm = family.algorithm
         fields = set(algorithm.hyper._fields)
