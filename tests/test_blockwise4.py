@@ -3,7 +3,12 @@
 The reference quantizer is the paper's, written the slow obvious way: per 128-element block divide by the
 block's absmax, pick the map value nearest in float64 by brute force over all 16 (exact ties to the upper code,
 torchao's rule), pack two codes per byte with integer arithmetic. Maps are checked against bitsandbytes'
-``create_dynamic_map`` and against torchao's values when torchao is installed.
+``create_dynamic_map`` and against torchao's values when torchao is importable. torchao is not in the project's
+environment on purpose: when it is installed, transformers imports it on every ``from transformers import
+Trainer`` (1.7 s, and import warnings on the console that break test_console_output.py). To run the torchao cases:
+
+    pip install --no-deps --target /tmp/torchao_site torchao
+    PYTHONPATH=.:/tmp/torchao_site python -m pytest tests/test_blockwise4.py -q
 """
 
 import pytest
@@ -305,7 +310,8 @@ def test_triton_twin_equals_pytorch(device, signed):
         codes, scale = triton_blockwise4.quantize(values, thresholds(signed, device))
         ref_codes, ref_scale = b4.quantize(values, thresholds(signed, device))
         assert torch.equal(codes, ref_codes)
-        assert torch.equal(scale, ref_scale, ) or torch.equal(scale.nan_to_num(), ref_scale.nan_to_num())
+        assert torch.equal(scale.isnan(), ref_scale.isnan()) and scale[0, n // 256].isnan()  # the NaN's block
+        assert torch.equal(scale.nan_to_num(), ref_scale.nan_to_num())
         qmap = b4.qmap4(signed, device)
         assert torch.equal(triton_blockwise4.dequantize(codes, scale, qmap, n).nan_to_num(),
                            b4.dequantize(codes, scale, qmap, n).nan_to_num())
