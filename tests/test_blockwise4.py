@@ -90,6 +90,17 @@ def test_tree_map_is_the_8bit_construction(signed):
                        dynamic_map.create_dynamic_map(signed).view(torch.int32))
 
 
+@pytest.mark.parametrize("signed,exponent_bits,total_bits", [(True, 2, 4), (True, 4, 8), (True, 5, 8), (False, 2, 3)])
+def test_tree_map_equals_bitsandbytes_for_other_parameters(signed, exponent_bits, total_bits):
+    """Fraction bits beyond the decades (signed 2/4, 4/8, 5/8) and a 3-bit unsigned map: bitsandbytes' list with
+    its zero padding removed."""
+    import bitsandbytes.functional as bnbF
+
+    padded = bnbF.create_dynamic_map(signed, exponent_bits, total_bits)
+    theirs = torch.cat([padded[padded != 0], torch.zeros(1)]).sort().values
+    assert torch.equal(b4.tree_map(signed, exponent_bits, total_bits).view(torch.int32), theirs.view(torch.int32))
+
+
 def test_tree_map_rejects_impossible_parameters():
     with pytest.raises(ValueError, match="exponent_bits must be in 1..3"):
         b4.tree_map(True, 4, 4)
@@ -253,6 +264,7 @@ def test_shapes_and_dtypes(rows, n):
     assert scale.dtype == torch.float32 and scale.shape == (rows, -(-n // 128))
     decoded = b4.dequantize(codes, scale, b4.qmap4(True), n)
     assert decoded.dtype == torch.float32 and decoded.shape == (rows, n)
+    assert torch.equal(b4.dequantize(codes.view(torch.int8), scale, b4.qmap4(True), n), decoded)  # kernels' view
     into_codes, into_scale = torch.full_like(codes, 99), torch.full_like(scale, 9.0)
     b4.quantize_into(values, thresholds(True), into_codes.view(torch.int8), into_scale)
     assert torch.equal(into_codes, codes) and torch.equal(into_scale, scale)
