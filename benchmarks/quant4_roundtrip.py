@@ -4,6 +4,10 @@ compiled by inductor, against the same done by torchao (when installed) and by t
     PYTHONPATH=. python benchmarks/quant4_roundtrip.py                       # 16.8M elements, both maps
     PYTHONPATH=. python benchmarks/quant4_roundtrip.py --numel 1048576 --rounds 3
 
+torchao is compared when importable; keep it out of the project environment (transformers would import it on every
+Trainer import) and point at a side install: ``pip install --no-deps --target /tmp/torchao_site torchao``, then
+``PYTHONPATH=.:/tmp/torchao_site``.
+
 Reports the median wall time and the process CPU (thread) time of one round trip, per implementation and map,
 after a warm-up round (which includes inductor's compilation). A round trip is what an optimizer step does to a
 state: dequantize the stored codes, then quantize new values into the same buffers.
