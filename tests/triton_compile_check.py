@@ -43,15 +43,19 @@ def accesses(ptx: str) -> collections.Counter:
     return collections.Counter(re.findall(r"(?:ld|st)\.global[a-z0-9._]*", ptx))
 
 
-def check_fused_update(algorithm) -> None:
+# bf16 stochastic rounding's arguments (the parameter ordinals and the step's key words)
+ROUNDING = {"ordinals": "*i64", "key": "*i64"}
+
+
+def check_fused_update(algorithm, stochastic: bool = False) -> None:
     """The fused kernel with ``algorithm``'s Triton rule (its scalars: its ``hyper`` class of fp32 values)."""
     hyper = algorithm.hyper(*["fp32"] * len(algorithm.hyper._fields))
-    signature = {"meta": "*i64", "tiles": "*i32", "partials": "*fp32", "maps": "*i64", "h": hyper}
+    signature = {"meta": "*i64", "tiles": "*i32", "partials": "*fp32", "maps": "*i64", "h": hyper, **ROUNDING}
     out = not algorithm.triton_plan.elementwise  # LAMB: the direction, with per-tile norms
     signed = [spec.signed for spec in algorithm.slots for _ in range(spec.rows)] + [False] * 3
     constants = {"RULE": resolve(algorithm.triton_rule), "ROWS": algorithm.state_rows, "SIGNED0": signed[0],
                  "SIGNED1": signed[1], "SIGNED2": signed[2], "WRITE_OUT": out, "NORMS": out,
-                 "BLOCKS": triton_elementwise.TILE_BLOCKS, "COLS": 16, "ALIGNED": True}
+                 "BLOCKS": triton_elementwise.TILE_BLOCKS, "COLS": 16, "ALIGNED": True, "SR": stochastic}
     ptx = compile_ptx(triton_elementwise._fused_update_kernel, signature, constants, enable_fp_fusion=False)
     found = accesses(ptx)
     assert found["ld.global.v4.b32"] > 0 and found["st.global.v4.b32"] + found["st.global.v2.b32"] > 0, found
@@ -63,8 +67,9 @@ def check_fused_update(algorithm) -> None:
 def check_other_kernels() -> None:
     compile_ptx(triton_lamb._ratio_kernel, {"meta": "*i64", "partials": "*fp32", "ratios": "*fp32",
                 "max_trust_ratio": "fp32"}, {"ADAPT": True, "CLAMP": True, "CHUNK": 1024, "BLOCKS": 4, "COLS": 16})
-    compile_ptx(triton_lamb._apply_kernel, {"meta": "*i64", "tiles": "*i32", "ratios": "*fp32", "lr": "fp32"},
-                {"BLOCKS": 4, "COLS": 16, "ALIGNED": True})
+    for stochastic in (False, True):
+        compile_ptx(triton_lamb._apply_kernel, {"meta": "*i64", "tiles": "*i32", "ratios": "*fp32", "lr": "fp32",
+                    **ROUNDING}, {"BLOCKS": 4, "COLS": 16, "ALIGNED": True, "SR": stochastic})
     compile_ptx(triton_blockwise._quantize_kernel, {"values_ptr": "*fp32", "codes_ptr": "*u8", "absmax_ptr": "*fp32",
                 "table_ptr": "*i32", "n": "i32", "blocks_per_row": "i32"}, {"SIGNED": True, "BLOCKS": 4})
     compile_ptx(triton_blockwise._dequantize_kernel, {"codes_ptr": "*u8", "absmax_ptr": "*fp32", "qmap_ptr": "*fp32",
@@ -92,10 +97,11 @@ def check_adafactor_kernels() -> None:
     clip = {"meta": "*i64", "partials": "*fp32", "clip_denominators": "*fp32", "inverse_clip_threshold": "fp32"}
     ptx = compile_ptx(triton_adafactor._clip_kernel, clip, {"CHUNK": 1024, "BLOCKS": 4, **adafactor})
     assert "div.full" not in ptx and "sqrt.approx" not in ptx
-    compile_ptx(triton_adafactor._apply_kernel, {"meta": "*i64", "tiles": "*i32", **scratch,
-                "clip_denominators": "*fp32", "lrs": "*fp32", "eps1": "fp32", "negative_decay": "fp32",
-                "qmap": "*fp32", "table": "*i32", "beta1": "fp32", "one_minus_beta1": "fp32"},
-                {"HAS_M": True, "HAS_DECAY": True, "BLOCKS": 4, **adafactor})
+    for stochastic in (False, True):
+        compile_ptx(triton_adafactor._apply_kernel, {"meta": "*i64", "tiles": "*i32", **scratch,
+                    "clip_denominators": "*fp32", "lrs": "*fp32", "eps1": "fp32", "negative_decay": "fp32",
+                    "qmap": "*fp32", "table": "*i32", "beta1": "fp32", "one_minus_beta1": "fp32", "ordinals": "*i64",
+                    "sr_key": "*i64"}, {"HAS_M": True, "HAS_DECAY": True, "BLOCKS": 4, "SR": stochastic, **adafactor})
 
 
 if __name__ == "__main__":
@@ -104,5 +110,6 @@ if __name__ == "__main__":
     for family in registry.families():
         if family.algorithm.triton_rule is not None:
             check_fused_update(family.algorithm)
+    check_fused_update(registry.lookup_algorithm("adamw").algorithm, stochastic=True)
     check_other_kernels()
     print("all kernels compiled")
