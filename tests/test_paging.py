@@ -38,6 +38,8 @@ def save_and_load(state_dict):
 def test_every_algorithm_has_paged_classes():
     assert {cls.__name__ for cls in PAGED} == {
         f"Paged{name}{bits}" for name in ("AdamW", "AdEMAMix", "LAMB", "Lion") for bits in ("", "8bit", "32bit")
+    } | {
+        f"Paged{name}4bit" for name in ("AdamW", "AdEMAMix", "Lion")
     }
 
 

@@ -146,7 +146,7 @@ def test_sparse_gradients_and_complex_parameters_are_refused():
         (hf_optim.AdamW, {"betas": (0.9,)}, "betas must be a tuple of 2 floats"),
         (hf_optim.AdamW, {"eps": 0.0}, "Invalid eps: 0.0"),
         (hf_optim.AdamW, {"weight_decay": -0.1}, "Invalid weight_decay: -0.1"),
-        (hf_optim.AdamW, {"optim_bits": 16}, "Invalid optim_bits: 16; expected 8 or 32"),
+        (hf_optim.AdamW, {"optim_bits": 16}, "Invalid optim_bits: 16; expected 4, 8 or 32"),
         (hf_optim.AdamW, {"min_8bit_size": -1}, "Invalid min_8bit_size: -1"),
         (hf_optim.AdamW, {"amsgrad": True}, "amsgrad=True is not supported"),
         (hf_optim.AdamW8bit, {"optim_bits": 32}, "AdamW8bit fixes optim_bits=8"),

@@ -226,7 +226,10 @@ def test_available_optimizers_lists_every_name():
                         "ademamix_8bit", "paged_ademamix_8bit", "paged_ademamix_32bit", "lion_8bit", "lion_32bit",
                         "paged_lion_8bit", "paged_lion_32bit", "rmsprop_bnb", "rmsprop_bnb_8bit",
                         "rmsprop_bnb_32bit", "adafactor"}
-    assert transformers_bnb == set(TAKEN_OVER)
+    transformers_torchao = {"adamw_torch_4bit", "adamw_torch_8bit"}
+    assert transformers_bnb | transformers_torchao == set(TAKEN_OVER)
+    assert {"adamw_4bit", "paged_adamw_4bit", "ademamix_4bit", "lion_4bit"} <= set(table)
+    assert table["adamw_torch_4bit"].cls is hf_optim.AdamW4bit and table["adamw_torch_4bit"].optim_bits == 4
     assert {"lamb", "lamb_8bit", "paged_lamb_8bit", "paged_lamb_32bit", "adamw_32bit"} <= set(table)
     assert table["paged_lamb_8bit"].cls is hf_optim.PagedLAMB8bit and table["paged_lamb_8bit"].paged
     assert table["ademamix"].optim_bits == 32 and table["rmsprop_bnb"].optim_bits == 32

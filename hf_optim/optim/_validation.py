@@ -76,8 +76,9 @@ def check_optional_steps(name: str, value) -> int | None:
 def check_optim_bits(optim_bits, supported: tuple[int, ...] = (8, 32), who: str = "") -> int:
     """``optim_bits`` if the algorithm supports it (``supported``), else a ValueError naming the valid values."""
     if optim_bits not in supported or isinstance(optim_bits, bool):
-        valid = " or ".join(str(bits) for bits in sorted(supported))
-        owner = f" ({who} runs with {valid}-bit state)" if who else ""
+        widths = [str(bits) for bits in sorted(supported)]
+        valid = widths[0] if len(widths) == 1 else ", ".join(widths[:-1]) + " or " + widths[-1]
+        owner = f" (the state widths {who} runs with)" if who else ""
         raise ValueError(f"Invalid optim_bits: {optim_bits!r}; expected {valid}{owner}")
     return int(optim_bits)
 
