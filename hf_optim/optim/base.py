@@ -360,7 +360,10 @@ class HfOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._run_plan(self._plan_step())
+        plan = self._plan_step()
+        if self._release is not None:
+            self._release.check_not_stepped(plan)
+        self._run_plan(plan)
         if self._release is not None:
             self._release.step_done()
         return loss

@@ -85,6 +85,18 @@ class GradientRelease:
             return None
         return torch.linalg.vector_norm(torch.stack([n.float() for n in self._norms]))
 
+    def check_not_stepped(self, plan: list) -> None:
+        """Refuse a ``step()`` that would step a parameter its hook already stepped since the last ``step()`` (a
+        gradient set again by hand): that would be a second update in one step."""
+        for group_index, _, entries in plan:
+            for p, *_ in entries:
+                if id(p) in self._released:
+                    raise RuntimeError(
+                        f"a parameter of param group {group_index} (shape {tuple(p.shape)}) has a gradient, but its "
+                        "release hook already stepped it since the last optimizer.step(); stepping it again would "
+                        "apply two updates in one step. Set its .grad to None (zero_grad()) before step()"
+                    )
+
     def step_done(self) -> None:
         self._released.clear()
         self._norms.clear()
