@@ -78,6 +78,19 @@ def test_bf16_weights_with_stochastic_rounding_match_bit_for_bit(tmp_path, name)
     assert_same_training_state(*runs)
 
 
+def test_gradient_checkpointing_matches_bit_for_bit(tmp_path):
+    """With activation checkpointing each layer's gradients come from a recomputation inside backward: the hooks
+    still fire once per parameter."""
+    runs = []
+    for release in (False, True):
+        run = trainer(tmp_path / str(release), "adamw_8bit", release=release, max_steps=4,
+                      model=tiny_llama(layers=2), gradient_checkpointing=True)
+        run.train()
+        runs.append(run)
+    assert losses(runs[0]) == losses(runs[1])
+    assert_same_training_state(*runs)
+
+
 def test_at_most_one_gradient_is_alive_during_backward(tmp_path):
     """A counting hook, registered before the optimizer's, sees how many gradients exist each time backward
     finishes one: with release it is only the one just produced; without, they pile up to all of them."""
