@@ -254,3 +254,14 @@ def test_pickled_optimizer_keeps_releasing():
     model_copy(batches[0]).square().mean().backward()
     assert all(p.grad is None for p in model_copy.parameters())
     assert all(optimizer_copy.state[p]["step"] == 1 for p in model_copy.parameters())
+
+
+def test_recipe_validation_names_what_release_cannot_honour():
+    from hf_optim.recipes import RecipeError, load_recipe
+
+    args = "training.optim_args=bf16_stochastic_round=true,release_gradients=true"
+    with pytest.raises(RecipeError, match="max_grad_norm=1.0") as error:
+        load_recipe("llama-3.1-8b-full", [args, "training.gradient_accumulation_steps=4"])
+    assert "gradient_accumulation_steps=4" in str(error.value)
+    recipe = load_recipe("llama-3.1-8b-full", [args, "training.max_grad_norm=0"])
+    assert "release_gradients=true" in recipe.training["optim_args"]
