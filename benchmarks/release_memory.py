@@ -131,16 +131,24 @@ def main() -> None:
           f"batch 1 x {args.tokens} tokens")
     print("peak = kernel's peak RSS during the step (VmHWM) minus RSS before it; B/param = bytes per parameter")
     print()
+    # activations (and autograd's temporaries): the forward+backward row's step-2 peak minus its gradients
+    plain = rows[0][2]["steps"]
+    activations = plain[1]["peak"] - plain[0]["before"] - weights
+    print(f"activations of the forward+backward row: {activations / 2**20:.0f} MiB "
+          f"({activations / numel:.2f} B/param), subtracted in the last column")
+    print()
     print("| setup | release | step-1 peak above weights | B/param above weights | B/param total "
-          "| step-2 peak above weights | B/param total (step 2) | gradients alive after the step |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| step-2 peak above weights | B/param total (step 2) | gradients alive after the step "
+          "| B/param total (step 2) without activations |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, release, result in rows:
         cells = [label, "yes" if release else "no"]
         first, second = result["steps"]
         # both against the RSS before step 1 (weights, libraries): step 2's peak then includes the state
         extra1, extra2 = first["peak"] - first["before"], second["peak"] - first["before"]
         cells += [f"{extra1 / 2**20:.0f} MiB", f"{extra1 / numel:.2f}", f"{(weights + extra1) / numel:.2f}",
-                  f"{extra2 / 2**20:.0f} MiB", f"{(weights + extra2) / numel:.2f}", str(second["grads_alive"])]
+                  f"{extra2 / 2**20:.0f} MiB", f"{(weights + extra2) / numel:.2f}", str(second["grads_alive"]),
+                  f"{(weights + extra2 - activations) / numel:.2f}"]
         print("| " + " | ".join(cells) + " |")
 
 
