@@ -18,6 +18,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+import hf_optim
+
 warnings.filterwarnings("ignore")
 
 
@@ -198,6 +200,24 @@ def trainer_ddp_resume_runs(checkpoint_dir: str) -> dict:
     return results
 
 
+def release_refusals(checkpoint_dir: str) -> dict:
+    """Gradient release on 2 ranks: the optimizer refuses it (its hooks would step before DDP's all-reduce), and
+    the Trainer's arguments name the distributed setup as the reason."""
+    from transformers import TrainingArguments
+
+    from hf_optim.integrations.transformers import release_argument_problems
+
+    results = {}
+    try:
+        hf_optim.AdamW8bit(DistributedDataParallel(Net()).parameters(), release_gradients=True)
+    except ValueError as error:
+        results["optimizer"] = str(error)
+    args = TrainingArguments(output_dir=f"{checkpoint_dir}/release", use_cpu=True, max_grad_norm=0, report_to=[],
+                             optim="adamw_8bit", optim_args="release_gradients=True")
+    results["trainer"] = release_argument_problems(args)
+    return results
+
+
 def main(out_file: str, checkpoint_dir: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -208,6 +228,7 @@ def main(out_file: str, checkpoint_dir: str) -> None:
         "accelerate": accelerate_resume_runs(checkpoint_dir),
         "reshard": reshard_runs(checkpoint_dir),
         "trainer_ddp": trainer_ddp_resume_runs(checkpoint_dir),
+        "release": release_refusals(checkpoint_dir),
     }
     if dist.get_rank() == 0:
         torch.save(results, out_file)

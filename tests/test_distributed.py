@@ -204,3 +204,11 @@ def test_embedding_32bit_override_survives_accelerates_fsdp2_parameter_swap():
     assert optimizer.state[embedding]["state1"].dtype == torch.float32
     big = [p for p in optimizer.param_groups[0]["params"] if p.numel() >= 4096 and p is not embedding]
     assert big and all(optimizer.state[p]["state1"].dtype == torch.uint8 for p in big)
+
+
+def test_gradient_release_is_refused_on_several_ranks(results):
+    """With DDP the post-accumulate-grad hooks fire before the all-reduce has averaged the gradient: stepping
+    there would train each rank on its own gradient. The optimizer and the Trainer's arguments refuse it."""
+    refused = results["release"]
+    assert "2 ranks" in refused["optimizer"] and "all-reduce" in refused["optimizer"]
+    assert len(refused["trainer"]) == 1 and "2 processes" in refused["trainer"][0]

@@ -103,12 +103,65 @@ def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None, name: st
     if entry is None:
         raise ValueError(unknown_name_message(name))
     kwargs = optimizer_kwargs(entry, args)
+    if kwargs.get("release_gradients"):
+        check_release_arguments(args)
     if model is not None and entry.optim_bits < 32:
         skipped = keep_embeddings_32bit(model)
         if skipped:
             logger.info("hf_optim: %d embedding parameters keep 32-bit state", skipped)
     logger.info("optim=%r -> %s", name, entry.describe(_backend_label(model)))
     return entry.cls, kwargs
+
+
+def release_argument_problems(args: Any) -> list[str]:
+    """What in ``TrainingArguments`` gradient release cannot honour (empty when it can run).
+
+    Each hook applies and frees its gradient during backward, so nothing that needs all gradients before the step
+    can see them: accumulation over micro-batches, global-norm clipping, fp16's GradScaler (unscale and inf check),
+    and the distributed backends, whose reduction completes after the hooks fire."""
+    problems = []
+    accumulation = getattr(args, "gradient_accumulation_steps", 1) or 1
+    if accumulation > 1:
+        problems.append(
+            f"gradient_accumulation_steps={accumulation}: each micro-batch's gradient would be applied on its own "
+            "(and the next one refused). Set gradient_accumulation_steps=1 and raise per_device_train_batch_size"
+        )
+    max_grad_norm = getattr(args, "max_grad_norm", 0) or 0
+    if max_grad_norm > 0:
+        problems.append(
+            f"max_grad_norm={max_grad_norm}: clipping to a global norm needs every gradient before the first "
+            "parameter steps, and released gradients are gone by then. Set max_grad_norm=0 (no clipping; the "
+            "logged grad_norm is still the norm of the released gradients)"
+        )
+    if getattr(args, "fp16", False):
+        problems.append(
+            "fp16=True: the GradScaler unscales gradients and skips steps with inf/NaN after backward, but the hooks "
+            "step on the scaled gradients during backward. Use bf16=True (no scaler) or fp32"
+        )
+    distributed = []
+    if getattr(args, "fsdp", None):
+        distributed.append(f"fsdp={args.fsdp!r}")
+    if getattr(args, "deepspeed", None):
+        distributed.append("deepspeed")
+    world_size = getattr(args, "world_size", 1)
+    if isinstance(world_size, int) and world_size > 1:
+        distributed.append(f"{world_size} processes")
+    if distributed:
+        problems.append(
+            f"distributed training ({', '.join(distributed)}): DDP's all-reduce and FSDP2's reduce-scatter produce "
+            "the averaged gradient after the hooks have fired. Train on one process, or turn release_gradients off"
+        )
+    return problems
+
+
+def check_release_arguments(args: Any) -> None:
+    """Raise ``ValueError`` naming every Trainer argument that gradient release cannot honour."""
+    problems = release_argument_problems(args)
+    if problems:
+        raise ValueError(
+            "release_gradients=True (optim_args) cannot run with these TrainingArguments:\n- "
+            + "\n- ".join(problems)
+        )
 
 
 def _backend_label(model: nn.Module | None) -> str:
@@ -196,6 +249,7 @@ def _patch_trainer(module) -> None:
     get_optimizer_cls_and_kwargs.__doc__ = original_fn.__doc__
     trainer_cls.get_optimizer_cls_and_kwargs = staticmethod(get_optimizer_cls_and_kwargs)
     _patch_create_scheduler(trainer_cls)
+    _patch_grad_norm(trainer_cls)
 
 
 def _patch_create_scheduler(trainer_cls) -> None:
@@ -208,6 +262,8 @@ def _patch_create_scheduler(trainer_cls) -> None:
     def create_scheduler(self, num_training_steps, optimizer=None):
         inner = optimizer if optimizer is not None else self.optimizer
         inner = getattr(inner, "optimizer", inner)  # accelerate's wrapper
+        if getattr(inner, "release_gradients", False):  # also an optimizer the user built and passed in
+            check_release_arguments(self.args)
         if self.lr_scheduler is None and isinstance(inner, Adafactor) and inner.param_groups[0]["relative_step"]:
             logger.info("Adafactor(relative_step=True) sets its own step size: lr_scheduler_type=%r is not used",
                         str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)))
@@ -218,6 +274,26 @@ def _patch_create_scheduler(trainer_cls) -> None:
     create_scheduler.__hf_optim__ = True
     create_scheduler.__wrapped__ = original
     trainer_cls.create_scheduler = create_scheduler
+
+
+def _patch_grad_norm(trainer_cls) -> None:
+    """With gradient release the Trainer finds no gradients to measure (it would log a grad_norm of 0): report the
+    norm of the gradients the optimizer released during this step's backward instead."""
+    original = getattr(trainer_cls, "_get_grad_norm", None)
+    if original is None or getattr(original, "__hf_optim__", False):
+        return
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)
+            released = getattr(inner, "released_grad_norm", None)
+            if released is not None:
+                return released
+        return original(self, model, grad_norm=grad_norm)
+
+    _get_grad_norm.__hf_optim__ = True
+    _get_grad_norm.__wrapped__ = original
+    trainer_cls._get_grad_norm = _get_grad_norm
 
 
 def _update_existing_parsers(warn: bool = True) -> None:

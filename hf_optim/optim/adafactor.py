@@ -169,6 +169,9 @@ class Adafactor(HfOptimizer):
         bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
             stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
             (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
+        release_gradients (bool, default False): step each parameter in a hook as soon as backward produces its
+            gradient and free the gradient at once (see ``hf_optim.optim.release``); ``step()`` must still be
+            called after every backward, and gradients cannot accumulate over several backward passes.
     """
 
     definition = ADAFACTOR
@@ -189,6 +192,7 @@ class Adafactor(HfOptimizer):
         optim_bits: int = 32,
         min_8bit_size: int = 4096,
         bf16_stochastic_round: bool = False,
+        release_gradients: bool = False,
     ) -> None:
         if lr is not None and relative_step:
             raise ValueError("Cannot combine a manual lr with relative_step=True; pass relative_step=False or lr=None")
@@ -202,7 +206,8 @@ class Adafactor(HfOptimizer):
             warmup_init=bool(warmup_init),
         )
         super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size,
-                         bf16_stochastic_round=bf16_stochastic_round)
+                         bf16_stochastic_round=bf16_stochastic_round,
+                         release_gradients=release_gradients)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)

@@ -98,6 +98,9 @@ class AdamW(HfOptimizer):
         bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
             stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
             (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
+        release_gradients (bool, default False): step each parameter in a hook as soon as backward produces its
+            gradient and free the gradient at once (see ``hf_optim.optim.release``); ``step()`` must still be
+            called after every backward, and gradients cannot accumulate over several backward passes.
     """
 
     definition = ADAMW
@@ -115,12 +118,14 @@ class AdamW(HfOptimizer):
         min_8bit_size: int = 4096,
         is_paged: bool = False,
         bf16_stochastic_round: bool = False,
+        release_gradients: bool = False,
     ) -> None:
         check_unsupported("amsgrad", amsgrad, False, "AMSGrad needs a third state; use amsgrad=False")
         check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
         defaults = dict(lr=lr, betas=as_tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged,
-                         bf16_stochastic_round=bf16_stochastic_round)
+                         bf16_stochastic_round=bf16_stochastic_round,
+                         release_gradients=release_gradients)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)

@@ -39,6 +39,7 @@ from hf_optim.optim.overrides import (
     module_overrides,
     update_overrides,
 )
+from hf_optim.optim.release import GradientRelease, check_release_gradients, release_unsupported_reason
 from hf_optim.paging import on_host, paging_unavailable_reason, state_allocator
 
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
@@ -94,6 +95,7 @@ class HfOptimizer(torch.optim.Optimizer):
         min_8bit_size: int = 4096,
         is_paged: bool = False,
         bf16_stochastic_round: bool = False,
+        release_gradients: bool = False,
     ) -> None:
         defaults = dict(defaults)
         defaults["optim_bits"] = check_optim_bits(optim_bits, self._supported_bits(), type(self).__name__)
@@ -107,6 +109,10 @@ class HfOptimizer(torch.optim.Optimizer):
         self._ordinals: dict[int, int] = {}  # during a step with stochastic rounding: id(state) -> param ordinal
         for group in self.param_groups:
             self._check_group(group)
+        self.release_gradients = check_release_gradients(release_gradients)
+        self._release: GradientRelease | None = None
+        if self.release_gradients:
+            self._start_release()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -354,7 +360,17 @@ class HfOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group_index, group, entries in self._plan_step():
+        plan = self._plan_step()
+        if self._release is not None:
+            self._release.check_not_stepped(plan)
+        self._run_plan(plan)
+        if self._release is not None:
+            self._release.step_done()
+        return loss
+
+    def _run_plan(self, plan: list[tuple[int, dict, list[tuple]]]) -> None:
+        """Step the parameters of a :meth:`_plan_step` plan."""
+        for group_index, group, entries in plan:
             # State is created lazily, for all of a step's new parameters at once (flat buffers hold them together).
             fresh = [(p, param, overrides) for p, param, _, overrides in entries if not self.state[p]]
             self._create_states(group, fresh)
@@ -378,18 +394,22 @@ class HfOptimizer(torch.optim.Optimizer):
             self._update_group(group, group_index, items)
             for effective_group, group_items in overridden.values():
                 self._update_group(effective_group, group_index, group_items)
-        return loss
 
-    def _plan_step(self) -> list[tuple[int, dict, list[tuple]]]:
+    def _plan_step(self, only: tuple[int, int] | None = None) -> list[tuple[int, dict, list[tuple]]]:
         """``(group index, group, [(param, local param, local grad, overrides)])`` for every parameter with a
-        gradient, after checking all of them, so that a refused step changes nothing: no parameter, state or step
-        counter."""
+        gradient (``only``: the one parameter at ``(group index, index)``), after checking all of them, so that a
+        refused step changes nothing: no parameter, state or step counter."""
         manager = bitsandbytes_manager()
         by_module = module_overrides(manager) if manager is not None else {}
         plan = []
-        for group_index, group in enumerate(self.param_groups):
+        if only is None:
+            groups = list(enumerate(self.param_groups))
+        else:
+            groups = [(only[0], self.param_groups[only[0]])]
+        for group_index, group in groups:
             entries = []
-            for index, p in enumerate(group["params"]):
+            members = enumerate(group["params"]) if only is None else [(only[1], group["params"][only[1]])]
+            for index, p in members:
                 grad = p.grad
                 if grad is None:
                     continue
@@ -414,8 +434,49 @@ class HfOptimizer(torch.optim.Optimizer):
                 kernel_backend.uses_triton(device)
         return plan
 
+    # ----------------------------------------------------------------------------------------------------
+    # Gradient release (hf_optim.optim.release)
+    def _start_release(self) -> None:
+        """Hook every trainable parameter, after refusing what gradient release cannot run correctly."""
+        reason = release_unsupported_reason()
+        if reason is not None:
+            raise ValueError(f"{type(self).__name__}: {reason}")
+        for group in self.param_groups:
+            for p in group["params"]:
+                if sharding.is_dtensor(p):
+                    raise ValueError(
+                        f"{type(self).__name__}: release_gradients does not support sharded (DTensor) parameters: "
+                        "FSDP2 reduce-scatters their gradients outside the hooks. Turn release_gradients off"
+                    )
+        self._release = GradientRelease(self)
+        for group in self.param_groups:
+            self._release.watch(group["params"])
+
+    @torch.no_grad()
+    def _step_released(self, group_index: int, index: int) -> None:
+        """Step the one parameter at ``(group_index, index)`` (called by its gradient-release hook)."""
+        if any(group[SR_KEY] for group in self.param_groups):
+            self._number_states()  # a loaded state dict may have replaced the states the ordinals name
+        self._run_plan(self._plan_step(only=(group_index, index)))
+
+    @property
+    def released_grad_norm(self) -> torch.Tensor | None:
+        """With ``release_gradients``: the global 2-norm of the gradients released since the last ``step()``
+        (what the Trainer logs as ``grad_norm``), or None."""
+        return self._release.grad_norm() if self._release is not None else None
+
+    def remove_release_hooks(self) -> None:
+        """Stop releasing gradients: remove the hooks; ``step()`` steps every gradient again."""
+        if self._release is not None:
+            self._release.remove()
+        self._release = None
+        self.release_gradients = False
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
+        release = self.__dict__.get("_release")
+        if release is not None:  # a group added after construction: its parameters release too
+            release.watch(self.param_groups[-1]["params"])
         # Per-parameter overrides are also recorded by position: accelerate's FSDP2 preparation swaps each
         # parameter for a new DTensor parameter at the same place in param_groups, and the attribute stays behind.
         recorded = self.__dict__.setdefault("_overrides_by_position", {})
@@ -447,9 +508,10 @@ class HfOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------------------------------
     # Pickling (copy.deepcopy, pickle, torch.save of the optimizer object)
-    _PICKLED_ATTRS: ClassVar[tuple[str, ...]] = ("is_paged", "_overrides_by_position")
+    _PICKLED_ATTRS: ClassVar[tuple[str, ...]] = ("is_paged", "_overrides_by_position", "release_gradients")
     """What hf_optim adds to torch's pickled state (defaults, state, param_groups). The allocator is rebuilt from
-    ``is_paged``; caches (Triton launch plans) are rebuilt when next needed."""
+    ``is_paged``; caches (Triton launch plans) are rebuilt when next needed; with ``release_gradients`` the
+    unpickled optimizer hooks its own (unpickled) parameters."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -467,8 +529,12 @@ class HfOptimizer(torch.optim.Optimizer):
             self.defaults.pop("differentiable", None)
         self.__dict__.setdefault("is_paged", False)
         self.__dict__.setdefault("_overrides_by_position", {})
+        self.__dict__.setdefault("release_gradients", False)
+        self._release = None
         self._allocate = state_allocator(self.is_paged, type(self).__name__)
         self._flat = FlatStates()  # unpickled state is standalone: the multi-tensor path moves it in at the next step
+        if self.release_gradients:
+            self._start_release()
         if self.is_paged:
             self._page_state_again()
 
@@ -625,6 +691,9 @@ class HfOptimizer(torch.optim.Optimizer):
         self._flat.clear()  # the loaded state moves into new flat buffers at its first step
         self.state.update(new_state)
         self.param_groups = new_groups
+        if self._release is not None:
+            self._release.groups_changed()
+            self._release.step_done()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -139,6 +139,9 @@ class LAMB(HfOptimizer):
         bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
             stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
             (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
+        release_gradients (bool, default False): step each parameter in a hook as soon as backward produces its
+            gradient and free the gradient at once (see ``hf_optim.optim.release``); ``step()`` must still be
+            called after every backward, and gradients cannot accumulate over several backward passes.
     """
 
     definition = LAMB_ALGORITHM
@@ -160,6 +163,7 @@ class LAMB(HfOptimizer):
         min_8bit_size: int = 4096,
         is_paged: bool = False,
         bf16_stochastic_round: bool = False,
+        release_gradients: bool = False,
     ) -> None:
         check_unsupported("amsgrad", amsgrad, False, "AMSGrad needs a third state; use amsgrad=False")
         check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
@@ -168,7 +172,8 @@ class LAMB(HfOptimizer):
             adam_w_mode=bool(adam_w_mode), use_nvlamb=bool(use_nvlamb), max_trust_ratio=max_trust_ratio,
         )
         super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged,
-                         bf16_stochastic_round=bf16_stochastic_round)
+                         bf16_stochastic_round=bf16_stochastic_round,
+                         release_gradients=release_gradients)
         if not any(group["weight_decay"] != 0 or group["use_nvlamb"] for group in self.param_groups):
             # The Trainer's default weight_decay is 0: LAMB would then silently be Adam (apex semantics).
             warnings.warn(

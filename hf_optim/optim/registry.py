@@ -155,7 +155,8 @@ def _caller_module() -> str:
 
 def _generated_class(algorithm: Algorithm, defaults: dict, check, module: str) -> type:
     """An :class:`HfOptimizer` subclass for ``algorithm`` whose constructor takes ``defaults``' hyperparameters."""
-    reserved = {"params", "optim_bits", "min_8bit_size", "is_paged", "bf16_stochastic_round"} & set(defaults)
+    reserved = {"params", "optim_bits", "min_8bit_size", "is_paged", "bf16_stochastic_round",
+                "release_gradients"} & set(defaults)
     if reserved:
         raise ValueError(f"defaults of {algorithm.name!r} may not set {sorted(reserved)}: every class takes them")
     keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD
@@ -165,7 +166,8 @@ def _generated_class(algorithm: Algorithm, defaults: dict, check, module: str) -
         + [inspect.Parameter("optim_bits", keyword, default=32),
            inspect.Parameter("min_8bit_size", keyword, default=4096),
            inspect.Parameter("is_paged", keyword, default=False),
-           inspect.Parameter("bf16_stochastic_round", keyword, default=False)]
+           inspect.Parameter("bf16_stochastic_round", keyword, default=False),
+           inspect.Parameter("release_gradients", keyword, default=False)]
     )
 
     def __init__(self, params, *args, **kwargs) -> None:
@@ -173,13 +175,14 @@ def _generated_class(algorithm: Algorithm, defaults: dict, check, module: str) -
             arguments = signature.bind(self, params, *args, **kwargs)
         except TypeError as error:
             raise TypeError(f"{type(self).__name__}.__init__() {error}; it takes {', '.join(defaults)}, optim_bits, "
-                            "min_8bit_size, is_paged and bf16_stochastic_round") from None
+                            "min_8bit_size, is_paged, bf16_stochastic_round and release_gradients") from None
         arguments.apply_defaults()
         values = arguments.arguments
         hyper = {name: as_tuple(values[name]) if isinstance(values[name], list) else values[name] for name in defaults}
         HfOptimizer.__init__(self, values["params"], hyper, optim_bits=values["optim_bits"],
                              min_8bit_size=values["min_8bit_size"], is_paged=values["is_paged"],
-                             bf16_stochastic_round=values["bf16_stochastic_round"])
+                             bf16_stochastic_round=values["bf16_stochastic_round"],
+                             release_gradients=values["release_gradients"])
 
     def _check_group(self, group: dict) -> None:
         HfOptimizer._check_group(self, group)

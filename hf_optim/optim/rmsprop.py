@@ -82,6 +82,9 @@ class RMSprop(HfOptimizer):
         bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
             stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
             (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
+        release_gradients (bool, default False): step each parameter in a hook as soon as backward produces its
+            gradient and free the gradient at once (see ``hf_optim.optim.release``); ``step()`` must still be
+            called after every backward, and gradients cannot accumulate over several backward passes.
     """
 
     definition = RMSPROP
@@ -101,6 +104,7 @@ class RMSprop(HfOptimizer):
         percentile_clipping: int = 100,
         block_wise: bool = True,
         bf16_stochastic_round: bool = False,
+        release_gradients: bool = False,
     ) -> None:
         check_unsupported("momentum", momentum, 0.0, "RMSprop with momentum is not implemented (nor in bitsandbytes)")
         check_unsupported("centered", centered, False, "centered RMSprop is not implemented (nor in bitsandbytes)")
@@ -109,7 +113,8 @@ class RMSprop(HfOptimizer):
         check_unsupported("block_wise", block_wise, True, "hf_optim stores 8-bit state blockwise only")
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size,
-                         bf16_stochastic_round=bf16_stochastic_round)
+                         bf16_stochastic_round=bf16_stochastic_round,
+                         release_gradients=release_gradients)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)

@@ -246,18 +246,31 @@ def check_optimizer(raw: RawRecipe, name: Any, issues: list[RecipeIssue]) -> Non
                               "transformers' are in transformers.training_args.OptimizerNames)"))
 
 
-def check_optim_args(raw: RawRecipe, name: Any, optim_args: Any, issues: list[RecipeIssue]) -> None:
+def check_optim_args(raw: RawRecipe, name: Any, optim_args: Any, issues: list[RecipeIssue],
+                     training: dict | None = None) -> None:
     """``training.optim_args`` of an hf_optim name, checked as the optimizer will read them (keys and types), so
-    that a typo fails at validation, not when training starts."""
+    that a typo fails at validation, not when training starts; with ``release_gradients``, the ``training`` keys
+    gradient release cannot honour (the Trainer's defaults where unset, e.g. ``max_grad_norm=1.0``)."""
     entry = OPTIMIZER_NAMES.get(str(getattr(name, "value", name)))
     if entry is None or not optim_args:
         return
     from hf_optim.integrations.optim_args import OptimArgsError, parse_optim_args, typed_optim_args
 
     try:
-        typed_optim_args(entry, parse_optim_args(str(optim_args)))
+        typed = typed_optim_args(entry, parse_optim_args(str(optim_args)))
     except OptimArgsError as error:
         issues.append(RecipeIssue(raw.origin("training.optim_args"), "training.optim_args", str(error)))
+        return
+    if typed.get("release_gradients"):
+        from types import SimpleNamespace
+
+        from hf_optim.integrations.transformers import release_argument_problems
+
+        settings = {"gradient_accumulation_steps": 1, "max_grad_norm": 1.0, "fp16": False}  # the Trainer's defaults
+        settings.update({k: v for k, v in (training or {}).items() if k in settings and v != "auto"})
+        for problem in release_argument_problems(SimpleNamespace(**settings)):
+            issues.append(RecipeIssue(raw.origin("training.optim_args"), "training.optim_args",
+                                      f"release_gradients=True: {problem}"))
 
 
 def _construct(raw: RawRecipe, name: str, factory, values: dict, label: str, issues: list[RecipeIssue]) -> None:
@@ -309,7 +322,7 @@ def validate(raw: RawRecipe) -> Recipe:
     training = _check_pass_through(raw, "training", sections["training"] or {}, targets["training"], issues)
     if "optim" in training:
         check_optimizer(raw, training["optim"], issues)
-        check_optim_args(raw, training["optim"], training.get("optim_args"), issues)
+        check_optim_args(raw, training["optim"], training.get("optim_args"), issues, training)
 
     data_section = sections["data"]
     if data_section is None and "data" not in data:
