@@ -107,7 +107,8 @@ def cmd_validate(args, console) -> int:
         try:
             card_bytes = parse_memory(args.fit)
         except ValueError as exc:
-            Console = type(console)
+            from rich.console import Console
+
             Console(stderr=True).print(f"[red]error[/red]: {exc}", highlight=False)
             return 2
     recipe = load_recipe(args.recipe, args.overrides, args.smoke)

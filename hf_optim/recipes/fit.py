@@ -147,9 +147,11 @@ def plan(recipe: Recipe, card_bytes: int, batches: tuple[int, ...] = ()) -> FitP
         gradients = largest_two if setup.release else est.gradient_bytes
         foreach_temporary = est.gradient_bytes if setup.optim in TORCH_STATE_COUNT else 0
         step = est.weights_bytes + state_gpu + (0 if setup.release else est.gradient_bytes) + foreach_temporary
-        asked = sorted({1, recipe_batch, *batches})
-        peaks = {b: _peak(est, shape, setup, state_gpu, step, b * seq_len) for b in asked}
-        max_batch = _largest_batch(lambda b: _peak(est, shape, setup, state_gpu, step, b * seq_len) <= usable)
+        def peak(batch: int, setup=setup, state_gpu=state_gpu, step=step) -> int:
+            return _peak(est, shape, setup, state_gpu, step, batch * seq_len)
+
+        peaks = {b: peak(b) for b in sorted({1, recipe_batch, *batches})}
+        max_batch = _largest_batch(lambda b: peak(b) <= usable)
         per_param = (est.weights_bytes + gradients + state) / est.total_params
         results.append(SetupFit(setup, state, state_gpu, gradients, step, peaks, max_batch, per_param))
     fits = sorted((r for r in results if r.fits), key=lambda r: _rank(r, recipe_batch))
