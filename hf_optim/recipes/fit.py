@@ -169,7 +169,7 @@ def plan(recipe: Recipe, card_bytes: int, batches: tuple[int, ...] = ()) -> FitP
         "adamw_torch (torch's foreach AdamW) keeps its two states in the weights' dtype and makes one "
         "parameter-sized temporary at the step; hf_optim's kernels update in place",
         "ranked by fewest compromises: reaches the recipe's batch, unpaged, gradients kept, no checkpointing, "
-        "higher-precision state, then larger batch",
+        "higher-precision state (paged: smaller state, less to move), then larger batch",
     ]
     return FitPlan(est, card_bytes, usable, seq_len, recipe_batch, fits, misfits, assumptions)
 
@@ -189,8 +189,9 @@ def _largest_batch(fits) -> int:
 
 def _rank(result: SetupFit, recipe_batch: int) -> tuple:
     s = result.setup
-    return (result.max_batch < recipe_batch, s.paged, s.release, s.checkpointing, PRECISION_ORDER[s.bits],
-            -result.max_batch)
+    # paged state that does not fit crosses PCIe every step: there the smaller state is the faster one
+    precision = -PRECISION_ORDER[s.bits] if s.paged else PRECISION_ORDER[s.bits]
+    return (result.max_batch < recipe_batch, s.paged, s.release, s.checkpointing, precision, -result.max_batch)
 
 
 def _dtype_name(element_size: int) -> str:
