@@ -16,6 +16,7 @@ EXAMPLES = """examples:
   hf-optim train quickstart                                   # the tiny offline QLoRA run (CPU, ~1 minute)
   hf-optim run -- trl sft --optim lamb_8bit ...               # another command line, with hf_optim's names
   hf-optim validate llama-3.1-8b-full training.optim=adamw_torch
+  hf-optim validate llama-3.1-8b-full --fit 24GiB                # which setups fit a 24 GB card, largest batch
   hf-optim train llama-3.2-1b-qlora --smoke                   # any recipe, a few steps on CPU
   hf-optim train llama-3.2-1b-full --sweep training.optim=adamw_torch,adamw_8bit,paged_adamw_8bit
 """
@@ -53,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
                                             "from the architecture (meta device, no download).")
     recipe_args(validate)
     validate.add_argument("--no-estimate", action="store_true", help="check keys only")
+    validate.add_argument("--fit", metavar="MEMORY",
+                          help="plan a full fine-tune on a card of this size (24GiB, 80G, 40GB, 24000MB): which "
+                               "optimizer precision / paging / gradient release / checkpointing setups fit, and "
+                               "the largest batch of each")
 
     verbs.add_parser("ls", help="list the bundled recipes", description="List the bundled recipes.")
     cp = verbs.add_parser("cp", help="copy a bundled recipe to edit it",
@@ -86,11 +91,26 @@ def _gib(nbytes: int | None) -> str:
     return "unknown" if nbytes is None else f"{nbytes / 2**30:,.2f}"
 
 
+def _per_param(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.2f}"
+
+
 def cmd_validate(args, console) -> int:
     from rich.table import Table
 
     from hf_optim.recipes.api import load_recipe
 
+    card_bytes = None
+    if args.fit is not None:
+        from hf_optim.recipes.fit import parse_memory
+
+        try:
+            card_bytes = parse_memory(args.fit)
+        except ValueError as exc:
+            from rich.console import Console
+
+            Console(stderr=True).print(f"[red]error[/red]: {exc}", highlight=False)
+            return 2
     recipe = load_recipe(args.recipe, args.overrides, args.smoke)
     console.print(f"[green]ok[/green] {recipe.source}: keys, types and optimizer {recipe.optim!r} are valid "
                   f"({recipe.method}, model {recipe.model['id']})")
@@ -112,15 +132,59 @@ def cmd_validate(args, console) -> int:
     table.add_column("bytes", justify="right")
     table.add_column("GB", justify="right")
     table.add_column("GiB", justify="right")
+    table.add_column("bytes/param", justify="right")
     rows = [("weights", est.weights_bytes), ("gradients", est.gradient_bytes), ("optimizer state", est.state_bytes),
             ("total (without activations)", est.total_bytes)]
     for name, value in rows:
-        table.add_row(name, "unknown" if value is None else f"{value:,}", _gb(value), _gib(value))
+        table.add_row(name, "unknown" if value is None else f"{value:,}", _gb(value), _gib(value),
+                      _per_param(est.per_param(value)))
     console.print(table)
     console.print(f"parameters: {est.total_params:,} total, {est.trainable_params:,} trainable; "
-                  f"architecture from: {est.config_source}")
+                  f"architecture from: {est.config_source}; bytes/param: per model parameter")
     for note in est.notes:
         console.print(f"note: {note}")
+    if card_bytes is not None:
+        return _print_fit(recipe, card_bytes, console)
+    return 0
+
+
+def _print_fit(recipe, card_bytes: int, console) -> int:
+    """The --fit table: every setup that fits, ranked, with its largest batch; or why nothing does."""
+    from rich.table import Table
+
+    from hf_optim.recipes.fit import gib, nothing_fits_message, plan, state_label
+
+    try:
+        result = plan(recipe, card_bytes)
+    except ValueError as exc:
+        console.print(f"no fit plan: {exc}")
+        return 0
+    batch = result.recipe_batch
+    table = Table(title=f"Fit on a {gib(card_bytes)} GiB card ({card_bytes / 1e9:,.2f} GB): {result.estimate.model_id}"
+                        f", full fine-tune, {result.seq_len} tokens per sequence")
+    for column, justify in (("#", "right"), ("optimizer", "left"), ("state", "left"), ("paged", "left"),
+                            ("gradients", "left"), ("checkpointing", "left"), ("bytes/param", "right"),
+                            (f"GiB at batch {batch} (est.)", "right"), ("largest batch (est.)", "right")):
+        table.add_column(column, justify=justify)
+    for rank, fit in enumerate(result.fits, 1):
+        s = fit.setup
+        peak = fit.batch_bytes[batch]
+        over = "" if peak <= result.usable_bytes else " [red](over)[/red]"
+        table.add_row(str(rank), s.optim, state_label(s.bits), "yes: state in host memory" if s.paged else "no",
+                      "released" if s.release else "kept", "on" if s.checkpointing else "off",
+                      f"{fit.bytes_per_param:.2f}", gib(peak) + over, str(fit.max_batch))
+    if result.fits:
+        console.print(table)
+    else:
+        console.print(f"[red]{nothing_fits_message(result)}[/red]", highlight=False)
+    if result.misfits:
+        names = "; ".join(f"{m.setup.label()} ({gib(m.batch_bytes[1])} GiB at batch 1)" for m in result.misfits[:4])
+        more = f" and {len(result.misfits) - 4} more" if len(result.misfits) > 4 else ""
+        console.print(f"{len(result.misfits)} setup(s) do not fit even at batch 1: {names}{more}", highlight=False)
+    console.print("bytes/param: weights + gradients (kept: all; released: those alive at once) + optimizer state "
+                  "(paged included), per model parameter; activations excluded")
+    for assumption in result.assumptions:
+        console.print(f"assumption: {assumption}", highlight=False)
     return 0
 
 

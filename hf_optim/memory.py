@@ -23,12 +23,20 @@ class StateMemory:
         by_dtype: bytes per dtype name (``"uint8"``, ``"float32"``, ...).
         by_device: bytes per device (``"cpu"``, ``"cuda:0"``, ...); paged state counts on the device it serves.
         paged_bytes: bytes that live in CUDA managed (paged) memory, which torch's allocator counters do not see.
+        num_params: elements of the parameters the optimizer updates (a DTensor counts its local shard), so that
+            the footprint reads as bytes per parameter, the unit memory-efficient optimizers are compared in.
     """
 
     total_bytes: int = 0
     by_dtype: dict[str, int] = field(default_factory=dict)
     by_device: dict[str, int] = field(default_factory=dict)
     paged_bytes: int = 0
+    num_params: int = 0
+
+    @property
+    def bytes_per_param(self) -> float | None:
+        """State bytes per updated parameter element (None for an optimizer without parameters)."""
+        return self.total_bytes / self.num_params if self.num_params else None
 
     def as_dict(self) -> dict:
         return {
@@ -36,6 +44,8 @@ class StateMemory:
             "by_dtype": dict(self.by_dtype),
             "by_device": dict(self.by_device),
             "paged_bytes": self.paged_bytes,
+            "num_params": self.num_params,
+            "bytes_per_param": self.bytes_per_param,
         }
 
 
@@ -69,4 +79,5 @@ def state_memory(optimizer: torch.optim.Optimizer) -> StateMemory:
             by_device[serving_device(tensor)] += nbytes
             if is_paged_tensor(tensor):
                 paged += nbytes
-    return StateMemory(sum(by_dtype.values()), dict(by_dtype), dict(by_device), paged)
+    num_params = sum(_local(p).numel() for group in optimizer.param_groups for p in group["params"])
+    return StateMemory(sum(by_dtype.values()), dict(by_dtype), dict(by_device), paged, num_params)

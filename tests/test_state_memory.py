@@ -29,7 +29,7 @@ def test_32bit_and_torch_optimizers_count_every_state_tensor():
     run_steps(ours, params, 1)
     assert hf_optim.state_memory(ours).as_dict() == {
         "total_bytes": 2 * 64 * 64 * 4, "by_dtype": {"float32": 2 * 64 * 64 * 4},
-        "by_device": {"cpu": 2 * 64 * 64 * 4}, "paged_bytes": 0,
+        "by_device": {"cpu": 2 * 64 * 64 * 4}, "paged_bytes": 0, "num_params": 64 * 64, "bytes_per_param": 8.0,
     }
     theirs = torch.optim.AdamW(params)
     run_steps(theirs, params, 1)
@@ -40,3 +40,13 @@ def test_32bit_and_torch_optimizers_count_every_state_tensor():
 def test_empty_before_the_first_step():
     opt = hf_optim.Lion8bit(make_params([(64, 64)]))
     assert hf_optim.state_memory(opt).total_bytes == 0
+
+
+def test_bytes_per_param_of_4bit_state_by_hand():
+    params = make_params([(128, 256)])  # 32768 elements: two 4-bit slots (codes, absmax per 128, a 16-entry map)
+    opt = hf_optim.AdamW4bit(params)
+    run_steps(opt, params, 1)
+    memory = hf_optim.state_memory(opt)
+    numel = 128 * 256
+    assert memory.num_params == numel
+    assert memory.bytes_per_param == 2 * (numel // 2 + 4 * (numel // 128) + 4 * 16) / numel

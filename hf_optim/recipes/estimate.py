@@ -78,6 +78,8 @@ class MemoryEstimate:
         gradient_bytes: one gradient per trainable parameter, in its dtype.
         state_bytes: optimizer state (None: no state model for this optimizer name).
         notes: assumptions worth showing.
+        tensors: the trainable tensors counted (for the planner, which prices other optimizers on them).
+        config: the model config the estimate was built from.
     """
 
     model_id: str
@@ -90,10 +92,16 @@ class MemoryEstimate:
     gradient_bytes: int
     state_bytes: int | None
     notes: list[str] = field(default_factory=list)
+    tensors: list[TensorCount] = field(default_factory=list, repr=False)
+    config: object = field(default=None, repr=False)
 
     @property
     def total_bytes(self) -> int:
         return self.weights_bytes + self.gradient_bytes + (self.state_bytes or 0)
+
+    def per_param(self, nbytes: int | None) -> float | None:
+        """``nbytes`` per model parameter (the unit the anchors quote: bytes/param of a full fine-tune)."""
+        return None if nbytes is None else nbytes / self.total_params
 
 
 def state_bytes(optim: str, tensors: list[TensorCount]) -> int | None:
@@ -214,7 +222,7 @@ def estimate(recipe: Recipe) -> MemoryEstimate:
     if recipe.method == "qlora":
         notes.append("quantized weights: 4-bit = 0.5 byte each plus constants per block of 64")
     return MemoryEstimate(model_id, source, recipe.method, optim, total_params, sum(t.numel for t in tensors),
-                          weights, gradients, state, notes)
+                          weights, gradients, state, notes, tensors, config)
 
 
 def _dtype_names(tensors: list[TensorCount]) -> str:

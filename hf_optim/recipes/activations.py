@@ -1,0 +1,157 @@
+"""An estimate of activation memory for Llama-shaped decoders, per token, with and without gradient checkpointing.
+
+Why a formula of our own rather than Korthikanti et al. (2022)'s ``34h + 5as`` per layer per token: that one
+counts a Megatron GPT layer in fp16 with the attention matrix materialised (the ``5as`` term) and dropout masks.
+A Hugging Face Llama trained with SDPA (flash or memory-efficient attention) has neither, but it has SwiGLU (three
+MLP matrices) and RMSNorm, which upcasts its input to fp32 and keeps that copy for backward. Counting the tensors
+the HF Llama layer saves for backward, with ``e`` the bytes of an activation element (2 for bf16/fp16), ``h`` the
+hidden size, ``i`` the MLP width, ``a`` the attention heads and ``h_kv`` the key/value width, gives per token:
+
+* each RMSNorm: the fp32 copy of its input ``4h``, the normalised value ``e*h``, its output (the next linear
+  layers' input) ``e*h``, and one fp32 reciprocal RMS ``4``;
+* attention: q ``e*h``, k and v after RoPE ``2*e*h_kv`` (GQA keeps them unrepeated), the output ``e*h`` (also
+  ``o_proj``'s input), and SDPA's fp32 log-sum-exp per head ``4a``;
+* SwiGLU: gate, up, silu(gate) and their product, ``4*e*i``;
+
+so a layer is ``2*(4h + 2eh + 4) + e*(2h + 2h_kv) + 4a + 4ei`` bytes per token (``20h + 4h_kv + 8i + 4a + 8`` in
+bf16). Around the layers: the final RMSNorm (as above), the fp32 log-softmax of the logits ``4V`` (transformers
+upcasts logits before the cross-entropy) and the int64 input ids and labels ``16``.
+
+With gradient checkpointing each layer keeps only its input ``e*h`` and is recomputed in backward, so one layer's
+full activations come back at a time.
+
+The peak is not only the saved tensors: at the start of backward the loss head holds two fp32 logit-sized gradients
+``8V`` besides its saved log-softmax, and gradients build up while activations are
+freed. :func:`backward_peak_bytes` walks the backward stage by stage (head, then each layer from the last one) and
+takes the largest sum of what is alive, with all gradients kept or with gradient release (a released gradient is
+freed once its parameter has stepped: see :func:`backward_peak_bytes`).
+
+Calibrated in ``tests/test_activation_estimate.py`` against the tensors a CPU forward of the tiny model really saves
+(``torch.autograd.graph.saved_tensors_hooks``) and against the peak of the CPU allocator's own allocation events
+(``torch.profiler`` with ``profile_memory=True``) over a forward and backward. Not counted: a padded batch's
+attention mask (we assume unpadded or packed sequences, ``is_causal`` attention), attention without
+flash/memory-efficient kernels (``eager`` keeps an ``s x s`` matrix per head), kernel workspaces, and metrics a
+trainer computes from the logits. It is an estimate, and the planner says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP32 = 4
+INDEX_BYTES = 16  # int64 input ids (kept by the embedding's backward) and int64 labels (kept by the loss)
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What the activation estimate needs of a Llama-shaped decoder's config, and the gradients it produces.
+
+    Attributes:
+        hidden: hidden size ``h``.
+        intermediate: MLP width ``i``.
+        layers: decoder layers.
+        heads: attention heads ``a``.
+        kv_width: key/value width ``h_kv`` (kv heads times head dim).
+        vocab: vocabulary size ``V``.
+        tied: whether the output head shares the input embedding.
+        element_size: bytes of an activation (and gradient) element: 2 for bf16/fp16, 4 for fp32.
+    """
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_width: int
+    vocab: int
+    tied: bool
+    element_size: int = 2
+
+    @classmethod
+    def from_config(cls, config, element_size: int = 2) -> DecoderShape:
+        """The shape of a transformers ``LlamaConfig`` (or any config with the same fields)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.hidden_size, config.intermediate_size, config.num_hidden_layers, heads, kv_heads * head_dim,
+                   config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)), element_size)
+
+    # -- saved for backward, per token ---------------------------------------------------------------------------
+    def norm_bytes(self) -> int:
+        """One RMSNorm and its output: fp32 input copy, normalised value, output, reciprocal RMS."""
+        return FP32 * self.hidden + 2 * self.element_size * self.hidden + FP32
+
+    def layer_bytes(self) -> int:
+        """One decoder layer's saved tensors per token, without checkpointing (see the module docstring)."""
+        e = self.element_size
+        attention = e * (2 * self.hidden + 2 * self.kv_width) + FP32 * self.heads
+        return 2 * self.norm_bytes() + attention + 4 * e * self.intermediate
+
+    def head_bytes(self) -> int:
+        """Saved outside the layers: final norm, fp32 log-softmax of the logits, input ids and labels."""
+        return self.norm_bytes() + FP32 * self.vocab + INDEX_BYTES
+
+    def saved_bytes(self, checkpointing: bool) -> int:
+        """Everything saved for backward at the end of the forward, per token."""
+        per_layer = self.element_size * self.hidden if checkpointing else self.layer_bytes()
+        return self.layers * per_layer + self.head_bytes()
+
+    def head_transient_bytes(self) -> int:
+        """Alive only while the loss is differentiated: two fp32 logit-sized gradients (the loss's and the
+        log-softmax's). A trainer that still holds the model's outputs keeps the logits too (``e*V``): the
+        Trainer does not."""
+        return 2 * FP32 * self.vocab
+
+    def layer_transient_bytes(self) -> int:
+        """Alive while a layer is differentiated, besides what it saved: the gradient of its output and, in the
+        MLP's backward, the gradients of the down projection's input, of silu(gate) and of up."""
+        return self.element_size * (self.hidden + 3 * self.intermediate)
+
+    # -- gradients --------------------------------------------------------------------------------------------------
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: q, k, v, o, gate, up, down and two norm weights."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_width + 3 * h * self.intermediate + 2 * h
+
+    def largest_tensor(self) -> int:
+        """Elements of the largest parameter tensor (the embedding, for every Llama 3.x)."""
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+
+
+def backward_peak_bytes(shape: DecoderShape, tokens: int, checkpointing: bool, release: bool) -> int:
+    """Peak of activations + gradients during one forward and backward over ``tokens`` tokens (weights and
+    optimizer state excluded).
+
+    Stages, from the first one backward reaches: the loss head (all saved tensors, the head's transients, the output
+    head's gradient), then each layer from the last (saved tensors of the layers not yet reached, with
+    checkpointing that layer's recomputed activations, and the gradients produced so far), then the end (all
+    gradients). Gradients kept: they accumulate. Gradient release: each parameter steps as soon as its gradient is
+    complete and the gradient is freed, so at most two are alive (a tied embedding's gradient collects its two
+    contributions across the whole backward, and one more is being produced); we count the two largest tensors.
+    """
+    e = shape.element_size
+    head_grad = e * shape.vocab * shape.hidden
+    layer_grad = e * shape.layer_params()
+    released = 2 * e * shape.largest_tensor()
+    base = tokens * INDEX_BYTES  # input ids and labels stay to the end
+    per_layer_saved = tokens * (e * shape.hidden if checkpointing else shape.layer_bytes())
+    saved = tokens * shape.saved_bytes(checkpointing)
+    grads = released if release else 0
+    loss_stage = saved + tokens * shape.head_transient_bytes() + grads
+    # the output head's backward: the fp32 log-softmax is gone, the logits' gradient is in the activation dtype
+    head_stage = saved - tokens * (FP32 - e) * shape.vocab + (released if release else head_grad)
+    peaks = [loss_stage, head_stage]
+    grads = released if release else head_grad
+    for remaining in range(shape.layers, 0, -1):  # backward through layer ``remaining`` (1-based)
+        alive = base + remaining * per_layer_saved + tokens * shape.layer_transient_bytes()
+        if checkpointing:
+            alive += tokens * shape.layer_bytes()
+        if not release:  # the layer's own gradients come at the end of its backward, as its activations go
+            grads = head_grad + (shape.layers - remaining) * layer_grad
+        peaks.append(alive + grads)
+    total_grads = head_grad + shape.layers * layer_grad + e * shape.hidden + (0 if shape.tied else head_grad)
+    # the embedding's backward makes a dense gradient; tied, it is added to the output head's out of place, so
+    # three embedding-sized gradients exist for a moment (measured on CPU)
+    tied_sum = 2 * head_grad if shape.tied else 0
+    embedding_stage = base + tokens * e * shape.hidden + (released + tied_sum if release else total_grads + tied_sum)
+    peaks.append(embedding_stage)
+    return max(peaks)
