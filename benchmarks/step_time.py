@@ -90,9 +90,9 @@ def peak_bandwidth(device: str) -> tuple[str, float]:
 
 def bytes_per_element(name: str, param_bytes: int) -> float:
     """Bytes an optimizer step must read and write per parameter element (p read+write, g read, state r+w)."""
-    state = {"8bit": 2 * 1.0 + 2 * 4 / 256, "32bit": 2 * 4.0}
+    state = {"4bit": 2 * 0.5 + 2 * 4 / 128, "8bit": 2 * 1.0 + 2 * 4 / 256, "32bit": 2 * 4.0}
     states = 3 if "AdEMAMix" in name else (1 if ("Lion" in name or "RMSprop" in name) else 2)
-    kind = "8bit" if "8bit" in name else "32bit"
+    kind = next((bits for bits in ("4bit", "8bit") if bits in name), "32bit")
     return 3 * param_bytes + states * state[kind]
 
 
@@ -165,6 +165,8 @@ def contenders(include_bnb: bool, device: str) -> list[tuple[str, Callable]]:
             import bitsandbytes as bnb
 
             rows.append((f"bitsandbytes {name}", bnb_class(bnb, name)))
+    for name in ("AdamW4bit", "AdEMAMix4bit", "Lion4bit"):  # no bitsandbytes namesake (torchao's: not installed)
+        rows.append((f"hf_optim {name}", getattr(hf_optim, name)))
     # Adafactor as the Trainer's optim="adafactor" builds it; the reference is transformers' own class.
     adafactor = dict(lr=1e-3, relative_step=False, scale_parameter=False, warmup_init=False)
     rows.append(("hf_optim Adafactor", lambda p: hf_optim.Adafactor(p, **adafactor)))
