@@ -133,6 +133,13 @@ class StateFormat:
         return format_named, (self.name,)
 
 
+def in_blocks(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``(rows, n)`` as ``(rows, n / width, width)``, the kernels' block form. A single row is viewed as a contiguous
+    tensor's, so that its strides do not depend on the buffer's length (they would count as a new shape for the
+    compiled kernel)."""
+    return rows[0].view(1, -1, width) if rows.shape[0] == 1 else rows.unflatten(1, (-1, width))
+
+
 FORMATS: dict[str, StateFormat] = {}
 """Registered formats by name."""
 

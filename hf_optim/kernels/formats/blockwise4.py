@@ -12,6 +12,7 @@ In the multi-tensor kernels' block form, a chunk of ``B`` 256-element blocks is 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -19,13 +20,10 @@ import torch
 from hf_optim.kernels import blockwise4
 from hf_optim.kernels.blockwise4 import BLOCK_SIZE, encoder_thresholds, packed_length, qmap4
 from hf_optim.kernels.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
-from hf_optim.kernels.formats.base import StateDictError, StateFormat, register_format
+from hf_optim.kernels.formats.base import StateDictError, StateFormat, in_blocks, register_format
 
 
-def num_blocks(numel: int) -> int:
-    return blockwise4.num_blocks(numel)
-
-
+@functools.cache
 def zero_byte(signed: bool) -> int:
     """A byte whose two codes both decode to 0.0 (the signed map holds 0; the unsigned one has no zero, and its
     smallest code is what a zero value encodes to)."""
@@ -33,14 +31,10 @@ def zero_byte(signed: bool) -> int:
     return code << 4 | code
 
 
-_shared_maps: dict = {}
-
-
+@functools.cache
 def shared_map(signed: bool, device: torch.device) -> torch.Tensor:
-    key = (signed, device)
-    if key not in _shared_maps:
-        _shared_maps[key] = qmap4(signed, device)
-    return _shared_maps[key]
+    """One map per device for the kernels (each parameter's state keeps its own copy for ``state_dict``)."""
+    return qmap4(signed, device)
 
 
 class Blockwise4(StateFormat):
@@ -57,7 +51,7 @@ class Blockwise4(StateFormat):
             codes.fill_(zero_byte(True))
         state[spec.key] = codes
         state[spec.qmap_key] = qmap4(spec.signed, param.device)
-        blocks = num_blocks(n)
+        blocks = self.num_blocks(n)
         absmax_shape = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
         state[spec.absmax_key] = torch.zeros(absmax_shape, dtype=torch.float32, device=param.device)
 
@@ -81,16 +75,14 @@ class Blockwise4(StateFormat):
         return [codes, torch.zeros((rows, total // BLOCK_SIZE), dtype=torch.float32, device=device)]
 
     def kernel_chunk(self, buffers, start, stop, signed, device):
-        codes = buffers[0][:, start // 2 : stop // 2]
-        codes = (codes[0].view(1, -1, CHUNK_BLOCK // 2) if codes.shape[0] == 1
-                 else codes.unflatten(1, (-1, CHUNK_BLOCK // 2)))
+        codes = in_blocks(buffers[0][:, start // 2 : stop // 2], CHUNK_BLOCK // 2)
         absmax = buffers[1][:, start // BLOCK_SIZE : stop // BLOCK_SIZE]
         return [codes.view(torch.int8), absmax, shared_map(signed, device), encoder_thresholds(signed, device)]
 
     def flat_views(self, buffers, offset, numel):
         first = offset // BLOCK_SIZE
         return [buffers[0][:, offset // 2 : offset // 2 + packed_length(numel)],
-                buffers[1][:, first : first + num_blocks(numel)]]
+                buffers[1][:, first : first + self.num_blocks(numel)]]
 
     def bind(self, state, spec, views, shape):
         codes, absmax = views
@@ -123,7 +115,7 @@ class Blockwise4(StateFormat):
             blockwise4.quantize_into(values, thresholds, codes, absmax)
 
     def state_bytes(self, numel: int, rows: int = 1) -> int:
-        return rows * (packed_length(numel) + 4 * num_blocks(numel)) + 4 * 16
+        return rows * (packed_length(numel) + 4 * self.num_blocks(numel)) + 4 * 16
 
     def keys(self, spec) -> tuple[str, ...]:
         return (spec.key, spec.absmax_key, spec.qmap_key)  # flat_views' order first
@@ -137,7 +129,7 @@ class Blockwise4(StateFormat):
         n = param.numel()
         expected = {
             spec.key: (packed_length(n),) if spec.rows == 1 else (spec.rows, packed_length(n)),
-            spec.absmax_key: (num_blocks(n),) if spec.rows == 1 else (spec.rows, num_blocks(n)),
+            spec.absmax_key: (self.num_blocks(n),) if spec.rows == 1 else (spec.rows, self.num_blocks(n)),
         }
         for key, shape in expected.items():
             found = state.get(key)

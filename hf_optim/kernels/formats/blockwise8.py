@@ -8,6 +8,7 @@ and ``qmapK`` the 256-entry dynamic map (signed for moments that can be negative
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -15,20 +16,15 @@ import torch
 from hf_optim.kernels import blockwise
 from hf_optim.kernels.blockwise import num_blocks
 from hf_optim.kernels.dynamic_map import BLOCK_SIZE, ZERO_CODE_SIGNED, dynamic_map, encoder_table
-from hf_optim.kernels.formats.base import StateDictError, StateFormat, register_format
+from hf_optim.kernels.formats.base import StateDictError, StateFormat, in_blocks, register_format
 
 OLD_BLOCK_SIZE = 2048
 """bitsandbytes <= 0.43's optimizer block size, refused with an explanation."""
 
-_shared_maps: dict = {}
-
-
+@functools.cache
 def shared_map(signed: bool, device: torch.device) -> torch.Tensor:
     """One map per device for the kernels (each parameter's state keeps its own copy for ``state_dict``)."""
-    key = (signed, device)
-    if key not in _shared_maps:
-        _shared_maps[key] = dynamic_map(signed, device)
-    return _shared_maps[key]
+    return dynamic_map(signed, device)
 
 
 class Blockwise8(StateFormat):
@@ -78,10 +74,7 @@ class Blockwise8(StateFormat):
 
     def kernel_chunk(self, buffers, start, stop, signed, device):
         """The raw tensors of flat elements ``[start, stop)`` of the multi-tensor buffers, in block form."""
-        codes = buffers[0][:, start:stop]
-        # One row is viewed as a contiguous tensor's, so its strides do not depend on the buffer's length (they
-        # would count as a new shape for the compiled kernel).
-        codes = codes[0].view(1, -1, BLOCK_SIZE) if codes.shape[0] == 1 else codes.unflatten(1, (-1, BLOCK_SIZE))
+        codes = in_blocks(buffers[0][:, start:stop], BLOCK_SIZE)
         absmax = buffers[1][:, start // BLOCK_SIZE : -(-stop // BLOCK_SIZE)]
         return [codes.view(torch.int8), absmax, shared_map(signed, device), encoder_table(signed, device)]
 

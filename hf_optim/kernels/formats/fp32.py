@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hf_optim.kernels.dynamic_map import BLOCK_SIZE
-from hf_optim.kernels.formats.base import StateFormat, register_format
+from hf_optim.kernels.formats.base import StateFormat, in_blocks, register_format
 
 
 class Fp32(StateFormat):
@@ -28,10 +28,7 @@ class Fp32(StateFormat):
         return [allocate((rows, total), dtype=torch.float32, device=device)]
 
     def kernel_chunk(self, buffers, start, stop, signed, device):
-        values = buffers[0][:, start:stop]
-        # One row is viewed as a contiguous tensor's, so its strides do not depend on the buffer's length (they
-        # would count as a new shape for the compiled kernel).
-        return [values[0].view(1, -1, BLOCK_SIZE) if values.shape[0] == 1 else values.unflatten(1, (-1, BLOCK_SIZE))]
+        return [in_blocks(buffers[0][:, start:stop], BLOCK_SIZE)]
 
     def flat_views(self, buffers, offset, numel):
         return [buffers[0][:, offset : offset + numel]]
