@@ -272,7 +272,10 @@ def interrupted_line(result, args) -> str:
         return "interrupted before training started"
     argv, resume_value = getattr(args, "argv", None), getattr(args, "resume", None)
     if result.checkpoint is not None:
-        return f"interrupted at step {result.global_step}; resume with: {rerun_command(argv, resume_value, '--resume')}"
+        where = Path(result.checkpoint).name
+        behind = "" if where == f"checkpoint-{result.global_step}" else f" (it goes on from {where})"
+        return (f"interrupted at step {result.global_step}; resume with: "
+                f"{rerun_command(argv, resume_value, '--resume')}{behind}")
     from hf_optim.recipes.rundir import inspect
 
     flag = "--overwrite" if inspect(result.output_dir).holds_a_run else ""
