@@ -236,17 +236,7 @@ class TrainingMonitor(TrainerCallback):
         """Record a run stopped by an exception outside the Trainer's events (a ``KeyboardInterrupt``):
         ``summary.json`` gets ``"status": "interrupted"``, the last step that ended and a memory snapshot; plots are
         drawn from the steps logged so far. Returns the summary's path."""
-        self.tokens.detach()
-        if self.sampler is None:
-            self.sampler = MemorySampler.for_device(self.device or torch.device("cpu"),
-                                                    reset_peak_stats=self.reset_peak_stats)
-        self.phases["interrupted"] = self._snapshot(self._global_step)
-        if self.writer:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            self._write_recipe_once()
-        self._write_summary("interrupted")
-        self._draw()
-        return self.output_dir / runfiles.SUMMARY
+        return self._record_stop("interrupted", self._global_step)
 
     def record_oom(self, exc: BaseException) -> Path:
         """Record that training ran out of memory: ``summary.json`` gets ``"status": "oom"``, the error, a memory
@@ -256,18 +246,23 @@ class TrainingMonitor(TrainerCallback):
         Args:
             exc: the exception training raised (``torch.OutOfMemoryError`` or another out-of-memory error).
         """
+        # The step that failed: the one under way, or the last one if it failed after its end (in a callback).
+        self._oom_step = self._global_step + 1 if self._in_step else self._global_step
+        self.error = {"type": type(exc).__name__, "message": str(exc)[:4000]}
+        return self._record_stop("oom", self._oom_step)
+
+    def _record_stop(self, status: str, step: int) -> Path:
+        """Training stopped outside the Trainer's events: a ``status`` phase snapshot at ``step``, the summary, the
+        plots."""
         self.tokens.detach()
         if self.sampler is None:
             self.sampler = MemorySampler.for_device(self.device or torch.device("cpu"),
                                                     reset_peak_stats=self.reset_peak_stats)
-        # The step that failed: the one under way, or the last one if it failed after its end (in a callback).
-        self._oom_step = self._global_step + 1 if self._in_step else self._global_step
-        self.phases["oom"] = self._snapshot(self._oom_step)
-        self.error = {"type": type(exc).__name__, "message": str(exc)[:4000]}
+        self.phases[status] = self._snapshot(step)
         if self.writer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self._write_recipe_once()
-        self._write_summary("oom")
+        self._write_summary(status)
         self._draw()
         return self.output_dir / runfiles.SUMMARY
 
