@@ -229,7 +229,7 @@ def test_what_counts_as_a_run(tmp_path):
     logged = tmp_path / "logged"  # interrupted before its first checkpoint: its logs are a run
     logged.mkdir()
     (logged / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 1.0}) + "\n")
-    with pytest.raises(rundir.RunDirectoryError, match="1 logged step\\): continue it with --resume"):
+    with pytest.raises(rundir.RunDirectoryError, match="1 logged step\\): start it again with --overwrite, or"):
         rundir.prepare(logged)
     with pytest.raises(rundir.RunDirectoryError, match="has no complete checkpoint.*start it again with --overwrite"):
         rundir.prepare(logged, resume="auto")

@@ -145,8 +145,10 @@ def prepare(output_dir: str | Path, resume: str | None = None, overwrite: bool =
                                     "belongs to: resume into another --output-dir, or move that run away first")
         return checkpoint
     if found.holds_a_run and not overwrite:
-        raise RunDirectoryError(f"{output_dir} already holds a run ({found.describe()}): continue it with --resume, "
-                                "start it again with --overwrite, or choose another --output-dir")
+        ways = "start it again with --overwrite, or choose another --output-dir"
+        if any(not checkpoint_problems(path) for path in found.checkpoints):
+            ways = f"continue it with --resume, {ways}"
+        raise RunDirectoryError(f"{output_dir} already holds a run ({found.describe()}): {ways}")
     return None
 
 
