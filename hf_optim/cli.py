@@ -404,7 +404,8 @@ def _console():
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default: ``sys.argv[1:]``); returns the exit status (1: a package the verb needs
-    is missing, 2: invalid recipe or command line, 3: a run ran out of memory)."""
+    is missing, 2: invalid recipe or command line, or an output directory that holds a run, 3: a run ran out of
+    memory, 130: Ctrl-C)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # everything after `run` belongs to the command it runs, --help included
         from hf_optim import run

@@ -16,13 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_optim.checkpoints import checkpoint_problems, checkpoints, last_complete_checkpoint
-from hf_optim.monitor import runfiles
 
 AUTO = "auto"
 FINAL_MODEL_MARKER = "training_args.bin"  # Trainer.save_model writes it next to every model it saves
-MONITOR_FILES = (runfiles.METRICS, runfiles.METRICS + ".tmp", runfiles.SUMMARY, runfiles.SUMMARY + ".tmp",
-                 runfiles.RECIPE, runfiles.LOSS_PNG, runfiles.MEMORY_PNG, runfiles.DASHBOARD_PNG)
-"""The files hf_optim writes into a run directory (besides the Trainer's checkpoints and final model)."""
+
+
+def monitor_files() -> tuple[str, ...]:
+    """The files hf_optim writes into a run directory (besides the Trainer's checkpoints and final model)."""
+    from hf_optim.monitor import runfiles  # not at import: importing hf_optim.recipes stays free of transformers
+
+    return (runfiles.METRICS, runfiles.METRICS + ".tmp", runfiles.SUMMARY, runfiles.SUMMARY + ".tmp",
+            runfiles.RECIPE, runfiles.LOSS_PNG, runfiles.MEMORY_PNG, runfiles.DASHBOARD_PNG)
 
 
 class RunDirectoryError(ValueError):
@@ -68,6 +72,8 @@ class RunDirectory:
 
 def inspect(path: str | Path) -> RunDirectory:
     """Read what ``path`` holds (an absent directory holds nothing)."""
+    from hf_optim.monitor import runfiles
+
     path = Path(path)
     if not path.is_dir():
         return RunDirectory(path)
@@ -159,7 +165,7 @@ def clear(output_dir: str | Path) -> None:
     output_dir = Path(output_dir)
     for checkpoint in checkpoints(output_dir):
         shutil.rmtree(checkpoint)
-    for name in (*MONITOR_FILES, FINAL_MODEL_MARKER):
+    for name in (*monitor_files(), FINAL_MODEL_MARKER):
         (output_dir / name).unlink(missing_ok=True)
 
 
@@ -169,7 +175,7 @@ def remove_failed_attempt(output_dir: str | Path, created: bool) -> None:
     output_dir = Path(output_dir)
     if not created or not output_dir.is_dir() or inspect(output_dir).holds_a_run:
         return
-    if all(entry.name in MONITOR_FILES for entry in output_dir.iterdir()):
+    if all(entry.name in monitor_files() for entry in output_dir.iterdir()):
         shutil.rmtree(output_dir)
 
 
