@@ -47,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="one run per value, each in its own subdirectory, then compare them "
                             "(e.g. training.optim=adamw_torch,adamw_8bit,paged_adamw_8bit); OOM runs become OOM rows")
     train.add_argument("--output-dir", help="run directory (default: training.output_dir, else runs/<recipe>)")
+    train.add_argument("--resume", nargs="?", const="auto", metavar="auto|PATH",
+                       help="continue the run in the output directory from its last complete checkpoint (auto, the "
+                            "default), or from a checkpoint-N folder or run directory; with --sweep, every run of the "
+                            "sweep continues (finished ones are kept)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start again from step 0 in an output directory that holds a run (its checkpoints and "
+                            "logs are deleted first); without --resume or --overwrite such a directory is refused")
 
     validate = verbs.add_parser("validate", help="check a recipe offline and estimate its training memory",
                                 description="Check every key against the installed classes and the optimizer "
@@ -192,10 +199,24 @@ def cmd_train(args, console) -> int:
     from rich.table import Table
 
     from hf_optim.recipes import api
+    from hf_optim.recipes.interrupt import EXIT_STATUS
+    from hf_optim.recipes.rundir import RunDirectoryError
 
     quiet = not args.verbose
+    try:
+        if args.sweep:
+            if args.resume not in (None, "auto"):
+                raise RunDirectoryError(f"--resume {args.resume}: a sweep resumes each of its runs from its own "
+                                        "directory; give --resume without a path")
+            results, report = api.sweep(args.recipe, args.sweep, args.overrides, args.smoke, args.output_dir,
+                                        quiet=quiet, resume=args.resume is not None, overwrite=args.overwrite)
+        else:
+            result = api.train(args.recipe, args.overrides, args.smoke, args.output_dir, quiet=quiet,
+                               resume=args.resume, overwrite=args.overwrite)
+    except RunDirectoryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.sweep:
-        results, report = api.sweep(args.recipe, args.sweep, args.overrides, args.smoke, args.output_dir, quiet=quiet)
         table = Table(title=f"sweep {args.sweep.partition('=')[0]}")
         for column in ("run", "status", "optimizer", "train loss (run mean)"):
             table.add_column(column)
@@ -203,19 +224,63 @@ def cmd_train(args, console) -> int:
             loss = "-" if result.train_loss is None else f"{result.train_loss:.4f}"
             table.add_row(str(result.output_dir), result.status, result.optimizer or "-", loss)
         console.print(table)
+        if results[-1].status == "interrupted":
+            print(interrupted_line(results[-1], args), file=sys.stderr)
+            return EXIT_STATUS
         console.print(f"comparison: {report}")
         return 0 if all(r.status == "ok" for r in results) else 3
-    result = api.train(args.recipe, args.overrides, args.smoke, args.output_dir, quiet=quiet)
+    if result.status == "interrupted":
+        print(interrupted_line(result, args), file=sys.stderr)
+        return EXIT_STATUS
     if result.status == "oom":
         console.print(f"[red]out of memory[/red]; recorded in {result.output_dir / 'summary.json'}")
         return 3
-    console.print(f"done: optimizer {result.optimizer}, train loss (run mean) {result.train_loss:.4f}")
+    mean_of = "run mean" if result.resumed_from is None else \
+        f"mean of the steps after {Path(result.resumed_from).name}, where this run resumed"
+    console.print(f"done: optimizer {result.optimizer}, train loss ({mean_of}) {result.train_loss:.4f}")
     if result.state is not None:
         parts = ", ".join(f"{dtype} {nbytes / 2**20:.2f}" for dtype, nbytes in sorted(result.state.by_dtype.items()))
         console.print(f"optimizer state: {result.state.total_bytes / 2**20:.2f} MiB ({parts})")
     console.print(f"run directory: {result.output_dir}  (recipe.yaml, metrics.jsonl, summary.json, loss.png, "
                   "memory.png, dashboard.png)")
     return 0
+
+
+def rerun_command(argv: list[str] | None, resume_value: str | None, flag: str) -> str:
+    """``hf-optim train`` with ``argv`` (the arguments after ``train``) less --resume (and ``resume_value``, the path
+    argparse gave it), --overwrite and ``training.resume_from_checkpoint=``, plus ``flag``."""
+    import shlex
+
+    if argv is None:
+        return f"hf-optim train <the same arguments> {flag}".rstrip()
+    kept, after_resume = [], False
+    for token in argv:
+        if after_resume and token == resume_value:
+            after_resume = False
+            continue
+        after_resume = token == "--resume"
+        dropped = token == "--overwrite" or token.startswith(("--resume=", "training.resume_from_checkpoint="))
+        if after_resume or dropped:
+            continue
+        kept.append(token)
+    return " ".join(part for part in ("hf-optim train", shlex.join(kept), flag) if part)
+
+
+def interrupted_line(result, args) -> str:
+    """The one line ``hf-optim train`` prints after Ctrl-C: where it stopped and the command that goes on."""
+    if result.global_step is None:
+        return "interrupted before training started"
+    argv, resume_value = getattr(args, "argv", None), getattr(args, "resume", None)
+    if result.checkpoint is not None:
+        where = Path(result.checkpoint).name
+        behind = "" if where == f"checkpoint-{result.global_step}" else f" (it goes on from {where})"
+        return (f"interrupted at step {result.global_step}; resume with: "
+                f"{rerun_command(argv, resume_value, '--resume')}{behind}")
+    from hf_optim.recipes.rundir import inspect
+
+    flag = "--overwrite" if inspect(result.output_dir).holds_a_run else ""
+    return (f"interrupted at step {result.global_step}, before any checkpoint; start again with: "
+            f"{rerun_command(argv, resume_value, flag)}")
 
 
 def cmd_ls(args, console) -> int:
@@ -339,7 +404,8 @@ def _console():
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default: ``sys.argv[1:]``); returns the exit status (1: a package the verb needs
-    is missing, 2: invalid recipe or command line, 3: a run ran out of memory)."""
+    is missing, 2: invalid recipe or command line, or an output directory that holds a run, 3: a run ran out of
+    memory, 130: Ctrl-C)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # everything after `run` belongs to the command it runs, --help included
         from hf_optim import run
@@ -353,6 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    if getattr(args, "resume", None) not in (None, "auto") and "=" in args.resume and not Path(args.resume).exists():
+        args.overrides = [*args.overrides, args.resume]  # `--resume key=value`: the override is not --resume's path
+        args.resume = "auto"
+    if args.verb == "train":
+        args.argv = argv[1:]  # for the command that resumes after Ctrl-C
     problem = missing_extra(args.verb)
     if problem:
         print(problem, file=sys.stderr)
@@ -368,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
         # entered before the Hugging Face packages are imported: some notices come at import (ls and cp: verbose)
         with quiet_console(not getattr(args, "verbose", True)):
             return COMMANDS[args.verb](args, _console())
+    except KeyboardInterrupt:  # Ctrl-C outside training (imports, loading): nothing was trained, nothing to keep
+        print("interrupted", file=sys.stderr)
+        return 130
     except RecipeError as exc:
         Console(stderr=True).print(f"[red]invalid recipe[/red] ({len(exc.issues)} problem"
                                    f"{'s' if len(exc.issues) != 1 else ''}):", highlight=False)

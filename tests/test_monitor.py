@@ -209,7 +209,13 @@ def test_resume_from_checkpoint_continues_the_same_files(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # step 3 of the first run was redone: logged once
     summary = read_summary(run_dir)
     assert summary["final_loss"] == records[-1]["loss"] and summary["global_step"] == 4
-    assert summary["phases"]["after_first_step"]["step"] == 3  # the first step of the resumed run
+    # the phases of the first run up to its checkpoint stay; the resumed process marks where it took over
+    phases = {name: snapshot["step"] for name, snapshot in summary["phases"].items()}
+    assert phases == {"model_loaded": 0, "train_begin": 0, "after_first_step": 1, "resumed": 2, "end": 4}
+    assert summary["resumed_at_step"] == 2
+    # time and tokens go on from the last record kept (step 2), not from zero
+    assert all(a["time_s"] <= b["time_s"] and a["tokens_seen"] < b["tokens_seen"] for a, b in zip(records, records[1:]))
+    assert summary["tokens_seen"] == records[-1]["tokens_seen"]
 
 
 def test_tokens_come_from_the_trainer_when_it_counts_them(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from datetime import datetime, timezone
@@ -127,6 +128,12 @@ class TrainingMonitor(TrainerCallback):
         self.error: dict | None = None
         self._in_step = False
         self._oom_step: int | None = None
+        # A run resumed from a checkpoint continues the files of the run it resumes: time and tokens go on from the
+        # last record kept, and the summary remembers where this process took over.
+        self._resumed_at: int | None = None
+        self._time_offset = 0.0
+        self._tokens_offset = 0
+        self._end_status = "ok"
 
     # ---- Trainer events ---------------------------------------------------------------------------------------
 
@@ -150,13 +157,19 @@ class TrainingMonitor(TrainerCallback):
         self.phases = {name: snapshot for name, snapshot in self.phases.items() if name == "model_loaded"}
         self.error, self._oom_step, self._run_steps, self._run_seconds = None, None, 0, 0.0
         self._first_step_seconds, self._tokens_after_first_step = None, 0
+        self._end_status = "ok"
+        self._resumed_at = state.global_step or None
+        self._time_offset, self._tokens_offset = 0.0, 0
         self.started_at = _now()
         self._t_start = time.perf_counter()
         if self.writer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self._start_metrics_file(state.global_step)
             self._write_recipe_once()
-        self._phase("train_begin", state)
+        if self._resumed_at is not None:
+            self._phase("resumed", state)
+        else:
+            self._phase("train_begin", state)
         self._write_summary("running")
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -186,8 +199,8 @@ class TrainingMonitor(TrainerCallback):
         self._global_step = state.global_step
         if optimizer is not None:
             self.optimizer = optimizer
-        if state.global_step == self._first_step:
-            self._phase("after_first_step", state)  # the optimizer state now exists
+        if state.global_step == self._first_step and self._resumed_at is None:
+            self._phase("after_first_step", state)  # the optimizer state now exists (a resume loads it before)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = dict(logs or {})
@@ -207,12 +220,23 @@ class TrainingMonitor(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._global_step = state.global_step
-        self._phase("end", state)
+        self._phase("end" if self._end_status == "ok" else self._end_status, state)
         self.tokens.detach()
-        self._write_summary("ok")
+        self._write_summary(self._end_status)
         self._draw()
 
     # ---- outside the Trainer's events ---------------------------------------------------------------------------
+
+    def mark_interrupted(self) -> None:
+        """Training is being stopped before its last step (Ctrl-C): the summary written when it ends says
+        ``"status": "interrupted"`` instead of ``"ok"``."""
+        self._end_status = "interrupted"
+
+    def record_interrupt(self) -> Path:
+        """Record a run stopped by an exception outside the Trainer's events (a ``KeyboardInterrupt``):
+        ``summary.json`` gets ``"status": "interrupted"``, the last step that ended and a memory snapshot; plots are
+        drawn from the steps logged so far. Returns the summary's path."""
+        return self._record_stop("interrupted", self._global_step)
 
     def record_oom(self, exc: BaseException) -> Path:
         """Record that training ran out of memory: ``summary.json`` gets ``"status": "oom"``, the error, a memory
@@ -222,18 +246,23 @@ class TrainingMonitor(TrainerCallback):
         Args:
             exc: the exception training raised (``torch.OutOfMemoryError`` or another out-of-memory error).
         """
+        # The step that failed: the one under way, or the last one if it failed after its end (in a callback).
+        self._oom_step = self._global_step + 1 if self._in_step else self._global_step
+        self.error = {"type": type(exc).__name__, "message": str(exc)[:4000]}
+        return self._record_stop("oom", self._oom_step)
+
+    def _record_stop(self, status: str, step: int) -> Path:
+        """Training stopped outside the Trainer's events: a ``status`` phase snapshot at ``step``, the summary, the
+        plots."""
         self.tokens.detach()
         if self.sampler is None:
             self.sampler = MemorySampler.for_device(self.device or torch.device("cpu"),
                                                     reset_peak_stats=self.reset_peak_stats)
-        # The step that failed: the one under way, or the last one if it failed after its end (in a callback).
-        self._oom_step = self._global_step + 1 if self._in_step else self._global_step
-        self.phases["oom"] = self._snapshot(self._oom_step)
-        self.error = {"type": type(exc).__name__, "message": str(exc)[:4000]}
+        self.phases[status] = self._snapshot(step)
         if self.writer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self._write_recipe_once()
-        self._write_summary("oom")
+        self._write_summary(status)
         self._draw()
         return self.output_dir / runfiles.SUMMARY
 
@@ -276,7 +305,9 @@ class TrainingMonitor(TrainerCallback):
         return self.tokens.total
 
     def _elapsed(self) -> float | None:
-        return None if self._t_start is None else round(time.perf_counter() - self._t_start, 4)
+        if self._t_start is None:
+            return None
+        return round(self._time_offset + time.perf_counter() - self._t_start, 4)
 
     def _snapshot(self, step: int) -> dict:
         snapshot = {"step": step, "time_s": self._elapsed(), **self.sampler.sample(end_window=False)}
@@ -296,7 +327,7 @@ class TrainingMonitor(TrainerCallback):
             "steps_in_window": window["steps"],
             "step_time_s": window["seconds"] / window["steps"] if window["steps"] else None,
             "tokens": window_tokens,
-            "tokens_seen": tokens_now - self._tokens_at_begin,
+            "tokens_seen": self._tokens_offset + tokens_now - self._tokens_at_begin,
             "tokens_per_s": window_tokens / window["seconds"] if window["seconds"] > 0 else None,
         })
         record.update(self.sampler.sample(end_window=True))
@@ -315,13 +346,38 @@ class TrainingMonitor(TrainerCallback):
         if global_step == 0 or not path.exists():
             path.write_text("", encoding="utf-8")
             return
-        # Resuming from a checkpoint: keep what was logged up to the checkpoint, drop the steps about to be redone.
-        kept = [r for r in runfiles.read_records(self.output_dir) if r.get("step", 0) <= global_step]
-        path.write_text("", encoding="utf-8")
-        for record in kept:
-            runfiles.append_record(self.output_dir, record)
+        # Resuming from a checkpoint: keep what was logged up to the checkpoint and append to it. The steps after
+        # the checkpoint are about to be redone: their records go, and so does a last line a killed run cut short.
+        records = runfiles.read_records(self.output_dir)
+        kept = [r for r in records if r.get("step", 0) <= global_step]
+        if len(kept) < len(records) or not path.read_bytes().endswith(b"\n"):
+            runfiles.rewrite_records(self.output_dir, kept)
+        train = [r for r in kept if r.get("kind") == "train"]
         # The final and EMA loss cover the whole run, the logged steps before the checkpoint included.
-        self.losses = [r["loss"] for r in kept if r.get("kind") == "train" and r.get("loss") is not None]
+        self.losses = [r["loss"] for r in train if r.get("loss") is not None]
+        self._time_offset = max((r.get("time_s") or 0.0 for r in kept), default=0.0)
+        if self._trainer_counts_tokens:  # the Trainer's count was restored with its state: it is the run's total
+            self._tokens_offset = self._tokens_at_begin
+        else:  # counted by this process's hook: go on from the last record (steps after it are not counted)
+            self._tokens_offset = max((r.get("tokens_seen") or 0 for r in train), default=0)
+        self._last_tokens = 0
+        self._keep_earlier_phases(global_step)
+
+    def _keep_earlier_phases(self, global_step: int) -> None:
+        """The phase snapshots of the run being resumed, up to its checkpoint, stay in the summary (memory.png marks
+        them); this process's model_loaded (taken at step 0, before the checkpoint was loaded) is dropped."""
+        summary = self.output_dir / runfiles.SUMMARY
+        try:
+            earlier = json.loads(summary.read_text(encoding="utf-8")) if summary.exists() else {}
+        except ValueError:
+            earlier = {}
+        self.phases.pop("model_loaded", None)
+        for name, snapshot in (earlier.get("phases") or {}).items():
+            step = snapshot.get("step") if isinstance(snapshot, dict) else None
+            if step is not None and step <= global_step:
+                # a repeated phase (a second interruption or resume) keeps the earlier one under its step
+                self.phases[name if name in ("model_loaded", "train_begin", "after_first_step")
+                            else f"{name.split('_at_')[0]}_at_{step}"] = snapshot
 
     def _write_recipe_once(self) -> None:
         if self.recipe is not None and not self._recipe_written:
@@ -348,6 +404,7 @@ class TrainingMonitor(TrainerCallback):
             "status": status,
             "error": self.error,
             "started_at": self.started_at,
+            "resumed_at_step": self._resumed_at,
             "updated_at": _now(),
             "global_step": self._global_step,
             "oom_step": self._oom_step,
@@ -356,7 +413,7 @@ class TrainingMonitor(TrainerCallback):
             "ema_beta": beta,
             "train_loss_run_mean": self.final_metrics.get("train_loss"),
             "trainer_final_metrics": self.final_metrics or None,
-            "tokens_seen": self._last_tokens,
+            "tokens_seen": self._tokens_offset + self._last_tokens,
             "tokens_source": "trainer" if self._trainer_counts_tokens else "forward_hook",
             **self._speed(),
             "optimizer": optimizer_info(self.optimizer),

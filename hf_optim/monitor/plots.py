@@ -20,7 +20,14 @@ _PHASE_LABELS = {
     "after_first_step": "after step 1\n(state allocated)",
     "end": "end",
     "oom": "OOM",
+    "interrupted": "interrupted",
+    "resumed": "resumed",
 }
+
+
+def _phase_label(name: str) -> str | None:
+    """The label of a phase; a phase kept from an earlier part of a resumed run is named ``<phase>_at_<step>``."""
+    return _PHASE_LABELS.get(name.split("_at_")[0])
 _MESSAGE_STYLE = dict(ha="center", va="center", fontsize=10, color="#8a2c0d",
                       bbox=dict(boxstyle="round", facecolor="#fff3cd", edgecolor="#d4a017"))
 
@@ -109,12 +116,19 @@ def _draw_loss(ax, run: RunData, *, detailed: bool) -> None:
         ax.plot(eval_steps, eval_losses, "s-" if len(eval_steps) > 1 else "s", color="#d9711c", ms=6, lw=1.2,
                 label="eval_loss")
     mean = run.summary.get("train_loss_run_mean")
+    resumed_at = run.summary.get("resumed_at_step")
     if mean is not None and detailed:
+        steps_meant = "all steps" if not resumed_at else f"the steps after {resumed_at} (this resumed part)"
         ax.axhline(mean, color="#555555", ls="--", lw=1.2,
-                   label=f"train_loss = {mean:.4g}: the RUN MEAN of all steps (not the final loss)")
+                   label=f"train_loss = {mean:.4g}: the RUN MEAN of {steps_meant} (not the final loss)")
     oom_step = run.summary.get("oom_step") if run.status == "oom" else None
     if oom_step is not None:
         ax.axvline(oom_step, color="#c0392b", ls=":", lw=1.5, label=f"OOM at step {oom_step}")
+    if resumed_at:
+        ax.axvline(resumed_at, color="#777777", ls=":", lw=1.2, label=f"resumed from the step-{resumed_at} checkpoint")
+    if run.status == "interrupted" and run.summary.get("global_step") is not None:
+        step = run.summary["global_step"]
+        ax.axvline(step, color="#d4a017", ls=":", lw=1.5, label=f"interrupted at step {step}")
     if detailed and losses:
         final = run.summary.get("final_loss", losses[-1])
         ema_final = run.summary.get("ema_loss")
@@ -153,8 +167,8 @@ def _is_cuda(run: RunData) -> bool:
 def _mark_phases(ax, run: RunData, *, labels: bool) -> None:
     by_step: dict[int, list[str]] = {}
     for name, snapshot in (run.summary.get("phases") or {}).items():
-        if name in _PHASE_LABELS and snapshot.get("step") is not None:
-            by_step.setdefault(snapshot["step"], []).append(_PHASE_LABELS[name])
+        if _phase_label(name) and snapshot.get("step") is not None:
+            by_step.setdefault(snapshot["step"], []).append(_phase_label(name))
     for step, names in sorted(by_step.items()):
         oom = "OOM" in names
         ax.axvline(step, color="#c0392b" if oom else "#999999", ls=":", lw=1.2)

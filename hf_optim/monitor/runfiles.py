@@ -37,6 +37,14 @@ def append_record(run_dir: Path, record: dict) -> None:
         handle.write(json.dumps(_jsonable(record)) + "\n")
 
 
+def rewrite_records(run_dir: Path, records: list[dict]) -> None:
+    """Replace metrics.jsonl by ``records``, through a temporary file and a rename (a crash keeps the old file)."""
+    path = Path(run_dir) / METRICS
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(_jsonable(record)) + "\n" for record in records), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def write_json(path: Path, data: dict) -> None:
     """Write through a temporary file and rename, so a reader never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 import yaml
 
+from hf_optim.checkpoints import checkpoint_problems, last_complete_checkpoint
 from hf_optim.memory import StateMemory, state_memory
+from hf_optim.recipes import rundir
 from hf_optim.recipes.build import build_datasets, build_lora_config, build_model, build_sft_config, build_tokenizer
 from hf_optim.recipes.console import quiet_console, quiet_progress
 from hf_optim.recipes.hardware import resolve_auto
@@ -26,11 +28,16 @@ class RunResult:
 
     Attributes:
         output_dir: the run directory (recipe.yaml, the monitor's files, the saved model or adapter).
-        status: ``"ok"`` or ``"oom"``.
+        status: ``"ok"``, ``"oom"`` or ``"interrupted"`` (Ctrl-C; see :mod:`hf_optim.recipes.interrupt`).
         optimizer: the optimizer class that ran (``hf_optim.PagedAdamW8bit``), None when it never got built.
-        train_loss: the Trainer's run-mean training loss, None after an OOM.
+        train_loss: the Trainer's mean training loss over the steps this call ran (all of them unless it resumed),
+            None after an OOM or a forced stop.
         state: the optimizer-state footprint at the end of training (``hf_optim.state_memory``).
         state_dtypes: per trainable tensor, (elements, dtype of its first state tensor), at the end of training.
+        global_step: the last optimizer step that ended (None when training never started).
+        resumed_from: the checkpoint this run resumed from, None for a run from step 0.
+        checkpoint: after an interruption, the checkpoint a resume starts from (the one saved when it stopped, else
+            the last complete one), None when there is none.
     """
 
     output_dir: Path
@@ -39,6 +46,9 @@ class RunResult:
     train_loss: float | None = None
     state: StateMemory | None = None
     state_dtypes: list[tuple[int, str]] = field(default_factory=list)
+    global_step: int | None = None
+    resumed_from: str | None = None
+    checkpoint: str | None = None
 
 
 def default_output_dir(recipe: Recipe) -> Path:
@@ -99,21 +109,77 @@ def _optimizer_reporter(found: dict):
     return OptimizerReport()
 
 
-def run(recipe: Recipe, output_dir: str | Path | None = None, quiet: bool = False) -> RunResult:
-    """Train ``recipe`` once (``auto`` resolved for this machine) into ``output_dir`` (default:
-    :func:`default_output_dir`). A CUDA out-of-memory error is recorded by the monitor and returned as
-    ``status="oom"``; any other error propagates. ``quiet``: see :func:`hf_optim.recipes.console.quiet_console`."""
+class KeepAdapterDtypes:
+    """Trainer mixin: resuming from a checkpoint leaves every trainable parameter in the dtype it had.
+
+    TRL's SFTTrainer keeps a QLoRA adapter in bf16 (the QLoRA paper's choice) and the checkpoint stores it so, but
+    the Trainer loads it back with peft's ``load_adapter``, whose default ``autocast_adapter_dtype=True`` turns it
+    into float32: a resumed QLoRA run went on training another model (float32 adapter, other rounding) than the
+    run it resumed. Casting back is exact: the values were bf16 when they were saved.
+    """
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        target = self.model if model is None else model
+        dtypes = {name: p.dtype for name, p in target.named_parameters() if p.requires_grad}
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        for name, param in target.named_parameters():
+            if name in dtypes and param.dtype != dtypes[name]:
+                param.data = param.data.to(dtypes[name])
+
+
+def run(recipe: Recipe, output_dir: str | Path | None = None, quiet: bool = False, resume: str | None = None,
+        overwrite: bool = False) -> RunResult:
+    """Train ``recipe`` once (``auto`` resolved for this machine) into ``output_dir``.
+
+    Args:
+        recipe: the validated recipe.
+        output_dir (default None): the run directory; None: :func:`default_output_dir`.
+        quiet (bool, default False): see :func:`hf_optim.recipes.console.quiet_console`.
+        resume (default None): continue a run: ``"auto"`` (the last complete checkpoint of ``output_dir``), a
+            ``checkpoint-N`` folder or a run directory; ``training.resume_from_checkpoint`` says the same from the
+            recipe. None: start at step 0.
+        overwrite (bool, default False): start again at step 0 in a directory that holds a run, deleting its
+            checkpoints and logs first (:func:`hf_optim.recipes.rundir.clear`).
+
+    A directory that holds a run (checkpoints, logged steps or a saved model) is never written over without
+    ``resume`` or ``overwrite``: :class:`~hf_optim.recipes.rundir.RunDirectoryError` says so, before anything is
+    loaded. A CUDA out-of-memory error is recorded by the monitor and returned as ``status="oom"``; Ctrl-C returns
+    ``status="interrupted"`` (:mod:`hf_optim.recipes.interrupt`); any other error propagates, and removes the
+    directory if this call created it and nothing was logged in it yet.
+    """
     with quiet_console(quiet):
-        return _run(recipe, output_dir, quiet)
+        return _run(recipe, output_dir, quiet, resume, overwrite)
 
 
-def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool) -> RunResult:
+def resume_request(recipe: Recipe, resume: str | None) -> str | None:
+    """``resume`` or the recipe's ``training.resume_from_checkpoint`` (taken out of the recipe: the Trainer reads it
+    only from ``train()``'s argument, and recipe.yaml reruns the job, not the resume)."""
+    configured = recipe.training.pop("resume_from_checkpoint", None)
+    if resume is not None and configured is not None and resume != configured:
+        raise rundir.RunDirectoryError(f"--resume {resume} and training.resume_from_checkpoint={configured} name "
+                                       "different checkpoints: give one of them")
+    return resume if resume is not None else configured
+
+
+def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool, resume: str | None,
+         overwrite: bool) -> RunResult:
     from trl import SFTTrainer
 
     from hf_optim.monitor import TrainingMonitor
+    from hf_optim.recipes.interrupt import GracefulStop
+
+    class RecipeTrainer(KeepAdapterDtypes, SFTTrainer):
+        """SFTTrainer whose resume keeps the adapter's dtype."""
 
     recipe = resolve_auto(recipe)
     out = Path(output_dir) if output_dir is not None else default_output_dir(recipe)
+    checkpoint = rundir.prepare(out, resume_request(recipe, resume), overwrite)
+    created = not out.exists()
+    if overwrite and rundir.inspect(out).holds_a_run:
+        logger.info("--overwrite: deleting the checkpoints and logs of the run in %s", out)
+        rundir.clear(out)
+    if checkpoint is not None:
+        logger.info("resuming from %s", checkpoint)
     recipe.training["output_dir"] = str(out)  # recipe.yaml names where this run really went
     write_recipe(recipe, out)
     for note in recipe.notes:
@@ -124,25 +190,49 @@ def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool) -> RunResul
     if recipe.logging.monitor:
         monitor = TrainingMonitor(out, run_name=recipe.logging.run_name, recipe=recipe.to_dict())
         callbacks.insert(0, monitor)
-    tokenizer = build_tokenizer(recipe)
-    train_data, eval_data = build_datasets(recipe)
+    stop = GracefulStop(monitor)
+    callbacks.append(stop)
     try:
+        tokenizer = build_tokenizer(recipe)
+        train_data, eval_data = build_datasets(recipe)
         model = build_model(recipe)
-        trainer = SFTTrainer(model=model, args=build_sft_config(recipe, out), train_dataset=train_data,
-                             eval_dataset=eval_data, processing_class=tokenizer,
-                             peft_config=build_lora_config(recipe), callbacks=callbacks)
+        trainer = RecipeTrainer(model=model, args=build_sft_config(recipe, out), train_dataset=train_data,
+                                eval_dataset=eval_data, processing_class=tokenizer,
+                                peft_config=build_lora_config(recipe), callbacks=callbacks)
         del model
         if quiet:
             quiet_progress(trainer)
-        output = trainer.train()
+        with stop.handling_sigint():
+            try:
+                output = trainer.train(resume_from_checkpoint=checkpoint)
+            except KeyboardInterrupt:  # a second Ctrl-C: the step under way is lost, the files are kept
+                step = trainer.state.global_step
+                if rundir.remove_partial_checkpoint(out, step):
+                    logger.warning("removed checkpoint-%d: Ctrl-C cut its writing short", step)
+                if monitor is not None:
+                    monitor.record_interrupt()
+                return RunResult(out, "interrupted", found.get("optimizer"), global_step=step,
+                                 resumed_from=checkpoint, checkpoint=last_complete_checkpoint(out))
     except torch.OutOfMemoryError as exc:
         logger.error("out of memory: %s", str(exc).splitlines()[0] if str(exc) else "CUDA out of memory")
         if monitor is not None:
             monitor.record_oom(exc)
-        return RunResult(out, "oom", found.get("optimizer"))
+        return RunResult(out, "oom", found.get("optimizer"), resumed_from=checkpoint)
+    except KeyboardInterrupt:  # before training began: nothing to keep
+        rundir.remove_failed_attempt(out, created)
+        return RunResult(out, "interrupted", resumed_from=checkpoint)
+    except BaseException:
+        rundir.remove_failed_attempt(out, created)
+        raise
+    done = (output.training_loss, found.get("state"), found.get("state_dtypes", []), trainer.state.global_step,
+            checkpoint)
+    if stop.stopped_at is not None:
+        saved = out / f"checkpoint-{stop.stopped_at}"
+        resume_point = str(saved) if saved.is_dir() and not checkpoint_problems(saved) else \
+            last_complete_checkpoint(out)
+        return RunResult(out, "interrupted", found.get("optimizer"), *done, checkpoint=resume_point)
     trainer.save_model(str(out))
-    return RunResult(out, "ok", found.get("optimizer"), output.training_loss, found.get("state"),
-                     found.get("state_dtypes", []))
+    return RunResult(out, "ok", found.get("optimizer"), *done)
 
 
 def sweep_values(spec: str) -> tuple[str, list[str]]:
