@@ -1,9 +1,10 @@
 """A Triton kernel that fails to compile or load falls back to the PyTorch path: once, with one warning, same math.
 
-The Triton kernels run on CPU tensors in Triton's interpreter (conftest sets ``TRITON_INTERPRET=1``); the automatic
-backend is made to treat CPU tensors as Triton's (``backend.TRITON_DEVICE_TYPES``), so the fallback is the automatic
-one a GPU user gets, not ``HF_OPTIM_BACKEND=triton`` (which turns the failure into an error). A failure is injected
-by making one kernel's ``warmup`` (Triton's compile-and-load entry point) raise a ``triton`` CompilationError.
+Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter (conftest sets ``TRITON_INTERPRET=1``);
+the automatic backend is made to treat CPU tensors as Triton's (``backend.TRITON_DEVICE_TYPES``), so the fallback is
+the automatic one a GPU user gets, not ``HF_OPTIM_BACKEND=triton`` (which turns the failure into an error). A failure
+is injected by making one kernel's ``warmup`` (Triton's compile-and-load entry point) raise a ``triton``
+CompilationError. The ``gpu``-marked cases run the same on CUDA tensors, with the real compiler.
 """
 
 import ast
@@ -17,7 +18,11 @@ import hf_optim
 from hf_optim.kernels import backend, compile_guard, multi_tensor, triton_guard
 
 triton = pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter cases (the GPU runs the real ones)")
+ON_GPU = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(ON_GPU, reason="GPU machine: the cuda cases run the kernels")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
 
 from triton.compiler.errors import CompilationError  # noqa: E402
 
@@ -38,11 +43,12 @@ def fresh_guards():
 
 
 @pytest.fixture
-def automatic_triton(monkeypatch):
+def automatic_triton(monkeypatch, device):
     """The automatic backend, with CPU tensors counted as Triton's (run in the interpreter)."""
     monkeypatch.delenv("HF_OPTIM_BACKEND", raising=False)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(backend, "TRITON_DEVICE_TYPES", (*backend.TRITON_DEVICE_TYPES, "cpu"))
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(backend, "TRITON_DEVICE_TYPES", (*backend.TRITON_DEVICE_TYPES, "cpu"))
 
 
 @pytest.fixture
@@ -76,15 +82,15 @@ def fail_warmup(monkeypatch, module, name: str, from_call: int = 0) -> list:
     return calls
 
 
-def make_params(seed=0):
+def make_params(device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dt)) for s, dt in zip(SHAPES, DTYPES)]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dt).to(device)) for s, dt in zip(SHAPES, DTYPES)]
 
 
 def set_grads(params, step):
     gen = torch.Generator().manual_seed(100 + step)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype).to(p.device)
 
 
 def assert_identical(opt, params, ref_opt, ref_params):
@@ -116,17 +122,18 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls,kwargs,module,kernel,label", CASES)
-def test_failing_kernel_falls_back_once_with_pytorch_results(cls, kwargs, module, kernel, label, monkeypatch,
+def test_failing_kernel_falls_back_once_with_pytorch_results(cls, kwargs, module, kernel, label, device, monkeypatch,
                                                               automatic_triton, warnings_logged):
     """A kernel that fails from the first step: one warning over three steps, naming the kernel, the arch, the
     Triton version and the error's first line; parameters and state bit for bit those of the PyTorch path (LAMB's
     and Adafactor's failing later passes never let their first pass update the moments)."""
     monkeypatch.setenv("HF_OPTIM_BACKEND", "torch")
-    ref_params = make_params()
+    ref_params = make_params(device)
     ref_opt = cls(ref_params, **kwargs)
     monkeypatch.delenv("HF_OPTIM_BACKEND")
-    params = make_params()
+    params = make_params(device)
     opt = cls(params, **kwargs)
     assert opt.backend == "triton"
     calls = fail_warmup(monkeypatch, module, kernel)
@@ -139,7 +146,8 @@ def test_failing_kernel_falls_back_once_with_pytorch_results(cls, kwargs, module
     assert calls == [kernel]  # tried once, never again
     (warning,) = fallback_warnings(warnings_logged)
     message = warning.getMessage()
-    assert label in message and "cpu-interpreter" in message and f"Triton {triton.__version__}" in message
+    arch = "cpu-interpreter" if device == "cpu" else "sm_"
+    assert label in message and arch in message and f"Triton {triton.__version__}" in message
     assert f"CompilationError: {ERROR}" in message and "Ptx assembly aborted" not in message  # the first line only
     assert [f.label for f in triton_guard.failures()] == [label]
 
@@ -150,7 +158,8 @@ def test_failing_kernel_falls_back_once_with_pytorch_results(cls, kwargs, module
     pytest.param(hf_optim.Adafactor, {"lr": 1e-2, "relative_step": False, "beta1": 0.9}, triton_adafactor,
                  "_apply_kernel", id="Adafactor-sixth-pass"),
 ])
-def test_fallback_mid_run_keeps_the_state_the_triton_path_made(cls, kwargs, module, kernel, monkeypatch,
+@pytest.mark.parametrize("device", DEVICES)
+def test_fallback_mid_run_keeps_the_state_the_triton_path_made(cls, kwargs, module, kernel, device, monkeypatch,
                                                                 automatic_triton, warnings_logged):
     """Two steps on Triton, then the kernel fails (a new specialization that does not compile): the failing step
     changes nothing before the fallback takes over (all passes compile before any launches), and the per-tensor
@@ -164,7 +173,7 @@ def test_fallback_mid_run_keeps_the_state_the_triton_path_made(cls, kwargs, modu
             if reference:
                 patch.setattr(hf_optim.HfOptimizer, "_multi_tensor_eligible", lambda self, full, param: False)
             fail_warmup(patch, module, kernel, from_call=2)
-            params = make_params()
+            params = make_params(device)
             opt = cls(params, **kwargs)
             entry_states = []
             update_fallback = opt._update_fallback
@@ -193,15 +202,17 @@ def test_fallback_mid_run_keeps_the_state_the_triton_path_made(cls, kwargs, modu
     assert len(fallback_warnings(warnings_logged)) == 2  # once per run (the guard was reset between them)
 
 
-def test_forced_triton_backend_raises_naming_the_kernel(monkeypatch, warnings_logged):
+@pytest.mark.parametrize("device", DEVICES)
+def test_forced_triton_backend_raises_naming_the_kernel(device, monkeypatch, warnings_logged):
     monkeypatch.setenv("HF_OPTIM_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     fail_warmup(monkeypatch, triton_lamb, "_ratio_kernel")
-    params = make_params()
+    params = make_params(device)
     opt = hf_optim.LAMB8bit(params, lr=1e-2)
     set_grads(params, 0)
     start = [p.detach().clone() for p in params]
-    with pytest.raises(triton_guard.TritonKernelError, match=r"passes/lamb .*cpu-interpreter.*HF_OPTIM_BACKEND=triton"):
+    with pytest.raises(triton_guard.TritonKernelError, match=r"passes/lamb .*HF_OPTIM_BACKEND=triton forbids"):
         opt.step()
     assert all(torch.equal(p, s) for p, s in zip(params, start))  # no pass launched
     assert all(opt.state[p]["state1"].unique().numel() == 1 for p in params)  # still the initial zeros (or zero code)
@@ -273,17 +284,18 @@ def test_every_kernel_compiles_and_loads_before_any_launch(monkeypatch, warnings
     assert "RuntimeError: Triton Error [CUDA]: device kernel image is invalid" in warning.getMessage()
 
 
-def test_failed_compile_of_the_multi_tensor_path_runs_it_eagerly(monkeypatch, warnings_logged):
+@pytest.mark.parametrize("device", DEVICES)
+def test_failed_compile_of_the_multi_tensor_path_runs_it_eagerly(device, monkeypatch, warnings_logged):
     """torch.compile failing on a device (no C++ compiler, a Triton that inductor cannot use): one warning, the
     device runs the multi-tensor update eagerly, the same bits as the eager path."""
     from torch._dynamo.exc import BackendCompilerFailed
 
     monkeypatch.setenv("HF_OPTIM_BACKEND", "torch")
     monkeypatch.setenv(multi_tensor.COMPILE_ENV, "0")
-    ref_params = make_params()
+    ref_params = make_params(device)
     ref_opt = hf_optim.AdamW8bit(ref_params, lr=1e-2)
     monkeypatch.setenv(multi_tensor.COMPILE_ENV, "1")
-    params = make_params()
+    params = make_params(device)
     opt = hf_optim.AdamW8bit(params, lr=1e-2)
     assert opt.backend == "torch-compile"
     attempts = []
@@ -303,5 +315,5 @@ def test_failed_compile_of_the_multi_tensor_path_runs_it_eagerly(monkeypatch, wa
     assert_identical(opt, params, ref_opt, ref_params)
     assert len(attempts) == 1 and opt.backend == "torch"
     (warning,) = [r for r in warnings_logged if r.levelno == logging.WARNING]
-    assert "torch.compile failed to compile the optimizer update on cpu" in warning.getMessage()
-    assert list(compile_guard.failures()) == ["cpu"]
+    assert f"torch.compile failed to compile the optimizer update on {params[0].device}" in warning.getMessage()
+    assert list(compile_guard.failures()) == [str(params[0].device)]

@@ -108,6 +108,7 @@ _recording: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("h
 _failures: dict[tuple, Failure] = {}
 _prepared: set[tuple] = set()
 _records: list[CompileRecord] = []
+_fallback_runs = [0]  # guarded runs sent to the PyTorch path (hf-optim doctor tells a case that fell back)
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
@@ -134,7 +135,10 @@ def keep_alive(*tensors) -> None:
 
 def failed(config: KernelConfig, device: torch.device) -> bool:
     """Whether ``config`` failed on ``device`` earlier in this process (its tensors take the PyTorch path)."""
-    return (config.key, _device_key(device)) in _failures
+    if (config.key, _device_key(device)) in _failures:
+        _fallback_runs[0] += 1
+        return True
+    return False
 
 
 def run(config: KernelConfig, device: torch.device, work: Callable[[], None]) -> bool:
@@ -152,6 +156,7 @@ def run(config: KernelConfig, device: torch.device, work: Callable[[], None]) ->
     """
     key = (config.key, _device_key(device))
     if key in _failures:
+        _fallback_runs[0] += 1
         return False
     recorder = _Recorder()
     token = _recording.set(recorder)
@@ -236,6 +241,7 @@ def _fail(config: KernelConfig, device: torch.device, error: Exception) -> None:
         raise TritonKernelError(f"{message}. {backend.ENV_VAR}=triton forbids the PyTorch fallback: unset it (or set "
                                 f"{backend.ENV_VAR}=torch) to run these tensors on the PyTorch path") from error
     _failures[(config.key, _device_key(device))] = failure
+    _fallback_runs[0] += 1
     logger.warning("%s. Its tensors run on the PyTorch path from now on (the same math, slower); `hf-optim doctor` "
                    "checks this GPU", message)
 
@@ -254,6 +260,12 @@ def failures() -> list[Failure]:
     return list(_failures.values())
 
 
+def fallback_runs() -> int:
+    """How many times in this process a configuration's tensors were sent to the PyTorch path (each step of each
+    failed configuration counts)."""
+    return _fallback_runs[0]
+
+
 def compile_records() -> list[CompileRecord]:
     """Every configuration prepared for the first time on a device in this process, in order."""
     return list(_records)
@@ -264,6 +276,7 @@ def reset() -> None:
     _failures.clear()
     _prepared.clear()
     _records.clear()
+    _fallback_runs[0] = 0
 
 
 def _device_key(device: torch.device) -> str:
