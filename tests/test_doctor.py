@@ -15,19 +15,15 @@ import torch
 
 from hf_optim import cli
 from hf_optim.doctor import selftest
-from hf_optim.kernels import backend, compile_guard, triton_guard
+from hf_optim.kernels import backend, triton_guard
 from hf_optim.optim import registry
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU report (a GPU machine reports its GPU)")
 
 
 @pytest.fixture(autouse=True)
-def fresh_guards():
-    triton_guard.reset()
-    compile_guard.reset()
+def _fresh_guards(fresh_guards):
     yield
-    triton_guard.reset()
-    compile_guard.reset()
 
 
 def doctor(capsys, *args):

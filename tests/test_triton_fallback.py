@@ -34,12 +34,8 @@ ERROR = "PTX .version 9.9 does not support .target sm_75"
 
 
 @pytest.fixture(autouse=True)
-def fresh_guards():
-    triton_guard.reset()
-    compile_guard.reset()
+def _fresh_guards(fresh_guards):
     yield
-    triton_guard.reset()
-    compile_guard.reset()
 
 
 @pytest.fixture

@@ -91,7 +91,18 @@ def candidate(device: torch.device, interpret: bool = False) -> Candidate:
 
 
 @dataclass
-class CaseResult:
+class Distances:
+    """How far a candidate is from the reference: ulps at the tensor's scale (see :class:`Tolerance`), and how many
+    of the 8-bit / 4-bit codes differ."""
+
+    param_ulps: float = 0.0
+    state_ulps: float = 0.0
+    codes_differing: int = 0
+    codes: int = 0
+
+
+@dataclass(kw_only=True)
+class CaseResult(Distances):
     algorithm: str
     state: str
     dtype: str
@@ -100,10 +111,6 @@ class CaseResult:
     """``exact``, ``within tolerance``, ``MISMATCH``, ``fell back`` (a kernel failed: the PyTorch path ran) or
     ``error``."""
     tolerance: str
-    param_ulps: float = 0.0
-    state_ulps: float = 0.0
-    codes_differing: int = 0
-    codes: int = 0
     detail: str = ""
 
     @property
@@ -185,11 +192,7 @@ def code_distance(a: torch.Tensor, b: torch.Tensor, packed: bool) -> tuple[int, 
 
 
 @dataclass
-class Difference:
-    param_ulps: float = 0.0
-    state_ulps: float = 0.0
-    codes_differing: int = 0
-    codes: int = 0
+class Difference(Distances):
     code_step: int = 0
     other: str = ""
     """A non-tensor state entry that differs, or a key or dtype mismatch."""
@@ -249,8 +252,8 @@ def check(family: registry.Family, bits: int, dtype_name: str, device: torch.dev
           shapes: Sequence[tuple[int, ...]] = SHAPES, steps: int = STEPS) -> CaseResult:
     """One case: ``family`` with ``bits`` state on ``dtype_name`` parameters, ``cand`` against the reference."""
     tolerance = tolerance_for(family, cand.name, device)
-    result = CaseResult(family.algorithm.name, FORMAT_NAMES.get(bits, f"{bits}-bit"), dtype_name, cand.name, "exact",
-                        tolerance.name)
+    result = CaseResult(algorithm=family.algorithm.name, state=FORMAT_NAMES.get(bits, f"{bits}-bit"),
+                        dtype=dtype_name, backend=cand.name, status="exact", tolerance=tolerance.name)
     fallbacks = triton_guard.fallback_runs()
     dtype = DTYPES[dtype_name]
     try:
