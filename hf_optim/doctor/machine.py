@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import subprocess
 from importlib import metadata
 
 import torch
@@ -32,20 +33,22 @@ def versions() -> dict[str, str | None]:
 
 
 def driver_version() -> str | None:
-    """The NVIDIA driver's version through NVML (nvidia-ml-py), else the CUDA driver API version torch reports."""
+    """The NVIDIA driver's version: through NVML (nvidia-ml-py), else from ``nvidia-smi``; None when neither answers."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         version = pynvml.nvmlSystemGetDriverVersion()
         return version.decode() if isinstance(version, bytes) else str(version)
-    except Exception:  # noqa: BLE001 - no NVML (not installed, ROCm, a container without it): try the runtime
+    except Exception:  # noqa: BLE001 - no NVML (not installed, ROCm, a container without it): ask nvidia-smi
         pass
     try:
-        version = torch._C._cuda_getDriverVersion()  # e.g. 12040 for CUDA 12.4
-        return f"CUDA {version // 1000}.{version % 1000 // 10} driver API"
-    except Exception:  # noqa: BLE001
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
         return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else None
 
 
 def devices() -> list[torch.device]:

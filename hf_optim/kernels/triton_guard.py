@@ -164,6 +164,8 @@ def run(config: KernelConfig, device: torch.device, work: Callable[[], None]) ->
         work()
     finally:
         _recording.reset(token)
+    if not recorder.launches:  # nothing to update (empty tensors): nothing to compile either
+        return True
     first = key not in _prepared
     try:
         if first:
