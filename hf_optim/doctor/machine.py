@@ -66,7 +66,7 @@ def describe_device(device: torch.device, interpret: bool = False) -> dict:
         name, memory = props.name, int(props.total_memory)
         arch = triton_guard.device_arch(device)
     else:
-        name, memory = platform.processor() or platform.machine(), None
+        name, memory = cpu_name(), None
         arch = platform.machine()
     if interpret and device.type == "cpu":
         chosen = "triton (interpreter)"
@@ -84,6 +84,18 @@ def describe_device(device: torch.device, interpret: bool = False) -> dict:
         "pytorch_path": kernel_backend.torch_backend_name(device),
         "paging": check_paging(device),
     }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def check_paging(device: torch.device) -> str:
