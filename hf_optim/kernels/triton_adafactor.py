@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_optim.kernels import triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import kernel_scalars
 from hf_optim.kernels.blockwise import num_blocks
@@ -349,29 +350,35 @@ def step(optimizer, algorithm, group: dict, key, items: list, step: int, hyper, 
     partials = torch.empty(num_tiles, dtype=torch.float32, device=device)
     clip_denominators = torch.empty(len(table), dtype=torch.float32, device=device)
 
-    _row_stats_kernel[(sum(row_units),)](
+    triton_guard.launch(
+        _row_stats_kernel, (sum(row_units),),
         meta, row_table, row_sums, param_sq, eps1, BR=ROWS_PER_PROGRAM, BC=COLS_PER_PROGRAM, NCOLS=META_COLS,
         **kwargs,
     )
     if factored:
-        _col_stats_kernel[(sum(col_units),)](
+        triton_guard.launch(
+            _col_stats_kernel, (sum(col_units),),
             meta, col_table, col_sums, eps1, BR=ROWS_PER_PROGRAM, BC=COLS_PER_PROGRAM, NCOLS=META_COLS, **kwargs,
         )
-    _finalize_kernel[(sum(matrices),)](
+    triton_guard.launch(
+        _finalize_kernel, (sum(matrices),),
         meta, matrix_table, row_sums, param_sq, col_sums, row_factor, col_factor, lrs,
         h.step_size, eps2, h.beta2t, h.one_minus_beta2t, SCALE=bool(group["scale_parameter"]),
         CHUNK=REDUCE_CHUNK, NCOLS=META_COLS, **kwargs,
     )
-    _update_sq_kernel[(num_tiles,)](
+    triton_guard.launch(
+        _update_sq_kernel, (num_tiles,),
         meta, tiles_table, row_factor, col_factor, partials, h.beta2t, h.one_minus_beta2t, eps1, BLOCKS=TILE_BLOCKS,
         NCOLS=META_COLS, **kwargs,
     )
-    _clip_kernel[(len(table),)](
+    triton_guard.launch(
+        _clip_kernel, (len(table),),
         meta, partials, clip_denominators, h.inv_clip_threshold, CHUNK=REDUCE_CHUNK,
         BLOCKS=TILE_BLOCKS, NCOLS=META_COLS, **kwargs,
     )
     ordinals, sr_key = stochastic if stochastic is not None else (meta, meta)
-    _apply_kernel[(num_tiles,)](
+    triton_guard.launch(
+        _apply_kernel, (num_tiles,),
         meta, tiles_table, row_factor, col_factor, clip_denominators, lrs, eps1, h.negative_decay,
         dynamic_map(True, device), encoder_table(True, device), h.beta1, h.one_minus_beta1, ordinals, sr_key,
         HAS_M=group["beta1"] is not None, HAS_DECAY=group["weight_decay"] != 0, BLOCKS=TILE_BLOCKS, NCOLS=META_COLS,

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_optim.kernels import triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.blockwise4 import encoder_thresholds
 from hf_optim.kernels.dynamic_map import encoder_table
@@ -184,7 +185,8 @@ def fused_update(
         return
     norms = partials is not None
     ordinals, key = stochastic if stochastic is not None else (launch.meta, launch.meta)
-    _fused_update_kernel[(launch.num_tiles,)](
+    triton_guard.launch(
+        _fused_update_kernel, (launch.num_tiles,),
         launch.meta, launch.tiles, partials if norms else launch.meta, maps, hyper, ordinals, key,
         RULE=rule, ROWS=rows, SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2], WRITE_OUT=write_out,
         NORMS=norms, BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, ALIGNED=launch.aligned, SR=stochastic is not None,

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_optim.kernels import triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import kernel_scalars, resolve
 from hf_optim.kernels.triton_blockwise import load_values, pointer, tile_offsets
@@ -81,7 +82,8 @@ def _apply_kernel(meta, tiles, ratios, lr, ordinals, key, BLOCKS: tl.constexpr, 
 def trust_ratios(launch: mt.Launch, partials, ratios, *, adapt: bool, max_trust_ratio: float | None, device) -> None:
     """Per-tensor trust ratios into ``ratios`` (fp32, one per tensor) from the update pass's ``partials``."""
     clamp = max_trust_ratio is not None
-    _ratio_kernel[(len(launch.first_tiles),)](
+    triton_guard.launch(
+        _ratio_kernel, (len(launch.first_tiles),),
         launch.meta, partials, ratios, float(max_trust_ratio) if clamp else 0.0, ADAPT=bool(adapt), CLAMP=clamp,
         CHUNK=REDUCE_CHUNK, BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, **launch_kwargs(device),
     )
@@ -91,7 +93,8 @@ def apply(launch: mt.Launch, ratios, lr: float, device, stochastic=None) -> None
     """``p -= lr * ratio * u`` for every tensor of ``launch`` (``u`` at each tensor's ``OUT`` address);
     ``stochastic``: ``(ordinals, key)`` device tensors to round bf16 parameters stochastically."""
     ordinals, key = stochastic if stochastic is not None else (launch.meta, launch.meta)
-    _apply_kernel[(launch.num_tiles,)](
+    triton_guard.launch(
+        _apply_kernel, (launch.num_tiles,),
         launch.meta, launch.tiles, ratios, float(lr), ordinals, key, BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS,
         ALIGNED=launch.aligned, SR=stochastic is not None, **launch_kwargs(device),
     )
@@ -121,9 +124,13 @@ def step(optimizer, algorithm, group: dict, key, batch: list, step: int, hyper, 
     rule, scalars = resolve(algorithm.triton_rule), kernel_scalars(hyper)
     adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
     first = 0  # index in the batch of the bucket's first tensor
-    for index, bucket in enumerate(_buckets(batch, SCRATCH_NUMEL)):
-        total = sum(param.numel() for param, _, _ in bucket)
-        scratch = torch.empty(total, dtype=torch.float32, device=device)
+    buckets = _buckets(batch, SCRATCH_NUMEL)
+    # One direction buffer for every bucket: launches run in stream order, so a bucket's update pass writes it after
+    # the previous bucket's apply pass has read it (and the launches recorded by triton_guard hold only this one).
+    scratch = torch.empty(max(sum(param.numel() for param, _, _ in bucket) for bucket in buckets),
+                          dtype=torch.float32, device=device)
+    triton_guard.keep_alive(scratch)  # the kernels reach it through the meta table's addresses only
+    for index, bucket in enumerate(buckets):
         out_addresses, offset = [], 0
         for param, _, _ in bucket:
             out_addresses.append(scratch.data_ptr() + 4 * offset)

@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from hf_optim.kernels import rounding
+from hf_optim.kernels import rounding, triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import Algorithm, kernel_scalars, resolve
 from hf_optim.kernels.triton_elementwise import TILE_BLOCKS, fused_update, maps_table
@@ -51,19 +51,27 @@ def _customized(cls: type) -> bool:
     return cls._update is not base._update or cls.rule is not base.rule
 
 
-def step_group(optimizer, group: dict, group_index: int, items: list, ordinals=None) -> None:
+def step_group(optimizer, group: dict, group_index: int, items: list, ordinals=None) -> list:
     """Update ``items`` = [(param, grad, state), ...] (local, contiguous tensors, state created, step counted).
     ``ordinals`` (``id(state)`` -> parameter ordinal), when the group has ``bf16_stochastic_round``: bf16
-    parameters are rounded stochastically (:mod:`hf_optim.kernels.triton_rounding`)."""
+    parameters are rounded stochastically (:mod:`hf_optim.kernels.triton_rounding`).
+
+    Returns the items it did NOT update, untouched: those of kernel configurations that failed to compile or load
+    on their device (:mod:`hf_optim.kernels.triton_guard`); the caller runs them on the PyTorch path."""
     cache = optimizer.__dict__.get(CACHE_ATTR)
     if cache is None:
         cache = optimizer.__dict__[CACHE_ATTR] = mt.PlanCache()
     algorithm: Algorithm = optimizer.definition
     plan = algorithm.triton_plan
+    config = configuration(algorithm, stochastic=ordinals is not None)
     batches = defaultdict(list)
     for param, grad, state in items:
         batches[(param.device, state["step"])].append((param, grad.contiguous(), state))
+    skipped = []
     for (device, step), batch in batches.items():
+        if triton_guard.failed(config, device):
+            skipped.extend(batch)
+            continue
         hyper = optimizer._hyper(group, step)
         key = (group_index, device, step)
         stochastic = None
@@ -72,11 +80,23 @@ def step_group(optimizer, group: dict, group_index: int, items: list, ordinals=N
             stochastic = (cache.table(("bf16 ordinals", group_index, device, step), values, torch.int64, device),
                           mt.to_device(rounding.key_tensor(group["bf16_stochastic_round_seed"], step), torch.int64,
                                        device))
+        if plan.elementwise:
+            work = functools.partial(_elementwise, algorithm, key, batch, hyper, cache, device, stochastic)
+        else:
+            work = functools.partial(resolve(plan.step), optimizer, algorithm, group, key, batch, step, hyper, cache,
+                                     device, stochastic)
         with _on(device):
-            if plan.elementwise:
-                _elementwise(algorithm, key, batch, hyper, cache, device, stochastic)
-            else:
-                resolve(plan.step)(optimizer, algorithm, group, key, batch, step, hyper, cache, device, stochastic)
+            if not triton_guard.run(config, device, work):
+                skipped.extend(batch)
+    return skipped
+
+
+def configuration(algorithm: Algorithm, stochastic: bool) -> triton_guard.KernelConfig:
+    """The kernel configuration of an algorithm's Triton step (:mod:`triton_guard`): the fused kernel with its rule,
+    or its own passes, each with or without bf16 stochastic rounding (a compile-time switch of the kernels)."""
+    kind = "fused" if algorithm.triton_plan.elementwise else "passes"
+    label = f"{kind}/{algorithm.name}" + (" (bf16 stochastic rounding)" if stochastic else "")
+    return triton_guard.KernelConfig((kind, algorithm.name, stochastic), label)
 
 
 def _on(device: torch.device):
