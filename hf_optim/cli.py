@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -22,8 +23,22 @@ EXAMPLES = """examples:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (argparse prints the usage block first): ``hf-optim train: error: ...``."""
+
+    def error(self, message: str):
+        choice = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:  # argparse before Python 3.14 has no did-you-mean
+            from hf_optim.integrations.names import suggest
+
+            close = suggest(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)), count=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hf-optim", description="Fine-tune with recipes and hf_optim's memory-efficient optimizers.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
@@ -99,21 +114,20 @@ def cmd_validate(args, console) -> int:
     from rich.table import Table
 
     from hf_optim.recipes.api import load_recipe
+    from hf_optim.recipes.preflight import preflight
 
     card_bytes = None
     if args.fit is not None:
         from hf_optim.recipes.fit import parse_memory
 
-        try:
-            card_bytes = parse_memory(args.fit)
-        except ValueError as exc:
-            from rich.console import Console
-
-            Console(stderr=True).print(f"[red]error[/red]: {exc}", highlight=False)
-            return 2
+        card_bytes = parse_memory(args.fit)
     recipe = load_recipe(args.recipe, args.overrides, args.smoke)
-    console.print(f"[green]ok[/green] {recipe.source}: keys, types and optimizer {recipe.optim!r} are valid "
-                  f"({recipe.method}, model {recipe.model['id']})")
+    warnings = preflight(recipe, this_machine=False)  # what train checks before loading the model
+    console.print(f"[green]ok[/green] {recipe.source}: keys, types, optimizer {recipe.optim!r} and the checks train "
+                  f"runs before loading the model passed ({recipe.method}, model {recipe.model['id']})",
+                  highlight=False)
+    for warning in warnings:
+        console.print(f"[yellow]warning[/yellow]: {warning}", highlight=False)
     if recipe.hardware:
         console.print(f"target hardware: {recipe.hardware}")
     for note in recipe.notes:
@@ -337,9 +351,56 @@ def _console():
     return console
 
 
+def print_error(exc: BaseException) -> None:
+    """A user error on stderr, without a traceback: one line, or a header and one line per problem of a recipe
+    with several. Red when stderr is a terminal and rich is installed; never wrapped (a wrapped line breaks
+    mid-phrase and cannot be searched for)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    issues = getattr(exc, "issues", None)  # a RecipeError (not imported here: plot and compare run without pydantic)
+    several = issues is not None and len(issues) > 1
+    label = f"invalid recipe ({len(issues)} problems):" if several else "error:"
+    if sys.stderr.isatty() and importlib.util.find_spec("rich") is not None:
+        from rich.console import Console
+        from rich.markup import escape
+
+        console = Console(stderr=True, soft_wrap=True, highlight=False)
+        head = f"[red]{label}[/red]"
+        lines = [escape(line) for line in lines]
+    else:
+        console, head = None, label
+    out = [head, *lines] if several else [f"{head} {lines[0]}", *lines[1:]]
+    for line in out:
+        if console is None:
+            print(line, file=sys.stderr)
+        else:
+            console.print(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default: ``sys.argv[1:]``); returns the exit status (1: a package the verb needs
-    is missing, 2: invalid recipe or command line, 3: a run ran out of memory)."""
+    is missing, 2: a user error: an invalid recipe, value, path, environment variable or command line, or the
+    Hugging Face Hub unreachable for files that are not cached; 3: a run ran out of memory).
+
+    A user error (:class:`hf_optim.errors.UserError`) is printed as one line per problem, without a traceback;
+    any other exception is a bug and keeps its traceback."""
+    from hf_optim.errors import OFFLINE_HINT, UserError, hub_unreachable
+
+    try:
+        return _main(argv)
+    except UserError as exc:
+        print_error(exc)
+        return 2
+    except Exception as exc:
+        cause = hub_unreachable(exc)
+        if cause is None:
+            raise
+        first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        print_error(UserError(f"the Hugging Face Hub cannot be reached and the files are not cached ({first}); "
+                              f"{OFFLINE_HINT}"))
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # everything after `run` belongs to the command it runs, --help included
         from hf_optim import run
@@ -350,29 +411,27 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may also come after options (train RECIPE --smoke training.optim=x): argparse leaves those over.
     stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
     if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        parser.exit(2, f"hf-optim {args.verb}: error: unrecognized arguments: {' '.join(stray)} (see hf-optim "
+                       f"{args.verb} --help)\n")
     if extra:
         args.overrides = [*args.overrides, *extra]
     problem = missing_extra(args.verb)
     if problem:
         print(problem, file=sys.stderr)
         return 1
-    if args.verb in ("optimizers", "plot", "compare"):  # these import no recipe package (pydantic, trl, peft)
-        return COMMANDS[args.verb](args, _console())
-    from rich.console import Console
+    from hf_optim import notices
 
-    from hf_optim.recipes.console import quiet_console
-    from hf_optim.recipes.errors import RecipeError
-
+    notices.show_optional_kernel_notices(getattr(args, "verbose", False))
     try:
+        if args.verb in ("optimizers", "plot", "compare"):  # these import no recipe package (pydantic, trl, peft)
+            return COMMANDS[args.verb](args, _console())
+        from hf_optim.recipes.console import quiet_console
+
         # entered before the Hugging Face packages are imported: some notices come at import (ls and cp: verbose)
         with quiet_console(not getattr(args, "verbose", True)):
             return COMMANDS[args.verb](args, _console())
-    except RecipeError as exc:
-        Console(stderr=True).print(f"[red]invalid recipe[/red] ({len(exc.issues)} problem"
-                                   f"{'s' if len(exc.issues) != 1 else ''}):", highlight=False)
-        print(str(exc), file=sys.stderr)
-        return 2
+    finally:
+        notices.show_optional_kernel_notices(False)
 
 
 if __name__ == "__main__":
