@@ -123,8 +123,8 @@ def cmd_validate(args, console) -> int:
         card_bytes = parse_memory(args.fit)
     recipe = load_recipe(args.recipe, args.overrides, args.smoke)
     warnings = preflight(recipe, this_machine=False)  # what train checks before loading the model
-    console.print(f"[green]ok[/green] {recipe.source}: keys, types, optimizer {recipe.optim!r} and the checks train "
-                  f"runs before loading the model passed ({recipe.method}, model {recipe.model['id']})",
+    console.print(f"[green]ok[/green] {recipe.source}: keys, types and optimizer {recipe.optim!r} are valid, and so is "
+                  f"what train checks before loading the model ({recipe.method}, model {recipe.model['id']})",
                   highlight=False)
     for warning in warnings:
         console.print(f"[yellow]warning[/yellow]: {warning}", highlight=False)
@@ -176,15 +176,19 @@ def _print_fit(recipe, card_bytes: int, console) -> int:
     batch = result.recipe_batch
     table = Table(title=f"Fit on a {gib(card_bytes)} GiB card ({card_bytes / 1e9:,.2f} GB): {result.estimate.model_id}"
                         f", full fine-tune, {result.seq_len} tokens per sequence")
+    # The optimizer name never wraps or shortens (paged_adamw_8bit and paged_adamw_32bit differ at the end); on a
+    # narrow terminal the headers of the short columns wrap instead.
+    longest = max((len(fit.setup.optim) for fit in result.fits), default=9)
     for column, justify in (("#", "right"), ("optimizer", "left"), ("state", "left"), ("paged", "left"),
-                            ("gradients", "left"), ("checkpointing", "left"), ("bytes/param", "right"),
+                            ("grads", "left"), ("ckpt", "left"), ("B/param", "right"),
                             (f"GiB at batch {batch} (est.)", "right"), ("largest batch (est.)", "right")):
-        table.add_column(column, justify=justify)
+        name = column == "optimizer"
+        table.add_column(column, justify=justify, no_wrap=name, min_width=max(longest, 9) if name else None)
     for rank, fit in enumerate(result.fits, 1):
         s = fit.setup
         peak = fit.batch_bytes[batch]
         over = "" if peak <= result.usable_bytes else " [red](over)[/red]"
-        table.add_row(str(rank), s.optim, state_label(s.bits), "yes: state in host memory" if s.paged else "no",
+        table.add_row(str(rank), s.optim, state_label(s.bits), "yes" if s.paged else "no",
                       "released" if s.release else "kept", "on" if s.checkpointing else "off",
                       f"{fit.bytes_per_param:.2f}", gib(peak) + over, str(fit.max_batch))
     if result.fits:
@@ -195,8 +199,10 @@ def _print_fit(recipe, card_bytes: int, console) -> int:
         names = "; ".join(f"{m.setup.label()} ({gib(m.batch_bytes[1])} GiB at batch 1)" for m in result.misfits[:4])
         more = f" and {len(result.misfits) - 4} more" if len(result.misfits) > 4 else ""
         console.print(f"{len(result.misfits)} setup(s) do not fit even at batch 1: {names}{more}", highlight=False)
-    console.print("bytes/param: weights + gradients (kept: all; released: those alive at once) + optimizer state "
-                  "(paged included), per model parameter; activations excluded")
+    console.print("B/param: bytes per model parameter of weights + gradients (grads kept: all; released: those "
+                  "alive at once) + optimizer state (paged included); activations excluded. paged: the optimizer "
+                  "state lives in host memory and is paged to the GPU for each step. ckpt: activation "
+                  "(gradient) checkpointing")
     for assumption in result.assumptions:
         console.print(f"assumption: {assumption}", highlight=False)
     return 0
@@ -291,21 +297,16 @@ def cmd_compare(args, console) -> int:
 def cmd_optimizers(args, console) -> int:
     import hf_optim
 
-    rows = [(entry.name, entry.class_label, entry.precision, "yes" if entry.paged else "no",
-             "transformers name, taken over" if entry.takes_over else "added by hf_optim")
-            for entry in hf_optim.available_optimizers()]
-    header = ("name", "class", "state", "paged", "origin")
+    names = hf_optim.available_optimizers()
     if console is None:  # rich is not installed: plain columns
-        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-        for row in [header, *rows]:
-            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print(names.table())
     else:
         from rich.table import Table
 
         table = Table(title="training.optim names built by hf_optim")
-        for column in header:
-            table.add_column(column)
-        for row in rows:
+        for column in names.HEADER:
+            table.add_column(column, no_wrap=column == "name")
+        for row in names.rows():
             table.add_row(*row)
         console.print(table)
     print("transformers' other names (adamw_torch, adafactor, ...) work too: "

@@ -148,40 +148,46 @@ def _training_arguments(resolved: Recipe, issues: list[RecipeIssue], found: list
     from hf_optim.recipes.train import default_output_dir
 
     output_dir = default_output_dir(resolved)
-    try:
-        return build_sft_config(resolved, output_dir)
-    except Exception as exc:  # noqa: BLE001 (TrainingArguments' checks raise ValueError, ImportError, ...)
-        training = {k: v for k, v in resolved.training.items() if k != "output_dir"}
+    training = {k: v for k, v in resolved.training.items() if k != "output_dir"}
 
-        def build(values):
-            return build_sft_config(_with_training(resolved, values), output_dir)
+    def build(values):
+        changed = copy.copy(resolved)
+        changed.training = dict(values)
+        return build_sft_config(changed, output_dir)
 
-        keys = culprit_keys(build, training, HARDWARE_KEYS)
-        file, path = blamed(resolved.origin, "training", keys)
-        message = f"SFTConfig rejected {'this value' if len(keys) == 1 else 'these values'}: {_one_line(exc)}"
-        if keys and set(keys) <= set(HARDWARE_KEYS):
-            if not this_machine:
-                found.append(f"{path}: this machine cannot train it as is ({_one_line(exc)})")
-                return _neutral(resolved, keys, build)
-            message += " (this machine's hardware: set it to auto, or run on a machine that supports it)"
-        issues.append(RecipeIssue(file, path, message))
-        return None
-
-
-def _with_training(recipe: Recipe, training: dict) -> Recipe:
-    changed = copy.copy(recipe)
-    changed.training = dict(training)
-    return changed
-
-
-def _neutral(recipe: Recipe, keys: list[str], build):
-    """The SFTConfig with ``keys`` set to what asks nothing of the hardware, to go on checking the rest."""
-    training = {k: v for k, v in recipe.training.items() if k != "output_dir"}
-    training.update({key: HARDWARE_KEYS[key] for key in keys})
     try:
         return build(training)
-    except Exception:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 (TrainingArguments' checks raise ValueError, ImportError, ...)
+        why = _one_line(exc)
+        keys = culprit_keys(build, training, HARDWARE_KEYS)
+        unset = [] if keys else _unset_hardware_culprits(build, training)
+        file, path = blamed(resolved.origin, "training", keys or unset)
+        if unset:  # not in the recipe: the class's default asks for hardware this machine lacks (TRL: bf16=True)
+            path += " (not set: SFTConfig's default)"
+        if (keys or unset) and set(keys or unset) <= set(HARDWARE_KEYS):
+            neutral = {**training, **{key: HARDWARE_KEYS[key] for key in keys or unset}}
+            if not this_machine:
+                found.append(f"{path}: this machine cannot train it as is ({why})")
+                with contextlib.suppress(Exception):
+                    return build(neutral)  # go on checking the rest with what this machine can run
+                return None
+            why += " (this machine's hardware: set it to auto, or run on a machine that supports it)"
+        what = "these values" if len(keys) != 1 and not unset else "this value"
+        issues.append(RecipeIssue(file, path, f"SFTConfig rejected {what}: {why}"))
         return None
+
+
+def _unset_hardware_culprits(build, training: dict) -> list[str]:
+    """Hardware keys the recipe does not set whose neutral value (``bf16: false``) makes ``build`` succeed."""
+    for key, value in HARDWARE_KEYS.items():
+        if key in training:
+            continue
+        try:
+            build({**training, key: value})
+        except Exception:  # noqa: BLE001
+            continue
+        return [key]
+    return []
 
 
 def _one_line(exc: BaseException) -> str:
