@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0
     if not args:
-        print(f"{USAGE}\nhf-optim run: error: give the command to run, e.g. hf-optim run -- trl sft --optim "
-              "lamb_8bit ...", file=sys.stderr)
+        print("hf-optim run: error: give the command to run, e.g. hf-optim run -- trl sft --optim lamb_8bit ... "
+              "(see hf-optim run --help)", file=sys.stderr)
         return 2
     try:
         return run(args)

@@ -216,6 +216,7 @@ def apply_overrides(raw: RawRecipe, overrides: list[str]) -> RawRecipe:
                     where = ".".join(keys[: depth + 1])
                     raise RecipeError([RecipeIssue(COMMAND_LINE, text, f"{where} is not a mapping")])
                 node[key] = {}
+                origins[".".join(keys[: depth + 1])] = COMMAND_LINE  # a section the override created is its own
             node = node[key]
         node[keys[-1]] = value
         _record(origins, value, ".".join(keys), COMMAND_LINE)
