@@ -271,8 +271,13 @@ def cmd_cp(args, console) -> int:
     if dest.exists():
         console.print(f"[red]{dest} exists[/red]; not overwritten")
         return 1
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, dest)
+    except OSError as exc:  # a destination the user named that cannot be written: their problem, not a bug
+        from hf_optim.errors import UserError
+
+        raise UserError(f"cannot copy {source.name} to {dest}: {exc.strerror or exc}") from exc
     console.print(f"copied {source.name} -> {dest}")
     return 0
 
@@ -386,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     any other exception is a bug and keeps its traceback."""
     from hf_optim.errors import OFFLINE_HINT, UserError, hub_unreachable
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # everything after `run` belongs to the command it runs: --help, its errors
+        from hf_optim import run
+
+        return run.main(argv[1:])
     try:
         return _main(argv)
     except UserError as exc:
@@ -401,12 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _main(argv: list[str] | None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["run"]:  # everything after `run` belongs to the command it runs, --help included
-        from hf_optim import run
-
-        return run.main(argv[1:])
+def _main(argv: list[str]) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may also come after options (train RECIPE --smoke training.optim=x): argparse leaves those over.

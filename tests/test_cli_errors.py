@@ -36,6 +36,7 @@ def recipes(tmp_path, monkeypatch):
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     (tmp_path / "not_a_run").mkdir()
+    (tmp_path / "a_file").write_text("")
     return tmp_path
 
 
@@ -92,6 +93,7 @@ CASES = {
                                            "offline_model.yaml: model.id: 'someone/model-that-is-not-cached': not in "
                                            "the local Hugging Face cache"),
     "cp of an unknown recipe": (["cp", "quickstrat", "copy.yaml"], {}, "did you mean 'quickstart'?"),
+    "cp into a file": (["cp", "quickstart", "a_file/copy.yaml"], {}, "cannot copy quickstart.yaml to a_file/copy.yaml"),
     "plot of a missing directory": (["plot", "no_such_run"], {}, "run directory 'no_such_run' does not exist"),
     "plot of a directory that is not a run": (["plot", "not_a_run"], {},
                                               "'not_a_run' is not a run directory: it has neither summary.json nor "
