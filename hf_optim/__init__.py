@@ -5,6 +5,7 @@ namesake, so switching is a one-line import change. New algorithms are added wit
 (README, "Adding an algorithm").
 """
 
+from hf_optim import notices as _notices
 from hf_optim.checkpoints import last_complete_checkpoint
 from hf_optim.integrations import transformers as _transformers_integration
 from hf_optim.integrations.names import OptimizerName, available_optimizers
@@ -49,6 +50,7 @@ from hf_optim.optim.rmsprop import RMSprop, RMSprop8bit, RMSprop32bit
 
 __version__ = "0.1.0"
 
+_notices.hide_optional_kernel_notices()  # before bitsandbytes is imported (by peft, transformers): it logs one then
 _transformers_integration.install()
 
 __all__ = [

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import shutil
 import sys
 from pathlib import Path
 
 EXAMPLES = """examples:
-  hf-optim train quickstart                                   # the tiny offline QLoRA run (CPU, ~1 minute)
+  hf-optim train quickstart                                   # the tiny offline QLoRA run (CPU, about 18 s)
   hf-optim run -- trl sft --optim lamb_8bit ...               # another command line, with hf_optim's names
   hf-optim validate llama-3.1-8b-full training.optim=adamw_torch
   hf-optim validate llama-3.1-8b-full --fit 24GiB                # which setups fit a 24 GB card, largest batch
@@ -23,8 +24,22 @@ EXAMPLES = """examples:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (argparse prints the usage block first): ``hf-optim train: error: ...``."""
+
+    def error(self, message: str):
+        choice = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:  # argparse before Python 3.14 has no did-you-mean
+            from hf_optim.integrations.names import suggest
+
+            close = suggest(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)), count=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hf-optim", description="Fine-tune with recipes and hf_optim's memory-efficient optimizers.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
@@ -110,21 +125,20 @@ def cmd_validate(args, console) -> int:
     from rich.table import Table
 
     from hf_optim.recipes.api import load_recipe
+    from hf_optim.recipes.preflight import preflight
 
     card_bytes = None
     if args.fit is not None:
         from hf_optim.recipes.fit import parse_memory
 
-        try:
-            card_bytes = parse_memory(args.fit)
-        except ValueError as exc:
-            from rich.console import Console
-
-            Console(stderr=True).print(f"[red]error[/red]: {exc}", highlight=False)
-            return 2
+        card_bytes = parse_memory(args.fit)
     recipe = load_recipe(args.recipe, args.overrides, args.smoke)
-    console.print(f"[green]ok[/green] {recipe.source}: keys, types and optimizer {recipe.optim!r} are valid "
-                  f"({recipe.method}, model {recipe.model['id']})")
+    warnings = preflight(recipe, this_machine=False)  # what train checks before loading the model
+    console.print(f"[green]ok[/green] {recipe.source}: keys, types and optimizer {recipe.optim!r} are valid, and so is "
+                  f"what train checks before loading the model ({recipe.method}, model {recipe.model['id']})",
+                  highlight=False)
+    for warning in warnings:
+        console.print(f"[yellow]warning[/yellow]: {warning}", highlight=False)
     if recipe.hardware:
         console.print(f"target hardware: {recipe.hardware}")
     for note in recipe.notes:
@@ -173,15 +187,19 @@ def _print_fit(recipe, card_bytes: int, console) -> int:
     batch = result.recipe_batch
     table = Table(title=f"Fit on a {gib(card_bytes)} GiB card ({card_bytes / 1e9:,.2f} GB): {result.estimate.model_id}"
                         f", full fine-tune, {result.seq_len} tokens per sequence")
+    # The optimizer name never wraps or shortens (paged_adamw_8bit and paged_adamw_32bit differ at the end); on a
+    # narrow terminal the headers of the short columns wrap instead.
+    longest = max((len(fit.setup.optim) for fit in result.fits), default=9)
     for column, justify in (("#", "right"), ("optimizer", "left"), ("state", "left"), ("paged", "left"),
-                            ("gradients", "left"), ("checkpointing", "left"), ("bytes/param", "right"),
+                            ("grads", "left"), ("ckpt", "left"), ("B/param", "right"),
                             (f"GiB at batch {batch} (est.)", "right"), ("largest batch (est.)", "right")):
-        table.add_column(column, justify=justify)
+        name = column == "optimizer"
+        table.add_column(column, justify=justify, no_wrap=name, min_width=max(longest, 9) if name else None)
     for rank, fit in enumerate(result.fits, 1):
         s = fit.setup
         peak = fit.batch_bytes[batch]
         over = "" if peak <= result.usable_bytes else " [red](over)[/red]"
-        table.add_row(str(rank), s.optim, state_label(s.bits), "yes: state in host memory" if s.paged else "no",
+        table.add_row(str(rank), s.optim, state_label(s.bits), "yes" if s.paged else "no",
                       "released" if s.release else "kept", "on" if s.checkpointing else "off",
                       f"{fit.bytes_per_param:.2f}", gib(peak) + over, str(fit.max_batch))
     if result.fits:
@@ -192,8 +210,10 @@ def _print_fit(recipe, card_bytes: int, console) -> int:
         names = "; ".join(f"{m.setup.label()} ({gib(m.batch_bytes[1])} GiB at batch 1)" for m in result.misfits[:4])
         more = f" and {len(result.misfits) - 4} more" if len(result.misfits) > 4 else ""
         console.print(f"{len(result.misfits)} setup(s) do not fit even at batch 1: {names}{more}", highlight=False)
-    console.print("bytes/param: weights + gradients (kept: all; released: those alive at once) + optimizer state "
-                  "(paged included), per model parameter; activations excluded")
+    console.print("B/param: bytes per model parameter of weights + gradients (grads kept: all; released: those "
+                  "alive at once) + optimizer state (paged included); activations excluded. paged: the optimizer "
+                  "state lives in host memory and is paged to the GPU for each step. ckpt: activation "
+                  "(gradient) checkpointing")
     for assumption in result.assumptions:
         console.print(f"assumption: {assumption}", highlight=False)
     return 0
@@ -207,19 +227,15 @@ def cmd_train(args, console) -> int:
     from hf_optim.recipes.rundir import RunDirectoryError
 
     quiet = not args.verbose
-    try:
-        if args.sweep:
-            if args.resume not in (None, "auto"):
-                raise RunDirectoryError(f"--resume {args.resume}: a sweep resumes each of its runs from its own "
-                                        "directory; give --resume without a path")
-            results, report = api.sweep(args.recipe, args.sweep, args.overrides, args.smoke, args.output_dir,
-                                        quiet=quiet, resume=args.resume is not None, overwrite=args.overwrite)
-        else:
-            result = api.train(args.recipe, args.overrides, args.smoke, args.output_dir, quiet=quiet,
-                               resume=args.resume, overwrite=args.overwrite)
-    except RunDirectoryError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.sweep:
+        if args.resume not in (None, "auto"):
+            raise RunDirectoryError(f"--resume {args.resume}: a sweep resumes each of its runs from its own "
+                                    "directory; give --resume without a path")
+        results, report = api.sweep(args.recipe, args.sweep, args.overrides, args.smoke, args.output_dir,
+                                    quiet=quiet, resume=args.resume is not None, overwrite=args.overwrite)
+    else:
+        result = api.train(args.recipe, args.overrides, args.smoke, args.output_dir, quiet=quiet,
+                           resume=args.resume, overwrite=args.overwrite)
     if args.sweep:
         table = Table(title=f"sweep {args.sweep.partition('=')[0]}")
         for column in ("run", "status", "optimizer", "train loss (run mean)"):
@@ -320,8 +336,13 @@ def cmd_cp(args, console) -> int:
     if dest.exists():
         console.print(f"[red]{dest} exists[/red]; not overwritten")
         return 1
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, dest)
+    except OSError as exc:  # a destination the user named that cannot be written: their problem, not a bug
+        from hf_optim.errors import UserError
+
+        raise UserError(f"cannot copy {source.name} to {dest}: {exc.strerror or exc}") from exc
     console.print(f"copied {source.name} -> {dest}")
     return 0
 
@@ -346,21 +367,16 @@ def cmd_compare(args, console) -> int:
 def cmd_optimizers(args, console) -> int:
     import hf_optim
 
-    rows = [(entry.name, entry.class_label, entry.precision, "yes" if entry.paged else "no",
-             "transformers name, taken over" if entry.takes_over else "added by hf_optim")
-            for entry in hf_optim.available_optimizers()]
-    header = ("name", "class", "state", "paged", "origin")
+    names = hf_optim.available_optimizers()
     if console is None:  # rich is not installed: plain columns
-        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-        for row in [header, *rows]:
-            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print(names.table())
     else:
         from rich.table import Table
 
         table = Table(title="training.optim names built by hf_optim")
-        for column in header:
-            table.add_column(column)
-        for row in rows:
+        for column in names.HEADER:
+            table.add_column(column, no_wrap=column == "name")
+        for row in names.rows():
             table.add_row(*row)
         console.print(table)
     print("transformers' other names (adamw_torch, adafactor, ...) work too: "
@@ -406,12 +422,43 @@ def _console():
     return console
 
 
+def print_error(exc: BaseException) -> None:
+    """A user error on stderr, without a traceback: one line, or a header and one line per problem of a recipe
+    with several. Red when stderr is a terminal and rich is installed; never wrapped (a wrapped line breaks
+    mid-phrase and cannot be searched for)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    issues = getattr(exc, "issues", None)  # a RecipeError (not imported here: plot and compare run without pydantic)
+    several = issues is not None and len(issues) > 1
+    label = f"invalid recipe ({len(issues)} problems):" if several else "error:"
+    if sys.stderr.isatty() and importlib.util.find_spec("rich") is not None:
+        from rich.console import Console
+        from rich.markup import escape
+
+        console = Console(stderr=True, soft_wrap=True, highlight=False)
+        head = f"[red]{label}[/red]"
+        lines = [escape(line) for line in lines]
+    else:
+        console, head = None, label
+    out = [head, *lines] if several else [f"{head} {lines[0]}", *lines[1:]]
+    for line in out:
+        if console is None:
+            print(line, file=sys.stderr)
+        else:
+            console.print(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default: ``sys.argv[1:]``); returns the exit status (1: a package the verb needs
-    is missing, 2: invalid recipe or command line, or an output directory that holds a run, 3: a run ran out of
-    memory, 130: Ctrl-C)."""
+    is missing, 2: a user error: an invalid recipe, value, path, environment variable or command line, an output
+    directory that holds a run, or the Hugging Face Hub unreachable for files that are not cached; 3: a run ran out
+    of memory; 130: Ctrl-C).
+
+    A user error (:class:`hf_optim.errors.UserError`) is printed as one line per problem, without a traceback;
+    any other exception is a bug and keeps its traceback."""
+    from hf_optim.errors import OFFLINE_HINT, UserError, hub_unreachable
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["run"]:  # everything after `run` belongs to the command it runs, --help included
+    if argv[:1] == ["run"]:  # everything after `run` belongs to the command it runs: --help, its errors
         from hf_optim import run
 
         return run.main(argv[1:])
@@ -419,12 +466,29 @@ def main(argv: list[str] | None = None) -> int:
         from hf_optim import doctor
 
         return doctor.main(argv[1:])
+    try:
+        return _main(argv)
+    except UserError as exc:
+        print_error(exc)
+        return 2
+    except Exception as exc:
+        cause = hub_unreachable(exc)
+        if cause is None:
+            raise
+        first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        print_error(UserError(f"the Hugging Face Hub cannot be reached and the files are not cached ({first}); "
+                              f"{OFFLINE_HINT}"))
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may also come after options (train RECIPE --smoke training.optim=x): argparse leaves those over.
     stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
     if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        parser.exit(2, f"hf-optim {args.verb}: error: unrecognized arguments: {' '.join(stray)} (see hf-optim "
+                       f"{args.verb} --help)\n")
     if extra:
         args.overrides = [*args.overrides, *extra]
     if getattr(args, "resume", None) not in (None, "auto") and "=" in args.resume and not Path(args.resume).exists():
@@ -436,25 +500,22 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 1
-    if args.verb in ("optimizers", "plot", "compare"):  # these import no recipe package (pydantic, trl, peft)
-        return COMMANDS[args.verb](args, _console())
-    from rich.console import Console
+    from hf_optim import notices
 
-    from hf_optim.recipes.console import quiet_console
-    from hf_optim.recipes.errors import RecipeError
-
+    notices.show_optional_kernel_notices(getattr(args, "verbose", False))
     try:
+        if args.verb in ("optimizers", "plot", "compare"):  # these import no recipe package (pydantic, trl, peft)
+            return COMMANDS[args.verb](args, _console())
+        from hf_optim.recipes.console import quiet_console
+
         # entered before the Hugging Face packages are imported: some notices come at import (ls and cp: verbose)
         with quiet_console(not getattr(args, "verbose", True)):
             return COMMANDS[args.verb](args, _console())
     except KeyboardInterrupt:  # Ctrl-C outside training (imports, loading): nothing was trained, nothing to keep
         print("interrupted", file=sys.stderr)
         return 130
-    except RecipeError as exc:
-        Console(stderr=True).print(f"[red]invalid recipe[/red] ({len(exc.issues)} problem"
-                                   f"{'s' if len(exc.issues) != 1 else ''}):", highlight=False)
-        print(str(exc), file=sys.stderr)
-        return 2
+    finally:
+        notices.show_optional_kernel_notices(False)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import hf_optim
 from hf_optim.integrations.names import suggest
+from hf_optim.notices import one_line_warnings
 
 HOOK_DIR = Path(__file__).resolve().parent / "_autoimport"
 """Put first on ``PYTHONPATH`` for child processes (see ``hf_optim/_autoimport/sitecustomize.py``)."""
@@ -139,6 +140,7 @@ def run(command: list[str]) -> int:
     propagates)."""
     kind, target, argv = resolve(command)
     export_to_child_processes()
+    one_line_warnings()  # as the processes it starts do (hf_optim/_autoimport/sitecustomize.py)
     sys.argv = argv
     if kind == "entry_point":
         return _exit_code(target.load()())
@@ -163,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0
     if not args:
-        print(f"{USAGE}\nhf-optim run: error: give the command to run, e.g. hf-optim run -- trl sft --optim "
-              "lamb_8bit ...", file=sys.stderr)
+        print("hf-optim run: error: give the command to run, e.g. hf-optim run -- trl sft --optim lamb_8bit ... "
+              "(see hf-optim run --help)", file=sys.stderr)
         return 2
     try:
         return run(args)

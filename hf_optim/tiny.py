@@ -272,3 +272,52 @@ def builtin_model_dir(seed: int = 0) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def builtin_data_dir() -> Path:
+    """A directory in :func:`cache_dir` that holds only the bundled chat data (``tiny_chat.jsonl``), written on first
+    use: ``datasets.load_dataset(DIR)`` and ``trl sft --dataset_name DIR`` read a directory of data files, while a
+    path to one ``.jsonl`` file is no dataset name for them (and the package's own data directory holds the
+    tokenizer's JSON files too)."""
+    import os
+    import tempfile
+
+    target = cache_dir() / "tiny-chat"
+    data = CHAT_FILE.read_bytes()
+    path = target / CHAT_FILE.name
+    if path.is_file() and path.read_bytes() == data:
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=".tiny_chat-", dir=target)
+    with os.fdopen(handle, "wb") as f:
+        f.write(data)
+    os.replace(staging, path)  # whole or not at all, for a reader in another process
+    return target
+
+
+USAGE = """usage: python -m hf_optim.tiny {model,data}
+
+Print the path of the builtin tiny model (a directory from_pretrained loads: config, weights and the bundled
+tokenizer) or of a directory holding the bundled chat data, each written once into hf_optim's cache
+($HF_OPTIM_CACHE, else ~/.cache/hf_optim). For command lines that take paths, e.g.:
+  hf-optim run -- trl sft --model_name_or_path "$(python -m hf_optim.tiny model)" \\
+      --dataset_name "$(python -m hf_optim.tiny data)" --optim lamb_8bit ..."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hf_optim.tiny model|data``: print the path (see :data:`USAGE`); returns the exit status."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    if args not in (["model"], ["data"]):
+        print(f"{USAGE}\n\npython -m hf_optim.tiny: error: give one of: model, data", file=sys.stderr)
+        return 2
+    print(builtin_model_dir() if args == ["model"] else builtin_data_dir())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

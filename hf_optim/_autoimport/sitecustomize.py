@@ -4,7 +4,8 @@
 ``sitecustomize``. It runs the ``sitecustomize`` it shadows (a distribution's or a virtual environment's own), then
 imports hf_optim, so that ``optim="lamb_8bit"`` and hf_optim's takeover of transformers' names hold in training
 processes the user's command starts (``trl sft`` and ``accelerate launch`` run the training script as a new
-process, ``torchrun`` one per rank). Standard library only until the hf_optim import: this runs before anything else.
+process, ``torchrun`` one per rank), and hf_optim's warnings print as one line each there. Standard library only
+until the hf_optim import: this runs before anything else.
 """
 
 import importlib.machinery
@@ -32,6 +33,7 @@ def _import_hf_optim() -> None:
         # directory, after everything else, so it never shadows an installed package.
         sys.path.append(os.path.dirname(os.path.dirname(_HERE)))
         import hf_optim  # noqa: F401
+    hf_optim.notices.one_line_warnings()  # as `hf-optim run` prints them in its own process
 
 
 try:

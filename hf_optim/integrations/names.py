@@ -55,6 +55,34 @@ class OptimizerName:
         details = [self.precision] + (["paged"] if self.paged else []) + ([f"backend={backend}"] if backend else [])
         return f"{self.class_label} ({', '.join(details)})"
 
+    @property
+    def origin(self) -> str:
+        return "transformers name, taken over" if self.takes_over else "added by hf_optim"
+
+    def __repr__(self) -> str:  # one short line: the dataclass repr spells out the class object and every field
+        return f"<OptimizerName {self.name!r} -> {self.describe()}>"
+
+
+class OptimizerNames(list):
+    """The list :func:`available_optimizers` returns: a plain list of :class:`OptimizerName`, shown as a table."""
+
+    HEADER = ("name", "class", "state", "paged", "origin")
+
+    def rows(self) -> list[tuple[str, str, str, str, str]]:
+        """One row per name, as :attr:`HEADER` names the columns."""
+        return [(e.name, e.class_label, e.precision, "yes" if e.paged else "no", e.origin) for e in self]
+
+    def table(self) -> str:
+        """The names as aligned plain-text columns, a header first."""
+        rows = [self.HEADER, *self.rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(self.HEADER))]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+    def __repr__(self) -> str:
+        return self.table()
+
+    __str__ = __repr__
+
 
 def _entries() -> dict[str, OptimizerName]:
     """Every registered algorithm's names: the names transformers has first (as transformers lists them), then
@@ -99,9 +127,10 @@ class _Names(Mapping):
 OPTIMIZER_NAMES: Mapping[str, OptimizerName] = _Names()
 
 
-def available_optimizers() -> list[OptimizerName]:
-    """Every ``optim=`` name hf_optim answers to, with its class, precision and paging."""
-    return list(OPTIMIZER_NAMES.values())
+def available_optimizers() -> OptimizerNames:
+    """Every ``optim=`` name hf_optim answers to, with its class, precision and paging: a list of
+    :class:`OptimizerName` that prints as a table (``print(hf_optim.available_optimizers())``)."""
+    return OptimizerNames(OPTIMIZER_NAMES.values())
 
 
 def suggest(name: str, candidates: list[str], count: int = 3) -> list[str]:

@@ -108,7 +108,7 @@ def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None, name: st
     if model is not None and entry.optim_bits < 32:
         skipped = keep_embeddings_32bit(model)
         if skipped:
-            logger.info("hf_optim: %d embedding parameters keep 32-bit state", skipped)
+            logger.info("%d embedding parameters keep 32-bit state", skipped)  # the handler adds "[hf_optim]"
     logger.info("optim=%r -> %s", name, entry.describe(_backend_label(model)))
     return entry.cls, kwargs
 

@@ -7,6 +7,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from hf_optim.errors import UserValueError
 from hf_optim.integrations.names import suggest
 from hf_optim.monitor.plots import DPI, new_figure, step_axis
 from hf_optim.monitor.runfiles import RunData, load_run
@@ -88,7 +89,8 @@ def _pick_baseline(rows: list[_Row], baseline) -> _Row:
     choices = [row.label for row in rows]
     close = suggest(wanted, choices + [row.run.run_dir.name for row in rows])
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    raise ValueError(f"baseline {wanted!r} is not one of the compared runs ({', '.join(map(repr, choices))}).{hint}")
+    raise UserValueError(f"baseline {wanted!r} is not one of the compared runs "
+                         f"({', '.join(map(repr, choices))}).{hint}")
 
 
 def _unit_for(values) -> tuple[str, int]:
@@ -353,7 +355,7 @@ def compare_runs(run_dirs, out_dir, baseline=None, title: str | None = None) -> 
     """
     run_dirs = list(run_dirs)
     if not run_dirs:
-        raise ValueError("compare_runs needs at least one run directory")
+        raise UserValueError("compare_runs needs at least one run directory")
     runs = [load_run(d) for d in run_dirs]
     rows = [_Row(label, run) for label, run in zip(_labels(runs), runs)]
     base = _pick_baseline(rows, baseline)

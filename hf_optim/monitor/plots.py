@@ -17,7 +17,7 @@ DPI = 110
 _PHASE_LABELS = {
     "model_loaded": "model loaded",
     "train_begin": "train begin",
-    "after_first_step": "after step 1\n(state allocated)",
+    "after_first_step": "after step 1 (state allocated)",
     "end": "end",
     "oom": "OOM",
     "interrupted": "interrupted",
@@ -28,6 +28,8 @@ _PHASE_LABELS = {
 def _phase_label(name: str) -> str | None:
     """The label of a phase; a phase kept from an earlier part of a resumed run is named ``<phase>_at_<step>``."""
     return _PHASE_LABELS.get(name.split("_at_")[0])
+
+
 _MESSAGE_STYLE = dict(ha="center", va="center", fontsize=10, color="#8a2c0d",
                       bbox=dict(boxstyle="round", facecolor="#fff3cd", edgecolor="#d4a017"))
 
@@ -169,13 +171,27 @@ def _mark_phases(ax, run: RunData, *, labels: bool) -> None:
     for name, snapshot in (run.summary.get("phases") or {}).items():
         if _phase_label(name) and snapshot.get("step") is not None:
             by_step.setdefault(snapshot["step"], []).append(_phase_label(name))
-    for step, names in sorted(by_step.items()):
+    key = []
+    left, right = ax.get_xlim() if by_step else (0.0, 1.0)
+    last_x, row = None, 0
+    for number, (step, names) in enumerate(sorted(by_step.items()), 1):
         oom = "OOM" in names
+        color = "#c0392b" if oom else "#555555"
         ax.axvline(step, color="#c0392b" if oom else "#999999", ls=":", lw=1.2)
-        if labels:
-            ax.annotate(" / ".join(names), xy=(step, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
-                        textcoords="offset points", ha="left", va="top", fontsize=7.5, rotation=90,
-                        color="#c0392b" if oom else "#555555")
+        if not labels:
+            continue
+        # A numbered tag in the headroom above the curves (steps 0 and 1 are a few points apart, so tags that
+        # would touch go one row lower), on a white box that hides its own dotted line; the names go in a key.
+        x = (step - left) / ((right - left) or 1.0)
+        row = row + 1 if last_x is not None and x - last_x < 0.025 and row < 2 else 0
+        last_x = x
+        ax.annotate(str(number), xy=(step, 0.985 - 0.07 * row), xycoords=("data", "axes fraction"), ha="center",
+                    va="top", fontsize=8, color=color, zorder=5,
+                    bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor=color, lw=0.6))
+        key.append(f"{number}: {' / '.join(names)} (step {step})")
+    if key:
+        ax.text(1.01, 0.0, "phases\n" + "\n".join(key), transform=ax.transAxes, ha="left", va="bottom", fontsize=8,
+                color="#333333")
 
 
 def _draw_process_memory(ax, run: RunData, *, detailed: bool) -> None:

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hf_optim.errors import UserFileNotFoundError, UserValueError
+
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 RECIPE = "recipe.yaml"
@@ -75,7 +77,7 @@ def read_records(run_dir: Path) -> list[dict]:
         except json.JSONDecodeError as exc:
             if number == len(lines):
                 break  # the last line of a killed run may be cut short
-            raise ValueError(f"{path}:{number}: not a JSON line ({exc})") from exc
+            raise UserValueError(f"{path}:{number}: not a JSON line ({exc})") from exc
     return records
 
 
@@ -113,10 +115,10 @@ def load_run(run_dir) -> RunData:
     """Read a run directory written by :class:`~hf_optim.monitor.TrainingMonitor`."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
+        raise UserFileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
     summary_path = run_dir / SUMMARY
     if not summary_path.exists() and not (run_dir / METRICS).exists():
-        raise FileNotFoundError(
+        raise UserFileNotFoundError(
             f"{str(run_dir)!r} is not a run directory: it has neither {SUMMARY} nor {METRICS} "
             "(train with hf_optim.monitor.TrainingMonitor in the Trainer's callbacks)"
         )

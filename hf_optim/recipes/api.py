@@ -8,6 +8,7 @@ from pathlib import Path
 from hf_optim.checkpoints import last_complete_checkpoint
 from hf_optim.recipes import rundir
 from hf_optim.recipes.loading import apply_overrides, load_raw
+from hf_optim.recipes.preflight import check_model_source, preflight
 from hf_optim.recipes.schema import Recipe, validate
 from hf_optim.recipes.smoke import SMOKE_STEPS, smoke_recipe, smoke_requested
 from hf_optim.recipes.train import RunResult, default_output_dir, free_memory, run, run_dir_name, sweep_values
@@ -46,9 +47,19 @@ def train(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = (),
     ``quiet`` (default False) hides third-party notices and the Trainer's log dicts
     (:mod:`hf_optim.recipes.console`), as ``hf-optim train`` does without ``-v``. ``resume`` (default None:
     ``"auto"``, a checkpoint or a run directory) continues a run, ``overwrite`` (default False) starts a directory
-    that holds a run again from step 0: see :func:`hf_optim.recipes.train.run`."""
-    return run(load_recipe(name_or_path, overrides, smoke), output_dir, quiet=quiet, resume=resume,
+    that holds a run again from step 0: see :func:`hf_optim.recipes.train.run`.
+
+    Before anything is written, the recipe passes :func:`~hf_optim.recipes.preflight.preflight` (what ``validate``
+    checks) and :func:`~hf_optim.recipes.preflight.check_model_source`: a problem raises :class:`RecipeError`."""
+    return run(ready_to_train(load_recipe(name_or_path, overrides, smoke)), output_dir, quiet=quiet, resume=resume,
                overwrite=overwrite)
+
+
+def ready_to_train(recipe: Recipe) -> Recipe:
+    """``recipe`` after every check ``train`` runs before loading the model (raises :class:`RecipeError`), with
+    ``model.local_files_only`` set when the Hub is unreachable but the model is cached."""
+    preflight(recipe)
+    return check_model_source(recipe)
 
 
 def sweep(name_or_path: str | Path, spec: str, overrides: list[str] | tuple[str, ...] = (), smoke: bool = False,
@@ -71,15 +82,15 @@ def sweep(name_or_path: str | Path, spec: str, overrides: list[str] | tuple[str,
 
     Each run is named by its value (``paged_adamw_8bit``) in the comparison, whatever ``logging.run_name`` says.
 
-    Every recipe and every run directory is checked before the first run starts (a directory that holds a run
-    needs ``resume`` or ``overwrite``). A run that runs out of memory becomes an OOM row of the comparison and the
-    sweep continues; Ctrl-C stops the sweep after the run it interrupted (no comparison: the report is None).
-    Returns (results, path of compare.md).
+    Every recipe is validated and passes the checks :func:`train` runs, and every run directory is checked, before
+    the first run starts (a directory that holds a run needs ``resume`` or ``overwrite``). A run that runs out of
+    memory becomes an OOM row of the comparison and the sweep continues; Ctrl-C stops the sweep after the run it
+    interrupted (no comparison: the report is None). Returns (results, path of compare.md).
     """
     from hf_optim.monitor import compare_runs
 
     key, values = sweep_values(spec)
-    recipes = [load_recipe(name_or_path, [*overrides, f"{key}={value}"], smoke) for value in values]
+    recipes = [ready_to_train(load_recipe(name_or_path, [*overrides, f"{key}={value}"], smoke)) for value in values]
     parent = Path(output_dir) if output_dir is not None else default_output_dir(recipes[0])
     title = f"{recipes[0].logging.run_name or Path(recipes[0].source).stem}: sweep of {key}"
     plans = [_sweep_member(parent / run_dir_name(value), resume, overwrite) for value in values]

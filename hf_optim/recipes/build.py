@@ -32,7 +32,8 @@ def build_tokenizer(recipe: Recipe):
     else:
         from transformers import AutoTokenizer
 
-        kwargs = {k: recipe.model[k] for k in ("revision", "trust_remote_code", "token") if k in recipe.model}
+        kwargs = {k: recipe.model[k] for k in ("revision", "trust_remote_code", "token", "local_files_only")
+                  if k in recipe.model}
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     if tokenizer.pad_token is None:
         vocab = tokenizer.get_vocab()

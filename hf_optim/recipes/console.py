@@ -8,8 +8,8 @@ Hidden (``hf-optim train -v`` shows everything):
   about those packages' calls into each other (a recipe's keys reach the installed classes under the names those do
   not deprecate), nothing a recipe can change;
 - the Trainer's raw log dict at every logging step: the bar shows the loss, ``metrics.jsonl`` keeps every value;
-- :data:`OPTIONAL_KERNEL_NOTICES`: notices that an optional accelerated kernel is not installed, when the run
-  works without it.
+- :data:`hf_optim.notices.OPTIONAL_KERNEL_NOTICES`: notices that an optional accelerated kernel is not installed,
+  when the run works without it (hidden in every process that imports hf_optim; ``-v`` shows them).
 
 Everything else is shown: hf_optim's warnings, other packages' ``UserWarning`` s and logged warnings, written
 above the progress bar so that the bar stays one line.
@@ -22,34 +22,11 @@ import logging
 import sys
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 
-OPTIONAL_KERNEL_NOTICES = {
-    # bitsandbytes >= 0.49 on CPUs with AVX512-BF16: a faster 4-bit matmul fetched from the Hub by the `kernels`
-    # package; without it bitsandbytes runs its own CPU kernel (and the message is logged once per import).
-    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
-}
-"""Logger name -> message prefixes hidden by :func:`quiet_console`."""
+from hf_optim.notices import hf_optim_line, warning_source
 
 _THIRD_PARTY = r"(?!hf_optim\b)"  # a warnings-filter module pattern: any module outside hf_optim
 _active = {"depth": 0}
-
-
-class _DropMessages(logging.Filter):
-    def __init__(self, prefixes: tuple[str, ...]):
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefixes)
-
-
-def _warning_caller() -> str:
-    """The top-level package of the code that called ``warnings.warn`` (its ``stacklevel`` may point elsewhere)."""
-    frame = sys._getframe(2)  # the caller of _show_warning: warnings' own code, then the caller of warn()
-    while frame is not None and frame.f_globals.get("__name__") == "warnings":
-        frame = frame.f_back
-    return str(frame.f_globals.get("__name__", "")).split(".")[0] if frame is not None else ""
 
 
 def _write_above_bar(text: str) -> None:
@@ -61,9 +38,9 @@ def _write_above_bar(text: str) -> None:
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """One line per warning, above the progress bar: ``[hf_optim] warning: ...`` or
     ``warning (peft, UserWarning): ...``."""
-    package = _warning_caller() or Path(filename).name
+    package = warning_source(filename)
     if package == "hf_optim":
-        _write_above_bar(f"[hf_optim] warning: {str(message).removeprefix('hf_optim: ')}")
+        _write_above_bar(hf_optim_line(message))
     else:
         _write_above_bar(f"warning ({package}, {category.__name__}): {message}")
 
@@ -113,9 +90,6 @@ def quiet_console(enabled: bool = True) -> Iterator[None]:
         return
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    filters = [(logging.getLogger(name), _DropMessages(prefixes)) for name, prefixes in OPTIONAL_KERNEL_NOTICES.items()]
-    for logger, drop in filters:
-        logger.addFilter(drop)
     _active["depth"] += 1
     try:
         with warnings.catch_warnings(), _progress_bars_off(), logging_redirect_tqdm([logging.getLogger("hf_optim")]):
@@ -125,8 +99,6 @@ def quiet_console(enabled: bool = True) -> Iterator[None]:
             yield
     finally:
         _active["depth"] -= 1
-        for logger, drop in filters:
-            logger.removeFilter(drop)
 
 
 def quiet_progress(trainer) -> None:

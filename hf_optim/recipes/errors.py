@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hf_optim.errors import UserError
+
 
 @dataclass(frozen=True)
 class RecipeIssue:
@@ -17,7 +19,7 @@ class RecipeIssue:
         return f"{self.file}: {self.key_path}: {self.message}" if self.key_path else f"{self.file}: {self.message}"
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """A recipe that cannot be used; ``issues`` lists every problem found, one line each in ``str()``."""
 
     def __init__(self, issues: list[RecipeIssue]):

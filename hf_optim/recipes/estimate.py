@@ -171,6 +171,22 @@ def _meta_model(config, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+def _apply_lora(model, peft: dict):
+    """``model`` with the recipe's LoRA adapters, created on the meta device too (without it peft allocates and
+    initialises every adapter in CPU memory: 8.5 s for Llama-3.3-70B's, against 1.3 s)."""
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore", FutureWarning)  # peft calls a transformers API deprecated in 5.x
+        return get_peft_model(model, LoraConfig(**{"task_type": "CAUSAL_LM", **peft}))
+
+
+def meta_peft_model(config, dtype: torch.dtype, peft: dict):
+    """The model of ``config`` with LoRA adapters ``peft`` (LoraConfig arguments), all on the meta device: how
+    ``validate`` and ``train`` check a peft section (peft's own checks, the target modules) without weights."""
+    return _apply_lora(_meta_model(config, dtype), peft)
+
+
 def estimate(recipe: Recipe) -> MemoryEstimate:
     """The memory estimate of ``recipe`` (see the module docstring). ``auto`` precision counts as bf16, the
     precision of the GPUs the bundled recipes target."""
@@ -186,12 +202,7 @@ def estimate(recipe: Recipe) -> MemoryEstimate:
     if recipe.method == "qlora":
         quantized = _quantized_weights(model, recipe.quantization or {})
     if recipe.peft is not None:
-        from peft import LoraConfig, get_peft_model
-
-        peft_kwargs = {"task_type": "CAUSAL_LM", **recipe.peft}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # peft calls a transformers API deprecated in 5.x
-            model = get_peft_model(model, LoraConfig(**peft_kwargs))
+        model = _apply_lora(model, recipe.peft)
         if recipe.method == "qlora":
             # TRL casts QLoRA adapters to bf16; plain LoRA adapters stay fp32 (peft's autocast_adapter_dtype).
             for param in model.parameters():

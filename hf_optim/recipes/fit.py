@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from hf_optim.errors import UserValueError
 from hf_optim.integrations.names import OPTIMIZER_NAMES
 from hf_optim.recipes.activations import DecoderShape, backward_peak_bytes
 from hf_optim.recipes.estimate import TORCH_STATE_COUNT, MemoryEstimate, estimate, state_bytes
@@ -47,7 +48,7 @@ def parse_memory(text: str) -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS or _UNITS[unit] is None or float(match.group(1)) <= 0:
         why = "no unit" if match and unit == "" else "not a memory size"
-        raise ValueError(f"--fit {text!r}: {why}; write a positive size with a unit, e.g. {FIT_EXAMPLES}")
+        raise UserValueError(f"--fit {text!r}: {why}; write a positive size with a unit, e.g. {FIT_EXAMPLES}")
     return int(float(match.group(1)) * _UNITS[unit])
 
 

@@ -45,16 +45,24 @@ def find_recipe(name_or_path: str | Path, relative_to: Path | None = None) -> Pa
 
 def bundled_recipe(name: str) -> Path:
     """The bundled recipe called ``name`` (with or without ``.yaml``); an error with the closest names if none."""
-    stem = Path(name).name.removesuffix(".yaml").removesuffix(".yml")
+    stem = _stem(name)
     bundled = bundled_dir() / f"{stem}.yaml"
     if bundled.is_file():
         return bundled
+    raise RecipeError([RecipeIssue(name, "", f"no such file or bundled recipe{_bundled_hint(stem)} "
+                                   "(`hf-optim ls` lists the bundled ones)")])
+
+
+def _stem(name: str) -> str:
+    return Path(name).name.removesuffix(".yaml").removesuffix(".yml")
+
+
+def _bundled_hint(stem: str) -> str:
+    """``; did you mean 'quickstart'?`` for the bundled names closest to ``stem``; empty if none is close."""
     from hf_optim.integrations.names import suggest
 
     close = suggest(stem, bundled_names())
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    raise RecipeError([RecipeIssue(name, "", f"no such file or bundled recipe{hint} "
-                                   "(`hf-optim ls` lists the bundled ones)")])
+    return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
 
 
 def display_path(path: Path) -> str:
@@ -81,13 +89,18 @@ class RawRecipe:
 
     def origin(self, key_path: str) -> str:
         """The file that set ``key_path`` or its closest parent; the recipe file when unknown."""
-        parts = key_path.split(".") if key_path else []
-        while parts:
-            found = self.origins.get(".".join(parts))
-            if found:
-                return found
-            parts.pop()
-        return self.source
+        return origin_of(self.origins, key_path, self.source)
+
+
+def origin_of(origins: dict[str, str], key_path: str, default: str) -> str:
+    """The file (or ``command line``) ``origins`` records for ``key_path`` or its closest parent, else ``default``."""
+    parts = key_path.split(".") if key_path else []
+    while parts:
+        found = origins.get(".".join(parts))
+        if found:
+            return found
+        parts.pop()
+    return default
 
 
 def _read_yaml(path: Path, label: str) -> dict[str, Any]:
@@ -145,7 +158,14 @@ def load_raw(name_or_path: str | Path, _chain: tuple[Path, ...] = ()) -> RawReci
     if not isinstance(parent_name, str):
         raise RecipeError([RecipeIssue(label, "extends", f"must be a file name or bundled recipe name, "
                                        f"got {parent_name!r}")])
-    parent = load_raw(parent_name, (*_chain, path.resolve()))
+    try:
+        parent_path = find_recipe(parent_name, path.parent)
+    except RecipeError:  # name the file and key that hold the typo, not just the missing name
+        where = display_path(path.parent / parent_name)
+        raise RecipeError([RecipeIssue(label, "extends", f"{parent_name!r} is neither a file ({where}) nor a bundled "
+                                       f"recipe{_bundled_hint(_stem(parent_name))} (`hf-optim ls` lists the bundled "
+                                       "ones)")]) from None
+    parent = load_raw(parent_path, (*_chain, path.resolve()))
     origins = dict(parent.origins)
     merged = deep_merge(parent.data, data, origins, label)
     return RawRecipe(merged, label, origins)
@@ -196,6 +216,7 @@ def apply_overrides(raw: RawRecipe, overrides: list[str]) -> RawRecipe:
                     where = ".".join(keys[: depth + 1])
                     raise RecipeError([RecipeIssue(COMMAND_LINE, text, f"{where} is not a mapping")])
                 node[key] = {}
+                origins[".".join(keys[: depth + 1])] = COMMAND_LINE  # a section the override created is its own
             node = node[key]
         node[keys[-1]] = value
         _record(origins, value, ".".join(keys), COMMAND_LINE)

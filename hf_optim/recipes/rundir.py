@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_optim.checkpoints import checkpoint_problems, checkpoints, last_complete_checkpoint
+from hf_optim.errors import UserValueError
 
 AUTO = "auto"
 FINAL_MODEL_MARKER = "training_args.bin"  # Trainer.save_model writes it next to every model it saves
@@ -29,7 +30,7 @@ def monitor_files() -> tuple[str, ...]:
             runfiles.RECIPE, runfiles.LOSS_PNG, runfiles.MEMORY_PNG, runfiles.DASHBOARD_PNG)
 
 
-class RunDirectoryError(ValueError):
+class RunDirectoryError(UserValueError):
     """A run directory that cannot be used as asked (one line: what is there and the ways out)."""
 
 

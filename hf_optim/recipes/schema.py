@@ -15,8 +15,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter, ValidationError
 
 from hf_optim.integrations.names import OPTIMIZER_NAMES, suggest
+from hf_optim.recipes.blame import blamed, culprit_keys
 from hf_optim.recipes.errors import RecipeError, RecipeIssue
-from hf_optim.recipes.loading import RawRecipe
+from hf_optim.recipes.loading import RawRecipe, origin_of
 from hf_optim.recipes.targets import Target, pass_through_targets
 
 AUTO_KEYS = {("model", "dtype"), ("model", "torch_dtype"), ("training", "bf16"), ("training", "fp16"),
@@ -89,6 +90,7 @@ class Recipe:
         description: free text.
         hardware: the hardware the recipe targets.
         notes: what resolving ``auto`` or smoke mode changed, for the logs.
+        origins: the file (or ``command line``) that set each dotted key path, for error messages.
     """
 
     source: str
@@ -101,6 +103,11 @@ class Recipe:
     description: str | None = None
     hardware: str | None = None
     notes: list[str] = field(default_factory=list)
+    origins: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def origin(self, key_path: str) -> str:
+        """The file (or ``command line``) that set ``key_path`` or its closest parent; the recipe file when unknown."""
+        return origin_of(self.origins, key_path, self.source)
 
     @property
     def method(self) -> str:
@@ -274,11 +281,16 @@ def check_optim_args(raw: RawRecipe, name: Any, optim_args: Any, issues: list[Re
 
 
 def _construct(raw: RawRecipe, name: str, factory, values: dict, label: str, issues: list[RecipeIssue]) -> None:
-    """Build the Hugging Face object once, so that its own value checks (ranges, combinations) are reported too."""
+    """Build the Hugging Face object once, so that its own value checks (ranges, combinations) are reported too,
+    naming the keys the rejection is about and the file (or command line) that set them."""
+    values = {k: v for k, v in values.items() if v != "auto"}
     try:
-        factory(**{k: v for k, v in values.items() if v != "auto"})
+        factory(**values)
     except Exception as exc:  # the class's own message is the useful part
-        issues.append(RecipeIssue(raw.source, name, f"{label} rejected these values: {exc}"))
+        keys = culprit_keys(lambda kwargs: factory(**kwargs), values)
+        file, path = blamed(raw.origin, name, keys)
+        issues.append(RecipeIssue(file, path, f"{label} rejected {'this value' if len(keys) == 1 else 'these values'}"
+                                  f": {exc}"))
 
 
 def validate(raw: RawRecipe) -> Recipe:
@@ -345,4 +357,4 @@ def validate(raw: RawRecipe) -> Recipe:
     if issues:
         raise RecipeError(issues)
     return Recipe(raw.source, model, quantization, peft, training, data_model, logging_model,
-                  header.description, header.hardware)
+                  header.description, header.hardware, origins=dict(raw.origins))

@@ -16,7 +16,9 @@ from hf_optim.memory import StateMemory, state_memory
 from hf_optim.recipes import rundir
 from hf_optim.recipes.build import build_datasets, build_lora_config, build_model, build_sft_config, build_tokenizer
 from hf_optim.recipes.console import quiet_console, quiet_progress
+from hf_optim.recipes.errors import RecipeError, RecipeIssue
 from hf_optim.recipes.hardware import resolve_auto
+from hf_optim.recipes.loading import COMMAND_LINE
 from hf_optim.recipes.schema import Recipe
 
 logger = logging.getLogger("hf_optim")
@@ -90,14 +92,15 @@ def _optimizer_reporter(found: dict):
     from transformers import TrainerCallback
 
     class OptimizerReport(TrainerCallback):
-        """Logs the optimizer class the Trainer built from ``training.optim`` (at train start) and keeps its state
-        footprint (at train end)."""
+        """Logs the optimizer class the Trainer built from ``training.optim`` (at train start; hf_optim's classes
+        log their own line when built) and keeps its state footprint (at train end)."""
 
         def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
             if optimizer is not None:
                 found["optimizer"] = class_path(optimizer)
-                logger.info("optimizer: training.optim=%r -> %s", str(getattr(args.optim, "value", args.optim)),
-                            found["optimizer"])
+                if not found["optimizer"].startswith("hf_optim."):
+                    logger.info("optimizer: training.optim=%r -> %s", str(getattr(args.optim, "value", args.optim)),
+                                found["optimizer"])
 
         def on_train_end(self, args, state, control, optimizer=None, **kwargs):
             inner = getattr(optimizer, "optimizer", optimizer)
@@ -240,8 +243,8 @@ def sweep_values(spec: str) -> tuple[str, list[str]]:
     key, sep, values = spec.partition("=")
     items = [v.strip() for v in values.split(",") if v.strip()]
     if not sep or not key.strip() or not items:
-        raise ValueError(f"--sweep takes KEY=V1,V2,..., e.g. training.optim=adamw_torch,paged_adamw_8bit; "
-                         f"got {spec!r}")
+        raise RecipeError([RecipeIssue(COMMAND_LINE, "--sweep", f"takes KEY=V1,V2,..., e.g. training.optim=adamw_torch,"
+                                       f"paged_adamw_8bit; got {spec!r}")])
     return key.strip(), items
 
 
