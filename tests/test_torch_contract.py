@@ -271,7 +271,7 @@ def test_a_one_element_tensor_lr_trains_like_the_float(cls):
 @pytest.mark.parametrize("lr", [torch.tensor([1e-3, 1e-3]), torch.tensor(1), torch.tensor(-1e-3)],
                          ids=["two-elements", "integer", "negative"])
 def test_a_tensor_lr_that_is_not_one_valid_value_is_refused(lr):
-    message = "Invalid lr: -0.001" if lr.is_floating_point() and lr.numel() == 1 else "1-element real floating"
+    message = "Invalid learning rate: -0.001" if lr.is_floating_point() and lr.numel() == 1 else "Tensor lr must be"
     with pytest.raises(ValueError, match=message):
         hf_optim.AdamW8bit(make_model().parameters(), lr=lr)
 

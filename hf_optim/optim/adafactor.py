@@ -138,6 +138,36 @@ def factored_inverse_sqrt(row: torch.Tensor, col: torch.Tensor, row_mean: torch.
     return row_factor * col_factor
 
 
+SCHEDULER_REFUSAL = (
+    "Adafactor(relative_step=True) computes its own step size, so its param groups hold no lr for a torch lr "
+    "scheduler to scale: use hf_optim.RelativeStepSchedule(optimizer) to report the relative step (transformers' "
+    "AdafactorSchedule drives transformers' Adafactor), or Adafactor(relative_step=False, lr=...) to schedule a "
+    "learning rate"
+)
+
+
+class RelativeStepGroup(dict):
+    """A param group of ``Adafactor(relative_step=True)``: a dict that refuses to become a torch lr scheduler's.
+
+    Every torch ``LRScheduler`` first records each group's starting lr as ``initial_lr`` (``setdefault``; the
+    schedulers that choose their own, as transformers' ``AdafactorSchedule``, assign it). Here the lr is None or
+    ignored: a scheduler would fail later inside its own arithmetic (``NoneType * float``), scale nothing, or, as
+    ``AdafactorSchedule`` does, write ``lr=0.0``, which this Adafactor reads as "take no step" (see
+    :func:`relative_step_size`). Refusing at that first write gives the reason instead;
+    :class:`RelativeStepSchedule` writes ``initial_lr`` with ``dict.__setitem__``.
+    """
+
+    def setdefault(self, key, default=None):
+        if key == "initial_lr" and key not in self and self.get("relative_step"):
+            raise ValueError(SCHEDULER_REFUSAL)
+        return super().setdefault(key, default)
+
+    def __setitem__(self, key, value) -> None:
+        if key == "initial_lr" and self.get("relative_step"):
+            raise ValueError(SCHEDULER_REFUSAL)
+        super().__setitem__(key, value)
+
+
 class Adafactor(HfOptimizer):
     """Adafactor with factored second moments for tensors of 2 or more dimensions (transformers semantics).
 
@@ -209,6 +239,24 @@ class Adafactor(HfOptimizer):
                          bf16_stochastic_round=bf16_stochastic_round,
                          release_gradients=release_gradients)
 
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._guard_relative_step_groups()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._guard_relative_step_groups()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._guard_relative_step_groups()
+
+    def _guard_relative_step_groups(self) -> None:
+        """Make every relative-step group a :class:`RelativeStepGroup` (torch builds, copies and loads plain dicts)."""
+        for index, group in enumerate(self.param_groups):
+            if group.get("relative_step") and not isinstance(group, RelativeStepGroup):
+                self.param_groups[index] = RelativeStepGroup(group)
+
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
         if group["lr"] is not None:
@@ -216,8 +264,8 @@ class Adafactor(HfOptimizer):
         eps = group["eps"]
         if not isinstance(eps, (tuple, list)) or len(eps) != 2:
             raise ValueError(f"eps must be a tuple of two floats (eps1, eps2), got {eps!r}")
-        check_eps(eps[0], "eps[0]")
-        check_eps(eps[1], "eps[1]")
+        check_eps(eps[0], "eps[0]", "epsilon1")
+        check_eps(eps[1], "eps[1]", "epsilon2")
         check_real("clip_threshold", group["clip_threshold"], low=0.0, low_open=True)
         check_real("decay_rate", group["decay_rate"], high=0.0, high_open=True)
         if group["beta1"] is not None:
@@ -373,6 +421,9 @@ class RelativeStepSchedule(torch.optim.lr_scheduler.LRScheduler):
         for group in optimizer.param_groups:
             if not group["relative_step"]:
                 raise ValueError("RelativeStepSchedule needs every param group to have relative_step=True")
+        if last_epoch == -1:
+            for group in optimizer.param_groups:
+                dict.__setitem__(group, "initial_lr", group["lr"])  # past RelativeStepGroup's refusal
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[float]:
