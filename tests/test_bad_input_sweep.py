@@ -102,7 +102,7 @@ HYPER_CASES = [
         (hf_optim.Lion8bit, {"betas": (0.9, -0.5)}, ValueError, r"Invalid beta parameter at index 1: -0.5 \(beta2\)"),
         (hf_optim.RMSprop, {"alpha": 1.5}, ValueError, r"Invalid alpha value: 1.5"),
         (hf_optim.Adafactor, {"decay_rate": 0.5}, ValueError, r"Invalid decay_rate: 0.5"),
-        (hf_optim.Adafactor, {"clip_threshold": 0}, ValueError, r"Invalid clip_threshold: 0; expected a value in \(0.0, inf\]"),
+        (hf_optim.Adafactor, {"clip_threshold": 0}, ValueError, r"Invalid clip_threshold: 0; expected"),
         (hf_optim.Adafactor, {"eps": 1e-3}, ValueError, r"eps must be a tuple of two floats \(eps1, eps2\), got 0.001"),
         (hf_optim.Adafactor, {"relative_step": False}, ValueError, r"relative_step=False needs an explicit lr"),
     ]
