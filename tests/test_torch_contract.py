@@ -360,7 +360,8 @@ SCHEDULERS = {
     "StepLR": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2),
     "LinearLR": lambda opt: torch.optim.lr_scheduler.LinearLR(opt),
     "CosineAnnealingLR": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
-    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10),
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10,
+                                                                     cycle_momentum=False),
     "transformers.get_linear_schedule_with_warmup": lambda opt: transformers_schedule(opt, "linear"),
     "transformers.AdafactorSchedule": lambda opt: transformers_schedule(opt, "adafactor"),
 }
@@ -371,7 +372,7 @@ SCHEDULERS = {
 def test_a_torch_scheduler_on_a_relative_step_adafactor_is_refused_with_one_line(scheduler, how):
     """transformers' Adafactor semantics are kept (lr=None, the step computed from t); a scheduler that would scale
     that None (``NoneType * float``), scale nothing, or write lr=0.0 (AdafactorSchedule: "take no step" here) is
-    refused when built, in one line naming what to use, and leaves the groups as they were."""
+    refused when built, before it computes a learning rate, in one line naming what to use."""
     model = make_model()
     opt = hf_optim.Adafactor(model.parameters())
     train(model, opt, 1, seed=0)
@@ -381,14 +382,16 @@ def test_a_torch_scheduler_on_a_relative_step_adafactor_is_refused_with_one_line
         state_dict = opt.state_dict()
         opt = hf_optim.Adafactor(model.parameters())
         opt.load_state_dict(state_dict)
-    before = copy.deepcopy(opt.state_dict()["param_groups"])
     with pytest.raises(ValueError) as info:
         SCHEDULERS[scheduler](opt)
     message = str(info.value)
     assert "\n" not in message and message.startswith("Adafactor(relative_step=True) computes its own step size")
     assert "hf_optim.RelativeStepSchedule(optimizer)" in message and "relative_step=False, lr=" in message
-    assert opt.state_dict()["param_groups"] == before
+    assert [group["lr"] for group in opt.param_groups] == [None] and "initial_lr" not in opt.param_groups[0]
+    assert "step" not in vars(opt)  # the scheduler's step wrapper was not installed
     train(model, opt, 1, seed=1)  # still trains
+    with pytest.raises(ValueError, match="computes its own step size"):
+        SCHEDULERS[scheduler](opt)  # and a second try is refused too
 
 
 def test_relative_step_schedule_and_an_lr_adafactor_still_take_schedulers():

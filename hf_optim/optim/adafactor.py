@@ -146,28 +146,6 @@ SCHEDULER_REFUSAL = (
 )
 
 
-class RelativeStepGroup(dict):
-    """A param group of ``Adafactor(relative_step=True)``: a dict that refuses to become a torch lr scheduler's.
-
-    Every torch ``LRScheduler`` first records each group's starting lr as ``initial_lr`` (``setdefault``; the
-    schedulers that choose their own, as transformers' ``AdafactorSchedule``, assign it). Here the lr is None or
-    ignored: a scheduler would fail later inside its own arithmetic (``NoneType * float``), scale nothing, or, as
-    ``AdafactorSchedule`` does, write ``lr=0.0``, which this Adafactor reads as "take no step" (see
-    :func:`relative_step_size`). Refusing at that first write gives the reason instead;
-    :class:`RelativeStepSchedule` writes ``initial_lr`` with ``dict.__setitem__``.
-    """
-
-    def setdefault(self, key, default=None):
-        if key == "initial_lr" and key not in self and self.get("relative_step"):
-            raise ValueError(SCHEDULER_REFUSAL)
-        return super().setdefault(key, default)
-
-    def __setitem__(self, key, value) -> None:
-        if key == "initial_lr" and self.get("relative_step"):
-            raise ValueError(SCHEDULER_REFUSAL)
-        super().__setitem__(key, value)
-
-
 class Adafactor(HfOptimizer):
     """Adafactor with factored second moments for tensors of 2 or more dimensions (transformers semantics).
 
@@ -239,23 +217,23 @@ class Adafactor(HfOptimizer):
                          bf16_stochastic_round=bf16_stochastic_round,
                          release_gradients=release_gradients)
 
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        self._guard_relative_step_groups()
+    def __setattr__(self, name: str, value) -> None:
+        """Refuse a torch lr scheduler on relative-step groups (see :data:`SCHEDULER_REFUSAL`).
 
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._guard_relative_step_groups()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._guard_relative_step_groups()
-
-    def _guard_relative_step_groups(self) -> None:
-        """Make every relative-step group a :class:`RelativeStepGroup` (torch builds, copies and loads plain dicts)."""
-        for index, group in enumerate(self.param_groups):
-            if group.get("relative_step") and not isinstance(group, RelativeStepGroup):
-                self.param_groups[index] = RelativeStepGroup(group)
+        Every ``torch.optim.lr_scheduler.LRScheduler`` wraps its optimizer's ``step`` (``optimizer.step =
+        wrapper``) while it is built, after it has only read the groups and before it computes any learning rate;
+        on a relative-step group that computation would fail inside the scheduler (``NoneType * float``), scale
+        nothing, or write ``lr=0.0`` (transformers' ``AdafactorSchedule``), which this Adafactor reads as "take
+        no step". :class:`RelativeStepSchedule` announces itself first. (A param group cannot refuse it itself:
+        torch.compile needs plain dicts there.)"""
+        if (name == "step" and getattr(value, "_wrapped_by_lr_sched", False)
+                and not self.__dict__.get("_relative_step_schedule")
+                and any(group.get("relative_step") for group in self.param_groups)):
+            for group in self.param_groups:  # the starting lr the refused scheduler recorded
+                if group.get("relative_step"):
+                    group.pop("initial_lr", None)
+            raise ValueError(SCHEDULER_REFUSAL)
+        super().__setattr__(name, value)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
@@ -421,9 +399,7 @@ class RelativeStepSchedule(torch.optim.lr_scheduler.LRScheduler):
         for group in optimizer.param_groups:
             if not group["relative_step"]:
                 raise ValueError("RelativeStepSchedule needs every param group to have relative_step=True")
-        if last_epoch == -1:
-            for group in optimizer.param_groups:
-                dict.__setitem__(group, "initial_lr", group["lr"])  # past RelativeStepGroup's refusal
+        optimizer.__dict__["_relative_step_schedule"] = True  # Adafactor.__setattr__ lets this scheduler wrap step
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[float]:
