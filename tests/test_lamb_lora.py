@@ -84,3 +84,31 @@ def test_the_trust_ratio_keeps_b_near_zero_while_adamw_trains_it():
         assert 0 < first <= last <= first * (1 + LR) ** (STEPS - 1) * (1 + 1e-6)  # at most (1 + lr) per step
     for adamw_last, lamb_last in zip(norms["adamw"][1], norms["lamb"][1]):
         assert adamw_last > 5 * lamb_last  # AdamW's B has grown many times further
+
+
+
+def final_loss(factory, steps=STEPS):
+    """The loss on one fixed batch after ``steps`` steps on it."""
+    model = lora_model()
+    gen = torch.Generator().manual_seed(0)
+    x, target = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = factory([p for p in model.parameters() if p.requires_grad])
+        for _ in range(steps):
+            opt.zero_grad()
+            (model(x) - target).square().mean().backward()
+            opt.step()
+    with torch.no_grad():
+        return (model(x) - target).square().mean().item()
+
+
+def test_a_tenfold_lr_lets_lamb_train_lora_as_adamw_does():
+    """README's rule for LAMB under LoRA (about 10x AdamW's lr): at AdamW's lr LAMB leaves the loss near where
+    it started; at 10x it gets about as far as AdamW."""
+    start = final_loss(lambda p: hf_optim.AdamW(p, lr=LR), steps=0)
+    adamw = final_loss(lambda p: hf_optim.AdamW(p, lr=LR))
+    lamb = final_loss(lambda p: hf_optim.LAMB(p, lr=LR))
+    lamb_10x = final_loss(lambda p: hf_optim.LAMB(p, lr=10 * LR))
+    assert start - lamb < 0.2 * (start - adamw)  # at AdamW's lr LAMB gets under a fifth of AdamW's way
+    assert start - lamb_10x > 0.7 * (start - adamw)

@@ -293,9 +293,9 @@ class LAMB(HfOptimizer):
 
 ZERO_START_WARNING = (
     "{name}: {count} tensor(s) under LAMB's trust ratio start at zero (LoRA's B matrices: peft initializes them to "
-    "0). The ratio ||p|| / ||u|| keeps such a tensor near zero: after its first step it moves by only lr * ||p|| per "
-    "step, so LoRA barely trains (hf-optim's quickstart: trust ratio about 1e-3 on B, final loss 6.3 against 3.6 for "
-    "AdamW). For LoRA use adamw_8bit or ademamix_8bit; LAMB is for full fine-tunes (README: \"LAMB and LoRA\")"
+    "0). The ratio ||p|| / ||u|| moves a tensor by lr * ||p|| per step, so such a tensor stays near zero at an "
+    "AdamW-sized lr and LoRA barely trains (hf-optim's quickstart at lr 5e-3: final loss 6.32 against 2.78 for "
+    "AdamW; at lr 0.05: 2.88). With LoRA give LAMB about 10x AdamW's lr, or use adamw_8bit (README: \"LAMB and LoRA\")"
 )
 
 FLAT_DIRECTION_NUMEL = 1 << 22
