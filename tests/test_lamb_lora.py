@@ -86,7 +86,6 @@ def test_the_trust_ratio_keeps_b_near_zero_while_adamw_trains_it():
         assert adamw_last > 5 * lamb_last  # AdamW's B has grown many times further
 
 
-
 def final_loss(factory, steps=STEPS):
     """The loss on one fixed batch after ``steps`` steps on it."""
     model = lora_model()
