@@ -12,7 +12,7 @@ from hf_optim.integrations.names import OptimizerName, available_optimizers
 from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, TritonPlan
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.memory import StateMemory, state_memory
-from hf_optim.optim.adafactor import Adafactor
+from hf_optim.optim.adafactor import Adafactor, RelativeStepSchedule
 from hf_optim.optim.adamw import (
     AdamW,
     AdamW4bit,
@@ -60,7 +60,7 @@ __all__ = [
     "PagedAdEMAMix8bit", "PagedAdEMAMix32bit",
     "LAMB", "LAMB8bit", "LAMB32bit", "PagedLAMB", "PagedLAMB8bit", "PagedLAMB32bit",
     "Lion", "Lion4bit", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion4bit", "PagedLion8bit", "PagedLion32bit",
-    "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adafactor",
+    "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adafactor", "RelativeStepSchedule",
     "HfOptimizer", "StateDictError", "OptimizerName", "available_optimizers", "StateMemory", "state_memory",
     "last_complete_checkpoint",
     "Algorithm", "StateSpec", "TrainerMapping", "TritonPlan", "Family", "register_algorithm", "lookup_algorithm",

@@ -133,7 +133,8 @@ def test_stable_embedding_keeps_fp32_state_like_bitsandbytes(ours_cls, bnb_cls, 
 @pytest.mark.parametrize(
     "key,value,error,message",
     [
-        ("lr", -1.0, ValueError, r"parameter 1 of param group 0, per-parameter override \{'lr': -1.0\}: Invalid lr"),
+        ("lr", -1.0, ValueError,
+         r"parameter 1 of param group 0, per-parameter override \{'lr': -1.0\}: Invalid learning rate"),
         ("weight_decya", 0.1, ValueError, r"overrides 'weight_decya', which AdamW8bit does not have; did you mean "
                                           r"'weight_decay'\?"),
         ("max_unorm", 1.0, ValueError, r"overrides 'max_unorm', which AdamW8bit does not have \(overridable: betas"),

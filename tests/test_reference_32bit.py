@@ -176,14 +176,19 @@ class ReferenceAdEMAMix(Reference):
 
 
 class ReferenceLAMB(Reference):
-    """apex FusedLAMB; counts in ``clamped`` how often ``max_trust_ratio`` bound."""
+    """apex FusedLAMB; counts in ``clamped`` how often ``max_trust_ratio`` bound. ``max_unorm``: bitsandbytes'
+    update-norm clip as its CUDA kernel computes it (kPreconditionOptimizer32bit2State: the norm of the
+    bias-corrected direction, ``||ratio * u|| <= max_unorm * ||p||``), applied where ``||p|| > 0``; counted in
+    ``unorm_clipped``."""
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
-                 adam_w_mode=True, use_nvlamb=False, max_trust_ratio=None):
+                 adam_w_mode=True, use_nvlamb=False, max_trust_ratio=None, max_unorm=0.0):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
-                        adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb, max_trust_ratio=max_trust_ratio)
+                        adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb, max_trust_ratio=max_trust_ratio,
+                        max_unorm=max_unorm)
         super().__init__(params, defaults)
         self.clamped = 0
+        self.unorm_clipped = 0
 
     def update(self, p, g, state, group, t):
         (b1, b2), wd = group["betas"], group["weight_decay"]
@@ -203,6 +208,9 @@ class ReferenceLAMB(Reference):
             if group["max_trust_ratio"] is not None and ratio > group["max_trust_ratio"]:
                 ratio = group["max_trust_ratio"]
                 self.clamped += 1
+        if group["max_unorm"] > 0 and w_norm > 0 and u_norm > 0 and ratio > w_norm / u_norm * group["max_unorm"]:
+            ratio = w_norm / u_norm * group["max_unorm"]
+            self.unorm_clipped += 1
         return p - group["lr"] * ratio * u
 
 
@@ -252,8 +260,14 @@ ADEMAMIX_CASES = [
 ]
 LAMB_CLAMP = dict(lr=1e-2, weight_decay=0.05, max_trust_ratio=1.2)
 """Binds in 33 of the 36 (step, tensor) updates: see test_lamb_max_trust_ratio_binds."""
+LAMB_BNB = dict(lr=1e-2, eps=1e-8, weight_decay=0.0, max_unorm=1.0)
+"""bitsandbytes' LAMB (Adam with its update-norm clip at its default 1.0): see test_lamb_max_unorm_binds."""
+LAMB_UNORM_WITH_RATIO = dict(lr=1e-2, weight_decay=0.05, max_unorm=0.5)
+"""A clip below 1 caps the trust ratio itself at every update."""
 LAMB_CASES = [
     ("defaults", {}, None),
+    ("bitsandbytes-lamb", LAMB_BNB, None),
+    ("max-unorm-with-trust-ratio", LAMB_UNORM_WITH_RATIO, None),
     ("wd", dict(lr=1e-2, weight_decay=0.1), None),
     ("no-wd", dict(lr=1e-2, weight_decay=0.0), None),
     ("no-wd-nvlamb", dict(lr=1e-2, weight_decay=0.0, use_nvlamb=True), None),
@@ -372,7 +386,8 @@ def test_ademamix_wrong_variants_differ(wrong_kwargs, dtype):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# LAMB. No bitsandbytes reference: its LAMB32bit is Adam with update-norm clipping, not apex's trust ratio.
+# LAMB. apex's formulas; bitsandbytes' LAMB32bit (Adam with an update-norm clip, no trust ratio) is the
+# "bitsandbytes-lamb" case, written from its CUDA kernel (its CPU backend clips on the norm before bias correction).
 @dtypes
 @pytest.mark.parametrize("kwargs, group2", cases(LAMB_CASES))
 @classes("LAMB", "LAMB32bit", "PagedLAMB32bit")
@@ -398,6 +413,47 @@ def test_lamb_max_trust_ratio_binds(dtype):
     assert 0 < optimizers[0].clamped < total, f"clamp bound {optimizers[0].clamped} of {total} times"
     unclamped = run(lambda groups: ReferenceLAMB(groups, **{**kwargs, "max_trust_ratio": None}), dtype)
     assert_results_differ(clamped, unclamped, tolerance(dtype))
+
+
+@pytest.mark.parametrize("kwargs, binds", [(LAMB_BNB, "some"), (LAMB_UNORM_WITH_RATIO, "all"),
+                                           ({**LAMB_UNORM_WITH_RATIO, "max_unorm": 1.0}, "none")],
+                         ids=["bitsandbytes-lamb", "below-one", "one-with-trust-ratio"])
+def test_lamb_max_unorm_binds(kwargs, binds):
+    """The max_unorm cases really clip (so their comparisons cover it) and change the result; at 1.0 the clip never
+    binds where the trust ratio applies, and leaves the result bit for bit."""
+    optimizers = []
+
+    def make(groups):
+        optimizers.append(ReferenceLAMB(groups, **kwargs))
+        return optimizers[-1]
+
+    clipped = run(make, torch.float32)
+    total = STEPS * len(SHAPES)
+    count = optimizers[0].unorm_clipped
+    assert {"some": 0 < count < total, "all": count == total, "none": count == 0}[binds], (count, total)
+    ours = run(lambda groups: hf_optim.LAMB32bit(groups, **kwargs), torch.float32)
+    off = run(lambda groups: hf_optim.LAMB32bit(groups, **{**kwargs, "max_unorm": 0.0}), torch.float32)
+    if binds == "none":
+        assert all(torch.equal(a, b) for a, b in zip(ours, off))
+    else:
+        assert_results_differ(clipped, off, FP32_TOL)
+
+
+def test_lamb_max_unorm_moves_a_zero_tensor_where_bitsandbytes_keeps_it_at_zero():
+    """The documented difference: bitsandbytes' clip scales a zero-norm tensor's update to 0 (its bound is
+    ``max_unorm * ||p|| = 0``), so LoRA's B, which starts at zero, never moves; hf_optim clips only where
+    ``||p|| > 0``."""
+    import bitsandbytes.optim
+
+    results = {}
+    for name, cls in [("bitsandbytes", bitsandbytes.optim.LAMB), ("hf_optim", hf_optim.LAMB)]:
+        zero = torch.nn.Parameter(torch.zeros(16, 8))
+        optimizer = cls([zero], lr=1e-2, eps=1e-8, weight_decay=0.0, max_unorm=1.0)
+        for step in range(3):
+            zero.grad = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            optimizer.step()
+        results[name] = zero.detach().norm().item()
+    assert results["bitsandbytes"] == 0.0 and results["hf_optim"] > 0.0
 
 
 @dtypes

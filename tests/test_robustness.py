@@ -138,26 +138,27 @@ def test_sparse_gradients_and_complex_parameters_are_refused():
 @pytest.mark.parametrize(
     "cls,kwargs,message",
     [
-        (hf_optim.AdamW, {"lr": -1e-3}, "Invalid lr: -0.001"),
-        (hf_optim.AdamW, {"lr": float("nan")}, "Invalid lr: nan"),
+        (hf_optim.AdamW, {"lr": -1e-3}, "Invalid learning rate: -0.001"),
+        (hf_optim.AdamW, {"lr": float("nan")}, "Invalid learning rate: nan"),
         (hf_optim.AdamW, {"lr": "1e-3"}, "lr must be a real number, got '1e-3'"),
-        (hf_optim.AdamW, {"betas": (0.9, 1.0)}, "Invalid beta2: 1.0; expected a value in \\[0.0, 1.0\\)"),
-        (hf_optim.AdamW, {"betas": (-0.1, 0.9)}, "Invalid beta1: -0.1"),
+        (hf_optim.AdamW, {"betas": (0.9, 1.0)},
+         "Invalid beta parameter at index 1: 1.0 \\(beta2\\); expected a value in \\[0.0, 1.0\\)"),
+        (hf_optim.AdamW, {"betas": (-0.1, 0.9)}, "Invalid beta parameter at index 0: -0.1"),
         (hf_optim.AdamW, {"betas": (0.9,)}, "betas must be a tuple of 2 floats"),
-        (hf_optim.AdamW, {"eps": 0.0}, "Invalid eps: 0.0"),
-        (hf_optim.AdamW, {"weight_decay": -0.1}, "Invalid weight_decay: -0.1"),
+        (hf_optim.AdamW, {"eps": 0.0}, "Invalid epsilon value: 0.0"),
+        (hf_optim.AdamW, {"weight_decay": -0.1}, "Invalid weight_decay value: -0.1"),
         (hf_optim.AdamW, {"optim_bits": 16}, "Invalid optim_bits: 16; expected 4, 8 or 32"),
         (hf_optim.AdamW, {"min_8bit_size": -1}, "Invalid min_8bit_size: -1"),
         (hf_optim.AdamW, {"amsgrad": True}, "amsgrad=True is not supported"),
-        (hf_optim.AdamW8bit, {"optim_bits": 32}, "AdamW8bit fixes optim_bits=8"),
+        (hf_optim.AdamW8bit, {"optim_bits": 4}, "Invalid optim_bits: 4; AdamW8bit keeps 8-bit state"),
         (hf_optim.AdEMAMix, {"betas": (0.9, 0.999)}, "betas must be a tuple of 3 floats"),
         (hf_optim.AdEMAMix, {"t_alpha": 0}, "Invalid t_alpha: 0"),
         (hf_optim.AdEMAMix, {"alpha": -1.0}, "Invalid alpha: -1.0"),
         (hf_optim.LAMB, {"max_trust_ratio": 0.0}, "Invalid max_trust_ratio: 0.0"),
-        (hf_optim.RMSprop, {"alpha": 1.5}, "Invalid alpha: 1.5"),
-        (hf_optim.RMSprop, {"momentum": 0.9}, "momentum=0.9 is not supported"),
+        (hf_optim.RMSprop, {"alpha": 1.5}, "Invalid alpha value: 1.5"),
+        (hf_optim.RMSprop, {"momentum": 0.9}, "Invalid momentum value: 0.9; hf_optim's RMSprop supports only"),
         (hf_optim.RMSprop, {"percentile_clipping": 5}, "percentile_clipping=5 is not supported"),
-        (hf_optim.Lion, {"betas": (0.9, 2.0)}, "Invalid beta2: 2.0"),
+        (hf_optim.Lion, {"betas": (0.9, 2.0)}, "Invalid beta parameter at index 1: 2.0"),
         (hf_optim.Adafactor, {"lr": 1e-3}, "Cannot combine a manual lr with relative_step=True"),
         (hf_optim.Adafactor, {"warmup_init": True, "relative_step": False, "lr": 1e-3}, "requires relative_step"),
         (hf_optim.Adafactor, {"beta1": 1.0}, "Invalid beta1: 1.0"),
@@ -171,7 +172,7 @@ def test_bad_hyperparameters_are_named_in_the_error(cls, kwargs, message):
 
 def test_bad_hyperparameters_in_an_added_group_are_refused():
     opt = hf_optim.AdamW(make_params([(4,)]))
-    with pytest.raises(ValueError, match="Invalid lr: -1.0"):
+    with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):
         opt.add_param_group({"params": make_params([(3,)]), "lr": -1.0})
 
 

@@ -167,7 +167,7 @@ def test_loaded_hyperparameters_are_validated_and_missing_ones_filled():
     opt.load_state_dict(saved)
     assert opt.param_groups[0]["use_nvlamb"] is False
     saved["param_groups"][0]["lr"] = -1.0
-    with pytest.raises(ValueError, match="Invalid lr: -1.0"):
+    with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):
         opt.load_state_dict(saved)
 
 

@@ -271,9 +271,142 @@ def test_a_one_element_tensor_lr_trains_like_the_float(cls):
 @pytest.mark.parametrize("lr", [torch.tensor([1e-3, 1e-3]), torch.tensor(1), torch.tensor(-1e-3)],
                          ids=["two-elements", "integer", "negative"])
 def test_a_tensor_lr_that_is_not_one_valid_value_is_refused(lr):
-    message = "Invalid lr: -0.001" if lr.is_floating_point() and lr.numel() == 1 else "1-element real floating"
+    message = "Invalid learning rate: -0.001" if lr.is_floating_point() and lr.numel() == 1 else "Tensor lr must be"
     with pytest.raises(ValueError, match=message):
         hf_optim.AdamW8bit(make_model().parameters(), lr=lr)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch's test_errors: the error inputs of torch/testing/_internal/common_optimizers.py (torch 2.13), the generic ones
+# for every class and the argument checks of torch's namesake (AdamW's for every Adam-like class, RMSprop's,
+# Adafactor's eps), with torch's error type and message. params=None cases pass only if the arguments are checked
+# before params is read, as torch's optimizers check them.
+def relative(cls, **kwargs):
+    """Adafactor's default relative step refuses an lr: torch's lr cases run with relative_step=False."""
+    if issubclass(cls, hf_optim.Adafactor) and "lr" in kwargs:
+        kwargs["relative_step"] = False
+    return kwargs
+
+
+def generic_error_inputs(cls):
+    """get_error_inputs_for_all_optims: (params, kwargs, error type, message regex)."""
+    p, q = torch.nn.Parameter(torch.randn(1, 1)), torch.nn.Parameter(torch.randn(1, 1))
+    return [
+        (p, {}, TypeError, "params argument given to the optimizer should be an iterable of Tensors or dicts"),
+        ([p, p], {}, UserWarning, ".*a parameter group with duplicate parameters.*"),
+        ([{"params": p}, {"params": p}], {}, ValueError, "some parameters appear in more than one parameter group"),
+        (None, relative(cls, lr=torch.tensor([0.001, 0.001])), ValueError, "Tensor lr must be 1-element"),
+        ([("weight", p), q], {}, ValueError,
+         "all optimizer params should be with/without names. Some param names are missing"),
+        ([{"params": [p], **relative(cls, lr=1e-2)}, {"params": [("weight", q)]}], {}, ValueError,
+         "all optimizer param groups should be with/without names. cannot add param group with names to the "
+         "optimizer"),
+    ]
+
+
+def own_error_inputs(cls):
+    """The argument checks torch's namesake has, all with params=None."""
+    if issubclass(cls, hf_optim.Adafactor):
+        return [(None, {"eps": (-1e-30, 1e-3)}, ValueError, r"Invalid epsilon1: -1e-30 \(eps\[0\]\)")]
+    cases = [(None, relative(cls, lr=1e-2, weight_decay=-1), ValueError, "Invalid weight_decay value: -1")]
+    if issubclass(cls, hf_optim.RMSprop):
+        return cases + [(None, {"lr": 1e-2, "momentum": -1.0}, ValueError, "Invalid momentum value: -1.0")]
+    betas = (1.0, 0.0, 0.0) if issubclass(cls, hf_optim.AdEMAMix) else (1.0, 0.0)
+    zero_first = (0.0, 1.0, 0.5) if issubclass(cls, hf_optim.AdEMAMix) else (0.0, 1.0)
+    return cases + [
+        (None, {"lr": 1e-2, "betas": betas}, ValueError, "Invalid beta parameter at index 0: 1.0"),
+        (None, {"lr": 1e-2, "betas": zero_first}, ValueError, "Invalid beta parameter at index 1: 1.0"),
+        (None, {"lr": -1e-2}, ValueError, "Invalid learning rate: -0.01"),
+    ]
+
+
+@pytest.mark.parametrize("cls", ALL_CLASSES, ids=IDS)
+def test_errors(cls):
+    """torch's TestOptimRenewed.test_errors body (construction errors) on every class."""
+    for params, kwargs, error, message in generic_error_inputs(cls) + own_error_inputs(cls):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*paged optimizers page CUDA state.*")  # paged twins on CPU
+            warnings.filterwarnings("ignore", message=".*every parameter group has weight_decay=0.*")  # LAMB
+            if issubclass(error, Warning):
+                with pytest.warns(error, match=message):
+                    cls(params, **kwargs)
+            else:
+                with pytest.raises(error, match=message):
+                    cls(params, **kwargs)
+
+
+@pytest.mark.parametrize("cls", ALL_CLASSES, ids=IDS)
+def test_arguments_are_checked_before_params_is_read(cls):
+    """A generator of parameters is not consumed by a constructor that refuses its arguments."""
+    model = make_model()
+    params = (p for p in model.parameters())
+    with pytest.raises(ValueError, match="Invalid weight_decay value: -1"):
+        cls(params, **relative(cls, lr=1e-3, weight_decay=-1))
+    assert len(list(params)) == len(list(model.parameters()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A relative-step Adafactor and torch's lr schedulers.
+def transformers_schedule(opt, kind):
+    import transformers.optimization
+
+    if kind == "adafactor":
+        return transformers.optimization.AdafactorSchedule(opt)
+    return transformers.optimization.get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=10)
+
+
+SCHEDULERS = {
+    "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0),
+    "StepLR": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2),
+    "LinearLR": lambda opt: torch.optim.lr_scheduler.LinearLR(opt),
+    "CosineAnnealingLR": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10,
+                                                                     cycle_momentum=False),
+    "transformers.get_linear_schedule_with_warmup": lambda opt: transformers_schedule(opt, "linear"),
+    "transformers.AdafactorSchedule": lambda opt: transformers_schedule(opt, "adafactor"),
+}
+
+
+@pytest.mark.parametrize("how", ["fresh", "deepcopy", "pickle", "loaded"])
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+def test_a_torch_scheduler_on_a_relative_step_adafactor_is_refused_with_one_line(scheduler, how):
+    """transformers' Adafactor semantics are kept (lr=None, the step computed from t); a scheduler that would scale
+    that None (``NoneType * float``), scale nothing, or write lr=0.0 (AdafactorSchedule: "take no step" here) is
+    refused when built, before it computes a learning rate, in one line naming what to use."""
+    model = make_model()
+    opt = hf_optim.Adafactor(model.parameters())
+    train(model, opt, 1, seed=0)
+    if how in ("deepcopy", "pickle"):
+        model, opt = COPIES[how]((model, opt))
+    elif how == "loaded":
+        state_dict = opt.state_dict()
+        opt = hf_optim.Adafactor(model.parameters())
+        opt.load_state_dict(state_dict)
+    with pytest.raises(ValueError) as info:
+        SCHEDULERS[scheduler](opt)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("Adafactor(relative_step=True) computes its own step size")
+    assert "hf_optim.RelativeStepSchedule(optimizer)" in message and "relative_step=False, lr=" in message
+    assert [group["lr"] for group in opt.param_groups] == [None] and "initial_lr" not in opt.param_groups[0]
+    assert "step" not in vars(opt)  # the scheduler's step wrapper was not installed
+    train(model, opt, 1, seed=1)  # still trains
+    with pytest.raises(ValueError, match="computes its own step size"):
+        SCHEDULERS[scheduler](opt)  # and a second try is refused too
+
+
+def test_relative_step_schedule_and_an_lr_adafactor_still_take_schedulers():
+    """The refusal is only for relative-step groups: RelativeStepSchedule reports the relative step, and
+    Adafactor(relative_step=False, lr=...) is scheduled like any optimizer."""
+    model = make_model()
+    opt = hf_optim.Adafactor(model.parameters(), warmup_init=True)
+    schedule = hf_optim.RelativeStepSchedule(opt)
+    for step in range(1, 4):
+        train(model, opt, 1, seed=step)
+        schedule.step()
+        assert schedule.get_last_lr() == [pytest.approx(1e-6 * (step + 1))]  # min(1e-6 * t, 1/sqrt(t)), next t
+    fixed = hf_optim.Adafactor(model.parameters(), relative_step=False, lr=1e-2)
+    linear = torch.optim.lr_scheduler.LambdaLR(fixed, lambda step: 0.5)
+    assert linear.get_last_lr() == [0.005]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -114,6 +114,7 @@ CASES = [
     (hf_optim.RMSprop, {"weight_decay": 0.01}),
     (hf_optim.LAMB, {"max_trust_ratio": 10.0}),
     (hf_optim.LAMB, {"weight_decay": 0.0, "adam_w_mode": False}),
+    (hf_optim.LAMB, {"weight_decay": 0.0, "max_unorm": 0.5}),  # bitsandbytes' update-norm clip, binding
 ]
 # Several tensors in one launch: sizes not divisible by 256, one below min_8bit_size (fp32 state in an 8-bit
 # optimizer), a 0-d tensor, and fp32 / bf16 / fp16 parameters.

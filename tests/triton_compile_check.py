@@ -66,7 +66,8 @@ def check_fused_update(algorithm, stochastic: bool = False) -> None:
 
 def check_other_kernels() -> None:
     compile_ptx(triton_lamb._ratio_kernel, {"meta": "*i64", "partials": "*fp32", "ratios": "*fp32",
-                "max_trust_ratio": "fp32"}, {"ADAPT": True, "CLAMP": True, "CHUNK": 1024, "BLOCKS": 4, "COLS": 16})
+                "max_trust_ratio": "fp32", "max_unorm": "fp32"},
+                {"ADAPT": True, "CLAMP": True, "UNORM": True, "CHUNK": 1024, "BLOCKS": 4, "COLS": 16})
     for stochastic in (False, True):
         compile_ptx(triton_lamb._apply_kernel, {"meta": "*i64", "tiles": "*i32", "ratios": "*fp32", "lr": "fp32",
                     **ROUNDING}, {"BLOCKS": 4, "COLS": 16, "ALIGNED": True, "SR": stochastic})

@@ -29,8 +29,8 @@ REDUCE_CHUNK = 1024
 
 
 @triton.jit
-def _ratio_kernel(meta, partials, ratios, max_trust_ratio, ADAPT: tl.constexpr, CLAMP: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr):
+def _ratio_kernel(meta, partials, ratios, max_trust_ratio, max_unorm, ADAPT: tl.constexpr, CLAMP: tl.constexpr,
+                  UNORM: tl.constexpr, CHUNK: tl.constexpr, BLOCKS: tl.constexpr, COLS: tl.constexpr):
     tensor = tl.program_id(0)
     row = meta + tensor * COLS
     n = tl.load(row + 3)
@@ -45,12 +45,15 @@ def _ratio_kernel(meta, partials, ratios, max_trust_ratio, ADAPT: tl.constexpr, 
         update_sq += tl.load(partials + 2 * (first + index) + 1, mask=valid, other=0.0)
     weight_norm = tl.sqrt_rn(tl.sum(weight_sq, axis=0))
     update_norm = tl.sqrt_rn(tl.sum(update_sq, axis=0))
+    both = (weight_norm > 0) & (update_norm > 0)
+    free = tl.div_rn(weight_norm, tl.where(both, update_norm, 1.0))
     ratio = weight_norm * 0.0 + 1.0
     if ADAPT:
-        both = (weight_norm > 0) & (update_norm > 0)
-        ratio = tl.where(both, tl.div_rn(weight_norm, tl.where(both, update_norm, 1.0)), 1.0)
+        ratio = tl.where(both, free, 1.0)
         if CLAMP:
             ratio = tl.minimum(ratio, max_trust_ratio)
+    if UNORM:
+        ratio = tl.where(both, tl.minimum(ratio, free * max_unorm), ratio)
     tl.store(ratios + tensor, ratio)
 
 
@@ -79,13 +82,16 @@ def _apply_kernel(meta, tiles, ratios, lr, ordinals, key, BLOCKS: tl.constexpr, 
         _apply_tile(row, step, offs, offs < n, ordinal, key, ALIGNED, SR)
 
 
-def trust_ratios(launch: mt.Launch, partials, ratios, *, adapt: bool, max_trust_ratio: float | None, device) -> None:
-    """Per-tensor trust ratios into ``ratios`` (fp32, one per tensor) from the update pass's ``partials``."""
+def trust_ratios(launch: mt.Launch, partials, ratios, *, adapt: bool, max_trust_ratio: float | None,
+                 max_unorm: float = 0.0, device) -> None:
+    """Per-tensor trust ratios into ``ratios`` (fp32, one per tensor) from the update pass's ``partials``, as
+    ``trust_ratio`` in ``hf_optim/optim/lamb.py`` computes them."""
     clamp = max_trust_ratio is not None
     triton_guard.launch(
         _ratio_kernel, (len(launch.first_tiles),),
-        launch.meta, partials, ratios, float(max_trust_ratio) if clamp else 0.0, ADAPT=bool(adapt), CLAMP=clamp,
-        CHUNK=REDUCE_CHUNK, BLOCKS=TILE_BLOCKS, COLS=mt.META_COLS, **launch_kwargs(device),
+        launch.meta, partials, ratios, float(max_trust_ratio) if clamp else 0.0, float(max_unorm),
+        ADAPT=bool(adapt), CLAMP=clamp, UNORM=max_unorm > 0, CHUNK=REDUCE_CHUNK, BLOCKS=TILE_BLOCKS,
+        COLS=mt.META_COLS, **launch_kwargs(device),
     )
 
 
@@ -140,7 +146,8 @@ def step(optimizer, algorithm, group: dict, key, batch: list, step: int, hyper, 
         fused_update(rule, algorithm.state_rows, mt.row_signedness(specs), launch, maps_table(device), scalars,
                      write_out=True, partials=partials, device=device)
         ratios = torch.empty(len(bucket), dtype=torch.float32, device=device)
-        trust_ratios(launch, partials, ratios, adapt=adapt, max_trust_ratio=group["max_trust_ratio"], device=device)
+        trust_ratios(launch, partials, ratios, adapt=adapt, max_trust_ratio=group["max_trust_ratio"],
+                     max_unorm=group["max_unorm"], device=device)
         rounding_args = None
         if stochastic is not None:  # this bucket's slice of the batch's ordinals
             rounding_args = (stochastic[0][first : first + len(bucket)], stochastic[1])

@@ -1,4 +1,9 @@
-"""Hyperparameter checks shared by every optimizer; each error names the bad value and what is valid."""
+"""Hyperparameter checks shared by every optimizer; each error names the bad value and what is valid.
+
+Where torch.optim has a message for the same mistake, the error starts with torch's words (``Invalid learning rate:
+-1``, ``Invalid beta parameter at index 0: 1.0``, ``Tensor lr must be 1-element``), so code and searches written
+against torch's optimizers recognise it; the valid range follows.
+"""
 
 from __future__ import annotations
 
@@ -13,18 +18,25 @@ def _is_real(value) -> bool:
 
 
 def check_real(name: str, value, *, low: float = -math.inf, low_open: bool = False, high: float = math.inf,
-               high_open: bool = False) -> float:
-    """Return ``float(value)`` if it is a finite real number in the interval, else raise a clear error."""
+               high_open: bool = False, label: str | None = None) -> float:
+    """Return ``float(value)`` if it is a finite real number in the interval, else raise a clear error.
+
+    ``label``: how the ValueError names the value where torch.optim's own message has a wording users and code
+    search for (``Invalid learning rate: -1 (lr); ...``: torch's words, then the argument's name).
+    """
     if not _is_real(value):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    below = value <= low if low_open else value < low
-    above = value >= high if high_open else value > high
-    if math.isnan(value) or below or above:
+    number = float(value)
+    below = number <= low if low_open else number < low
+    above = number >= high if high_open else number > high
+    if math.isnan(number) or below or above:
         left = "(" if low_open else "["
         right = ")" if high_open else "]"
-        raise ValueError(f"Invalid {name}: {value!r}; expected a value in {left}{low}, {high}{right}")
-    return value
+        named = f"Invalid {label or name}: {value}"
+        if label and name not in label.split():
+            named += f" ({name})"
+        raise ValueError(f"{named}; expected a value in {left}{low}, {high}{right}")
+    return number
 
 
 def check_lr(lr):
@@ -32,26 +44,28 @@ def check_lr(lr):
     under ``torch.compile`` a tensor lr that a scheduler changes is a graph input, not a constant to recompile on).
     """
     if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1 or not lr.is_floating_point() or lr.is_complex():
-            raise ValueError(
-                f"Tensor lr must be a 1-element real floating-point tensor, got shape {tuple(lr.shape)} "
-                f"and dtype {lr.dtype}; pass a float or e.g. torch.tensor(1e-3)"
-            )
-        check_real("lr", lr.item(), low=0.0, high=math.inf, high_open=True)
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}; pass a float or e.g. "
+                             "torch.tensor(1e-3)")
+        if not lr.is_floating_point() or lr.is_complex():
+            raise ValueError(f"Tensor lr must be a real floating-point tensor, got dtype {lr.dtype}; pass a float or "
+                             "e.g. torch.tensor(1e-3)")
+        check_real("lr", lr.item(), low=0.0, high=math.inf, high_open=True, label="learning rate")
         return lr
-    return check_real("lr", lr, low=0.0, high=math.inf, high_open=True)
+    return check_real("lr", lr, low=0.0, high=math.inf, high_open=True, label="learning rate")
 
 
-def check_eps(eps, name: str = "eps") -> float:
-    return check_real(name, eps, low=0.0, low_open=True, high=math.inf, high_open=True)
+def check_eps(eps, name: str = "eps", label: str = "epsilon value") -> float:
+    return check_real(name, eps, low=0.0, low_open=True, high=math.inf, high_open=True, label=label)
 
 
 def check_weight_decay(weight_decay) -> float:
-    return check_real("weight_decay", weight_decay, low=0.0, high=math.inf, high_open=True)
+    return check_real("weight_decay", weight_decay, low=0.0, high=math.inf, high_open=True,
+                      label="weight_decay value")
 
 
-def check_beta(name: str, beta) -> float:
-    return check_real(name, beta, low=0.0, high=1.0, high_open=True)
+def check_beta(name: str, beta, label: str | None = None) -> float:
+    return check_real(name, beta, low=0.0, high=1.0, high_open=True, label=label)
 
 
 def as_tuple(value):
@@ -62,7 +76,7 @@ def as_tuple(value):
 def check_betas(betas, count: int) -> tuple[float, ...]:
     if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != count:
         raise ValueError(f"betas must be a tuple of {count} floats, got {betas!r}")
-    return tuple(check_beta(f"beta{i + 1}", b) for i, b in enumerate(betas))
+    return tuple(check_beta(f"beta{i + 1}", b, f"beta parameter at index {i}") for i, b in enumerate(betas))
 
 
 def check_optional_steps(name: str, value) -> int | None:

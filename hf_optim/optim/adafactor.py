@@ -138,6 +138,14 @@ def factored_inverse_sqrt(row: torch.Tensor, col: torch.Tensor, row_mean: torch.
     return row_factor * col_factor
 
 
+SCHEDULER_REFUSAL = (
+    "Adafactor(relative_step=True) computes its own step size, so its param groups hold no lr for a torch lr "
+    "scheduler to scale: use hf_optim.RelativeStepSchedule(optimizer) to report the relative step (transformers' "
+    "AdafactorSchedule drives transformers' Adafactor), or Adafactor(relative_step=False, lr=...) to schedule a "
+    "learning rate"
+)
+
+
 class Adafactor(HfOptimizer):
     """Adafactor with factored second moments for tensors of 2 or more dimensions (transformers semantics).
 
@@ -209,6 +217,24 @@ class Adafactor(HfOptimizer):
                          bf16_stochastic_round=bf16_stochastic_round,
                          release_gradients=release_gradients)
 
+    def __setattr__(self, name: str, value) -> None:
+        """Refuse a torch lr scheduler on relative-step groups (see :data:`SCHEDULER_REFUSAL`).
+
+        Every ``torch.optim.lr_scheduler.LRScheduler`` wraps its optimizer's ``step`` (``optimizer.step =
+        wrapper``) while it is built, after it has only read the groups and before it computes any learning rate;
+        on a relative-step group that computation would fail inside the scheduler (``NoneType * float``), scale
+        nothing, or write ``lr=0.0`` (transformers' ``AdafactorSchedule``), which this Adafactor reads as "take
+        no step". :class:`RelativeStepSchedule` announces itself first. (A param group cannot refuse it itself:
+        torch.compile needs plain dicts there.)"""
+        if (name == "step" and getattr(value, "_wrapped_by_lr_sched", False)
+                and not self.__dict__.get("_relative_step_schedule")
+                and any(group.get("relative_step") for group in self.param_groups)):
+            for group in self.param_groups:  # the starting lr the refused scheduler recorded
+                if group.get("relative_step"):
+                    group.pop("initial_lr", None)
+            raise ValueError(SCHEDULER_REFUSAL)
+        super().__setattr__(name, value)
+
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
         if group["lr"] is not None:
@@ -216,8 +242,8 @@ class Adafactor(HfOptimizer):
         eps = group["eps"]
         if not isinstance(eps, (tuple, list)) or len(eps) != 2:
             raise ValueError(f"eps must be a tuple of two floats (eps1, eps2), got {eps!r}")
-        check_eps(eps[0], "eps[0]")
-        check_eps(eps[1], "eps[1]")
+        check_eps(eps[0], "eps[0]", "epsilon1")
+        check_eps(eps[1], "eps[1]", "epsilon2")
         check_real("clip_threshold", group["clip_threshold"], low=0.0, low_open=True)
         check_real("decay_rate", group["decay_rate"], high=0.0, high_open=True)
         if group["beta1"] is not None:
@@ -373,6 +399,7 @@ class RelativeStepSchedule(torch.optim.lr_scheduler.LRScheduler):
         for group in optimizer.param_groups:
             if not group["relative_step"]:
                 raise ValueError("RelativeStepSchedule needs every param group to have relative_step=True")
+        optimizer.__dict__["_relative_step_schedule"] = True  # Adafactor.__setattr__ lets this scheduler wrap step
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[float]:

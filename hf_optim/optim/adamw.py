@@ -104,6 +104,7 @@ class AdamW(HfOptimizer):
     """
 
     definition = ADAMW
+    twins_keep_optim_bits = True  # bitsandbytes' AdamW8bit, PagedAdamW8bit, AdamW32bit, ... take optim_bits=32
 
     def __init__(
         self,
@@ -140,7 +141,6 @@ AdamW4bit = _twins["AdamW4bit"]
 AdamW8bit = _twins["AdamW8bit"]
 AdamW32bit = _twins["AdamW32bit"]
 PagedAdamW = _twins["PagedAdamW"]
-PagedAdamW4bit = _twins["PagedAdamW4bit"]
 PagedAdamW4bit = _twins["PagedAdamW4bit"]
 PagedAdamW8bit = _twins["PagedAdamW8bit"]
 PagedAdamW32bit = _twins["PagedAdamW32bit"]

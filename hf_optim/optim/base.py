@@ -85,6 +85,10 @@ class HfOptimizer(torch.optim.Optimizer):
     format (``hf_optim.kernels.formats``), so a new format needs no change to any algorithm."""
     group_keys: ClassVar[tuple[str, ...]] = ()
     """Param-group keys the algorithm reads (filled from defaults when a foreign state dict lacks them)."""
+    twins_keep_optim_bits: ClassVar[bool] = False
+    """Whether the 8-bit and 32-bit twins (``AdamW8bit``, ``PagedAdamW32bit``, ...) keep an ``optim_bits`` argument,
+    as bitsandbytes' namesakes of some algorithms do (AdamW: default 32, which they ignore); see
+    :func:`hf_optim.optim.variants.precision_variant`."""
 
     def __init__(
         self,
@@ -102,6 +106,10 @@ class HfOptimizer(torch.optim.Optimizer):
         defaults["min_8bit_size"] = check_min_8bit_size(min_8bit_size)
         defaults[SR_KEY] = bf16_stochastic_round
         defaults[SR_SEED_KEY] = 0
+        # The arguments are checked before ``params`` is read, as torch's optimizers do, so a bad value is reported
+        # as itself whatever ``params`` is (torch's own error tests pass params=None with a bad lr).
+        self._check_group({**defaults, "params": []})
+        release_gradients = check_release_gradients(release_gradients)
         super().__init__(params, defaults)
         self.is_paged = bool(is_paged)
         self._allocate = state_allocator(self.is_paged, type(self).__name__)
@@ -109,7 +117,7 @@ class HfOptimizer(torch.optim.Optimizer):
         self._ordinals: dict[int, int] = {}  # during a step with stochastic rounding: id(state) -> param ordinal
         for group in self.param_groups:
             self._check_group(group)
-        self.release_gradients = check_release_gradients(release_gradients)
+        self.release_gradients = release_gradients
         self._release: GradientRelease | None = None
         if self.release_gradients:
             self._start_release()

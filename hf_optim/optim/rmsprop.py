@@ -106,7 +106,9 @@ class RMSprop(HfOptimizer):
         bf16_stochastic_round: bool = False,
         release_gradients: bool = False,
     ) -> None:
-        check_unsupported("momentum", momentum, 0.0, "RMSprop with momentum is not implemented (nor in bitsandbytes)")
+        if momentum != 0.0:  # torch's wording for a bad momentum, then why no other value works
+            raise ValueError(f"Invalid momentum value: {momentum}; hf_optim's RMSprop supports only momentum=0 "
+                             "(RMSprop with momentum is not implemented, nor in bitsandbytes)")
         check_unsupported("centered", centered, False, "centered RMSprop is not implemented (nor in bitsandbytes)")
         check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
         check_unsupported("percentile_clipping", percentile_clipping, 100, "use the Trainer's max_grad_norm")
@@ -119,7 +121,7 @@ class RMSprop(HfOptimizer):
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
         check_lr(group["lr"])
-        check_beta("alpha", group["alpha"])
+        check_beta("alpha", group["alpha"], "alpha value")
         check_eps(group["eps"])
         check_weight_decay(group["weight_decay"])
 
