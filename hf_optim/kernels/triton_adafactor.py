@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_optim.kernels import triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import kernel_scalars
 from hf_optim.kernels.blockwise import num_blocks
@@ -400,7 +401,7 @@ def step(optimizer, algorithm, group: dict, key, items: list, step: int, hyper, 
 
     def run(name, grid, *args, factored=None):
         kernel, constants = kernels[(name, factored)]
-        kernel[grid](*args, **constants, **options)
+        triton_guard.launch(kernel, grid, *args, **constants, **options)
 
     meta = cache.table((algorithm.name, *key), table, torch.int64, device)
     kinds = {True: [i for i, row in enumerate(table) if row[FACTORED.value]],

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_optim.kernels import triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.dynamic_map import encoder_table
 from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8, FORMATS, FP32
@@ -260,7 +261,8 @@ def launch(config: FusedConfig, meta, tiles, num_tiles: int, maps, hyper: tuple,
     if num_tiles == 0:
         return
     ordinals, key = stochastic if stochastic is not None else (meta, meta)
-    _fused_update_kernel[(num_tiles,)](
+    triton_guard.launch(
+        _fused_update_kernel, (num_tiles,),
         meta, tiles, partials if partials is not None else meta, maps, hyper, ordinals, key,
         **config.constants(), **launch_options(config.num_warps),
     )

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_optim.kernels import triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import kernel_scalars
 from hf_optim.kernels.blockwise import num_blocks
@@ -144,7 +145,8 @@ class RatioConfig:
 
 def trust_ratios(launch: mt.Launch, partials, ratios, config: RatioConfig, max_trust_ratio: float | None) -> None:
     """Per-tensor trust ratios into ``ratios`` (fp32, one per tensor) from the direction pass's ``partials``."""
-    _ratio_kernel[(len(launch.first_tiles),)](
+    triton_guard.launch(
+        _ratio_kernel, (len(launch.first_tiles),),
         launch.meta, partials, ratios, float(max_trust_ratio) if config.clamp else 0.0, **config.constants(),
         **launch_options(config.num_warps),
     )
@@ -156,7 +158,8 @@ def apply(launch: mt.Launch, ratios, lr: float, config: ApplyConfig, stochastic=
     ordinals, key = stochastic if stochastic is not None else (launch.meta, launch.meta)
     for whole, table, count in launch.tables():
         specialized = dataclasses.replace(config, full=whole, aligned=config.aligned and launch.aligned)
-        _apply_kernel[(count,)](
+        triton_guard.launch(
+            _apply_kernel, (count,),
             launch.meta, table, ratios, float(lr), ordinals, key, **specialized.constants(),
             **launch_options(specialized.num_warps),
         )
@@ -193,15 +196,17 @@ def step(optimizer, algorithm, group: dict, key, batch: list, step: int, hyper, 
     update = ApplyConfig(kinds[0], full=True, tile_blocks=direction.tile_blocks,
                          stochastic=stochastic is not None and kinds[0] == BF16.value, aligned=direction.aligned)
     scalars, maps = kernel_scalars(hyper), maps_table(device)
+    buckets = _buckets(batch, SCRATCH_NUMEL)
+    # One direction buffer for every bucket: launches run in stream order, so a bucket's direction pass writes it
+    # after the previous bucket's apply pass has read it (and the launches triton_guard records hold only this one).
+    # Each tensor's direction starts on a 256-element boundary: 16-byte aligned, so whole tiles use vector accesses.
+    padded = [[num_blocks(param.numel()) * 256 for param, _, _ in bucket] for bucket in buckets]
+    scratch = torch.empty(max(sum(sizes) for sizes in padded), dtype=torch.float32, device=device)
+    triton_guard.keep_alive(scratch)  # the kernels reach it through the meta table's addresses only
     first = 0  # index in the batch of the bucket's first tensor
-    for index, bucket in enumerate(_buckets(batch, SCRATCH_NUMEL)):
-        # each tensor's direction starts on a 256-element boundary: 16-byte aligned, so whole tiles use vector
-        # accesses (the launch is only as aligned as its least aligned address)
-        starts = [0]
-        for param, _, _ in bucket:
-            starts.append(starts[-1] + num_blocks(param.numel()) * 256)
-        scratch = torch.empty(starts[-1], dtype=torch.float32, device=device)
-        out_addresses = [scratch.data_ptr() + 4 * start for start in starts[:-1]]
+    for index, (bucket, sizes) in enumerate(zip(buckets, padded)):
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        out_addresses = [scratch.data_ptr() + 4 * start for start in starts]
         launch = cache.launch((*key, index), bucket, specs, direction.tile_blocks, device, out_addresses)
         partials = torch.empty(2 * launch.num_tiles, dtype=torch.float32, device=device)
         for whole, table, count in launch.tables():

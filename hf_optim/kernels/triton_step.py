@@ -27,12 +27,12 @@ from collections import defaultdict
 
 import torch
 
-from hf_optim.kernels import rounding
+from hf_optim.kernels import rounding, triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import Algorithm, kernel_scalars, resolve
-from hf_optim.kernels.triton_elementwise import FusedConfig, maps_table
+from hf_optim.kernels.triton_elementwise import FusedConfig, format_label, maps_table
 from hf_optim.kernels.triton_elementwise import launch as launch_fused
-from hf_optim.kernels.triton_tile import BF16, dtype_code
+from hf_optim.kernels.triton_tile import BF16, DTYPE_NAMES, dtype_code
 
 CACHE_ATTR = "_hf_optim_triton_plans"
 MAX_NUMEL = (1 << 31) - 1
@@ -71,13 +71,17 @@ def kernel_group(specs, param: torch.Tensor, grad: torch.Tensor, state: dict) ->
     return dtype_code(param.dtype), dtype_code(grad.dtype), tuple(row[2] for row in rows), aligned
 
 
-def step_group(optimizer, group: dict, group_index: int, items: list, ordinals=None) -> None:
+def step_group(optimizer, group: dict, group_index: int, items: list, ordinals=None) -> list:
     """Update ``items`` = [(param, grad, state), ...] (local, contiguous tensors, state created, step counted).
     ``ordinals`` (``id(state)`` -> parameter ordinal), when the group has ``bf16_stochastic_round``: bf16
     parameters are rounded stochastically (:mod:`hf_optim.kernels.triton_rounding`).
 
     Tensors go in batches of one device, one step counter and one kernel group (:func:`kernel_group`): each batch
-    is one run of the algorithm's kernels, compiled for exactly its dtypes and formats."""
+    is one run of the algorithm's kernels, compiled for exactly its dtypes and formats, through
+    :mod:`hf_optim.kernels.triton_guard` (every kernel of the batch compiled and loaded before any launches).
+
+    Returns the items it did NOT update, untouched: those of kernel configurations that failed to compile or load
+    on their device; the caller runs them on the PyTorch path."""
     cache = optimizer.__dict__.get(CACHE_ATTR)
     if cache is None:
         cache = optimizer.__dict__[CACHE_ATTR] = mt.PlanCache()
@@ -88,20 +92,43 @@ def step_group(optimizer, group: dict, group_index: int, items: list, ordinals=N
         grad = grad.contiguous()
         kinds = kernel_group(algorithm.slots, param, grad, state)
         batches[(param.device, state["step"], kinds)].append((param, grad, state))
+    skipped = []
     for (device, step, kinds), batch in batches.items():
+        rounded = ordinals is not None and kinds[0] == BF16.value
+        config = configuration(algorithm, kinds, stochastic=rounded)
+        if triton_guard.failed(config, device):
+            skipped.extend(batch)
+            continue
         hyper = optimizer._hyper(group, step)
         key = (group_index, device, step, kinds)
         stochastic = None
-        if ordinals is not None and kinds[0] == BF16.value:
+        if rounded:
             values = [ordinals[id(state)] for _, _, state in batch]
             stochastic = (cache.table(("bf16 ordinals", *key), values, torch.int64, device),
                           mt.to_device(rounding.key_tensor(group["bf16_stochastic_round_seed"], step), torch.int64,
                                        device))
+        if plan.elementwise:
+            work = functools.partial(_elementwise, algorithm, key, kinds, batch, hyper, cache, device, stochastic)
+        else:
+            work = functools.partial(resolve(plan.step), optimizer, algorithm, group, key, batch, step, hyper, cache,
+                                     device, stochastic)
         with _on(device):
-            if plan.elementwise:
-                _elementwise(algorithm, key, kinds, batch, hyper, cache, device, stochastic)
-            else:
-                resolve(plan.step)(optimizer, algorithm, group, key, batch, step, hyper, cache, device, stochastic)
+            if not triton_guard.run(config, device, work):
+                skipped.extend(batch)
+    return skipped
+
+
+def configuration(algorithm: Algorithm, kinds: tuple, stochastic: bool) -> triton_guard.KernelConfig:
+    """The kernel configuration of a batch (:mod:`triton_guard`): the fused kernel with the algorithm's rule, or its
+    own passes, specialized for the batch's kernel group (:func:`kernel_group`) and bf16 stochastic rounding; its
+    whole-tile and partial-tile kernels (and LAMB's or Adafactor's other passes) are prepared together."""
+    kind = "fused" if algorithm.triton_plan.elementwise else "passes"
+    param_dtype, grad_dtype, formats, aligned = kinds
+    grads = "" if grad_dtype == param_dtype else f" ({DTYPE_NAMES[grad_dtype]} gradients)"
+    states = "/".join(sorted({format_label(code) for code in formats})) or "no state"
+    label = (f"{kind}/{algorithm.name} {DTYPE_NAMES[param_dtype]}{grads} {states}"
+             f"{'' if aligned else ' unaligned'}{' (bf16 stochastic rounding)' if stochastic else ''}")
+    return triton_guard.KernelConfig((kind, algorithm.name, *kinds, stochastic), label)
 
 
 def _on(device: torch.device):
