@@ -234,6 +234,13 @@ class LaunchConfig:
     fp32_state_twin: str | None = None
     launched_by: str = ""
 
+    def attrs(self) -> dict:
+        """Triton's specialization of the arguments as launched: every pointer hf_optim passes is a tensor's data,
+        16-byte aligned (``tt.divisibility`` 16, as Triton's launcher detects); integers are left general."""
+        names = self.kernel.arg_names
+        return {(names.index(name),): [["tt.divisibility", 16]] for name, kind in self.signature.items()
+                if isinstance(kind, str) and kind.startswith("*")}
+
     def binary_key(self) -> tuple:
         """Configurations with equal keys share one compiled binary."""
         def plain(value):
@@ -275,7 +282,7 @@ def compile_config(config: LaunchConfig, arch: str) -> Compiled:
         knobs.nvidia.dump_ptxas_log = True  # printed by Triton: captured below
         with contextlib.redirect_stdout(log):
             start = time.perf_counter()
-            compiled = triton.compile(ASTSource(config.kernel, signature, constexprs),
+            compiled = triton.compile(ASTSource(config.kernel, signature, constexprs, config.attrs()),
                                       target=GPUTarget("cuda", ARCHES[arch].cc, 32), options=options)
             seconds = time.perf_counter() - start
     return Compiled(compiled.asm["cubin"], int(compiled.metadata.shared), int(compiled.metadata.num_warps), seconds,
@@ -1227,9 +1234,42 @@ def print_table(rows: Sequence[dict], environment: dict) -> None:
 
 
 def markdown(rows: Sequence[dict], environment: dict) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in _cells(row)) + " |" for row in rows]
-    return "\n".join([*lines, "", caption(environment) + ".", "", *summary(rows)])
+    """The rows as one Markdown table with a line per configuration and the arches side by side (``a/b/...`` in
+    the order of the header), for docs/benchmarks.md; then the caption and the summary."""
+    arches = [arch for arch in ARCHES if any(row["arch"] == arch for row in rows)]
+    by_config: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        by_config.setdefault(row["config"], {})[row["arch"]] = row
+    each = "/".join(arch.removeprefix("sm_") for arch in arches)
+    gpus = [gpu for gpu in GPUS if gpu.arch in arches]
+    header = (["config", "warps", f"regs ({each})", f"occupancy % ({each})", f"spill B ({each})", "smem B",
+               f"inst/el ({each})", f"compile s ({each})"]
+              + [f"{gpu.name} ms: bw / predicted" for gpu in gpus])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def joined(cells: dict[str, dict], value: Callable[[dict], str]) -> str:
+        return "/".join(value(cells[a]) if a in cells and "error" not in cells[a] else "err" for a in arches)
+
+    for name, cells in by_config.items():
+        first = next((row for row in cells.values() if "error" not in row), None)
+        if first is None:
+            lines.append(f"| {name} | compile error on every arch: {next(iter(cells.values()))['error'][:80]} |")
+            continue
+        ipe = joined(cells, lambda r: "-" if r["instructions_per_element"] is None
+                     else f"{r['instructions_per_element']:.0f}" + ("?" if r["ambiguous_branches"] else ""))
+        line = [name, str(first["num_warps"]), joined(cells, lambda r: str(r["regs"])),
+                joined(cells, lambda r: f"{100 * r['occupancy']:.0f}"),
+                joined(cells, lambda r: str(r["spill_stores"] + r["spill_loads"])),
+                "/".join(dict.fromkeys(str(r["smem"]) for r in cells.values() if "smem" in r)), ipe,
+                joined(cells, lambda r: f"{r['compile_seconds']:.1f}")]
+        for gpu in gpus:
+            row = cells.get(gpu.arch, {})
+            bw, predicted = row.get(f"{gpu.name}_bandwidth_ms"), row.get(f"{gpu.name}_predicted_ms")
+            issue = " (issue)" if bw is not None and predicted > bw * 1.0001 else ""
+            line.append("" if bw is None else f"{bw:.2f} / {predicted:.2f}{issue}")
+        lines.append("| " + " | ".join(line) + " |")
+    notes = [("  - " + line.strip()) if line.startswith("  ") else "- " + line for line in summary(rows)]
+    return "\n".join([*lines, "", caption(environment) + ".", "", *notes])
 
 
 def environment(argv: Sequence[str]) -> dict:
