@@ -394,7 +394,10 @@ def disassemble(cubin: bytes) -> tuple[list[Instruction], dict[str, int]]:
 
 
 def _is_branch(ins: Instruction) -> bool:
-    return ins.opcode.split(".")[0] in ("BRA", "BRX", "JMP", "JMX")
+    """A jump; ptxas also jumps with a call to a label of the same function (``@P0 CALL.REL.NOINC `(.L_x_0)``, a
+    loop's exit on sm_80), unlike a call of a subroutine (``$__internal_...``)."""
+    base = ins.opcode.split(".")[0]
+    return base in ("BRA", "BRX", "JMP", "JMX") or (base == "CALL" and not (ins.target or "$").startswith("$"))
 
 
 def _ends_block(ins: Instruction) -> bool:
@@ -576,7 +579,7 @@ class Decisions:
 # --------------------------------------------------------------------------------------------------------------
 # The main path
 
-_RARE = re.compile(r"^CALL|^BRA\.DIV")
+_RARE = re.compile(r"^CALL\S*\s+`\(\$|^BRA\.DIV")
 """Calls of compiler subroutines (the slow paths of IEEE division and square root for special operands, 64-bit
 integer division when the operands do not fit 32 bits) and branches taken only by diverged warps."""
 
@@ -740,6 +743,24 @@ def _loop_of(latch: Instruction) -> tuple[str, int] | None:
     return None
 
 
+def _top_tested_loops(sass: Sass) -> dict[int, tuple[int, int, tuple[str, int] | None]]:
+    """Loops whose body ends with an unconditional backward branch: their exit tests, as {block ending in the exit
+    test: (loop header, the loop's last block, source ``for``)}. The exit test is the conditional branch in the loop,
+    attributed to the same ``for`` header, with one side leaving the loop."""
+    exits = {}
+    for latch, block in enumerate(sass.blocks):
+        if len(block.successors) != 1 or sass.blocks[block.successors[0]].start > block.start:
+            continue
+        header = block.successors[0]
+        loop = _loop_of(block.instructions[-1])
+        for b in range(header, latch + 1):
+            successors = sass.blocks[b].successors
+            if (len(successors) == 2 and _loop_of(sass.blocks[b].instructions[-1]) == loop
+                    and sum(not header <= s <= latch for s in successors) == 1):
+                exits[b] = (header, latch, loop)
+    return exits
+
+
 def main_path(sass: Sass, names: dict, limit: int = 10_000_000) -> MainPath:
     """The main path through the kernel for a configuration whose tests see ``names`` (see the module docstring).
 
@@ -750,24 +771,44 @@ def main_path(sass: Sass, names: dict, limit: int = 10_000_000) -> MainPath:
     """
     decisions = Decisions(names)
     blocks = sass.blocks
+    exit_tests = _top_tested_loops(sass)
     count, ambiguous, walked, latch_taken, rules = 0, 0, [], {}, collections.Counter()
+    headers = {header for header, _, _ in exit_tests.values()}
+    visits: dict[int, int] = {}  # header of a loop ending in an unconditional branch -> arrivals since it was entered
     current: int | None = 0
+
+    def trips_of(loop: tuple[str, int] | None) -> int:
+        nonlocal ambiguous
+        rules["loop"] += 1
+        trips = decisions(*loop) if loop is not None else None
+        if trips is None:  # a loop of the compiler's, or an undecided one: the body once
+            ambiguous += 1
+            return 1
+        return trips
+
     while current is not None:
         block = blocks[current]
         walked.append(current)
         count += len(block.instructions)
+        if current in headers:
+            visits[current] = visits.get(current, 0) + 1
         if count > limit:
             raise RuntimeError(f"main path longer than {limit} instructions: a loop without a known trip count")
         if len(block.successors) <= 1:
             current = block.successors[0] if block.successors else None
             continue
         target, fallthrough = block.successors
-        if blocks[target].start <= block.start:  # a loop latch: taken trips - 1 times
-            loop = _loop_of(block.instructions[-1])
-            trips = decisions(*loop) if loop is not None else None
-            rules["loop"] += 1
-            if trips is None:  # unknown: the body once
-                ambiguous, trips = ambiguous + 1, 1
+        if current in exit_tests:  # the exit test of such a loop: leave once the body ran trips times
+            header, latch, loop = exit_tests[current]
+            inside, outside = sorted(block.successors, key=lambda s: not header <= s <= latch)
+            runs = visits.get(header, 0) - (current == header)  # a test in the header runs before the body
+            if runs < trips_of(loop):
+                current = inside
+            else:
+                visits[header], current = 0, outside
+            continue
+        if blocks[target].start <= block.start:  # a loop's latch at the bottom: taken trips - 1 times
+            trips = trips_of(_loop_of(block.instructions[-1]))
             done = latch_taken.get(current, 0)
             if done + 1 < trips:
                 latch_taken[current], current = done + 1, target
@@ -814,10 +855,15 @@ def measure(config: LaunchConfig, arch: str, compiled: Compiled | None = None) -
            "compile_seconds": compiled.seconds, "elements_per_program": config.elements_per_program,
            "path_instructions": None, "instructions_per_element": None, "ambiguous_branches": None}
     if config.elements_per_program:
-        path = main_path(sass, _names(config))
-        row["path_instructions"] = path.instructions
-        row["ambiguous_branches"] = path.ambiguous
-        row["instructions_per_element"] = path.instructions * compiled.num_warps * 32 / config.elements_per_program
+        try:
+            path = main_path(sass, _names(config))
+        except RuntimeError as error:  # the binary's other numbers still stand
+            row["analysis_error"] = str(error)
+        else:
+            row["path_instructions"] = path.instructions
+            row["ambiguous_branches"] = path.ambiguous
+            row["instructions_per_element"] = (path.instructions * compiled.num_warps * 32
+                                               / config.elements_per_program)
     if config.stream is not None:
         row["bytes_per_element"] = config.stream.bytes_per_element()
     return row
@@ -1181,6 +1227,8 @@ def _cells(row: dict) -> list[str]:
         return [row["config"], row["arch"], "compile error: " + row["error"][:60]] + [""] * (len(COLUMNS) - 3)
     ipe = row["instructions_per_element"]
     ipe_text = "-" if ipe is None else f"{ipe:.0f}" + ("?" if row["ambiguous_branches"] else "")
+    if "analysis_error" in row:
+        ipe_text = "err"
     gpu = next((g for g in GPUS if g.arch == row["arch"]), None)
     bw = row.get(f"{gpu.name}_bandwidth_ms") if gpu else None
     predicted = row.get(f"{gpu.name}_predicted_ms") if gpu else None
@@ -1215,6 +1263,8 @@ def summary(rows: Sequence[dict]) -> list[str]:
     ambiguous = [r for r in rows if r.get("ambiguous_branches")]
     if ambiguous:
         lines.append(f"{len(ambiguous)} rows have branches the main-path analysis could not decide (marked '?')")
+    lines.extend(f"main path of {r['config']} on {r['arch']} not found: {r['analysis_error']}" for r in rows
+                 if "analysis_error" in r)
     return lines
 
 
@@ -1255,7 +1305,7 @@ def markdown(rows: Sequence[dict], environment: dict) -> str:
         if first is None:
             lines.append(f"| {name} | compile error on every arch: {next(iter(cells.values()))['error'][:80]} |")
             continue
-        ipe = joined(cells, lambda r: "-" if r["instructions_per_element"] is None
+        ipe = joined(cells, lambda r: "err" if "analysis_error" in r else "-" if r["instructions_per_element"] is None
                      else f"{r['instructions_per_element']:.0f}" + ("?" if r["ambiguous_branches"] else ""))
         line = [name, str(first["num_warps"]), joined(cells, lambda r: str(r["regs"])),
                 joined(cells, lambda r: f"{100 * r['occupancy']:.0f}"),

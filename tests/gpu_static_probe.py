@@ -7,7 +7,8 @@ Run in a fresh process without TRITON_INTERPRET (kernels defined under the inter
   the 255 registers a thread can have), so ptxas must spill: the check must see it.
 - ``_branch``: a run-time ``if`` whose arms use different special-function instructions (``rsqrt``: MUFU.RSQ,
   ``exp2``: MUFU.EX2): the main path of each configuration must hold its arm's and not the other's.
-- ``_loop``: a run-time ``for`` over ``range(0, n, BLOCK)``: the main path must grow with the trip count.
+- ``_loop``: a run-time ``for`` over ``range(0, cols, BC)`` (a row reduction, as Adafactor's statistics): the main
+  path must grow by one body per trip, on arches where ptxas tests the loop at its bottom and at its top.
 """
 
 import json
@@ -39,11 +40,14 @@ def _branch(x_ptr, out_ptr, flag, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _loop(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n, BLOCK):
-        acc += tl.load(x_ptr + start + tl.arange(0, BLOCK)) * 3.0
-    tl.store(out_ptr + tl.arange(0, BLOCK), acc)
+def _loop(x_ptr, out_ptr, cols, BR: tl.constexpr, BC: tl.constexpr):
+    rows = tl.arange(0, BR)
+    acc = tl.zeros([BR], dtype=tl.float32)
+    for start in range(0, cols, BC):
+        c = start + tl.arange(0, BC)
+        x = tl.load(x_ptr + rows[:, None] * cols + c[None, :], mask=(c < cols)[None, :], other=0.0)
+        acc += tl.sum(x * x, axis=1)
+    tl.store(out_ptr + rows, acc)
 
 
 def config(name, kernel, signature, constexprs, facts=None, num_warps=4, elements=None):
@@ -68,14 +72,15 @@ def main(out: Path, arch: str = "sm_90") -> None:
     result["branch binary"] = {"rsq": sum(ins.opcode == "MUFU.RSQ" for ins in sass.instructions),
                                "ex2": sum(ins.opcode == "MUFU.EX2" for ins in sass.instructions)}
 
-    loop = config("loop", _loop, {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}, {"BLOCK": 1024})
-    sass = gpu_static.read_sass(gpu_static.compile_config(loop, arch).cubin)
-    for trips in (1, 2, 8):
-        path = gpu_static.main_path(sass, {"n": trips * 1024, "BLOCK": 1024})
-        opcodes = [ins.opcode for b in path.blocks for ins in sass.blocks[b].instructions]
-        result[f"loop trips={trips}"] = {"instructions": path.instructions,
-                                         "loads": sum(op.startswith("LDG") for op in opcodes),
-                                         "ambiguous": path.ambiguous}
+    loop = config("loop", _loop, {"x_ptr": "*fp32", "out_ptr": "*fp32", "cols": "i32"}, {"BR": 16, "BC": 256})
+    for loop_arch in (arch, "sm_80", "sm_75"):  # ptxas shapes this loop with its test at the bottom or the top
+        sass = gpu_static.read_sass(gpu_static.compile_config(loop, loop_arch).cubin)
+        for trips in (1, 2, 8):
+            path = gpu_static.main_path(sass, {"cols": trips * 256, "BR": 16, "BC": 256})
+            opcodes = [ins.opcode for b in path.blocks for ins in sass.blocks[b].instructions]
+            result[f"loop {loop_arch} trips={trips}"] = {"instructions": path.instructions,
+                                                         "loads": sum(op.startswith("LDG") for op in opcodes),
+                                                         "ambiguous": path.ambiguous}
     out.write_text(json.dumps(result, indent=1))
 
 
