@@ -76,6 +76,7 @@ import collections
 import contextlib
 import datetime
 import functools
+import importlib
 import inspect
 import io
 import json
@@ -104,7 +105,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # after PYTHONPATH: a checkout named there is the one measured
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -219,6 +220,8 @@ class LaunchConfig:
         fp32_state_twin (default None): the name of the configuration tensors below ``min_8bit_size`` run instead
             (fp32 state), for the prediction.
         launched_by (default ""): who launches it (shown in the JSON).
+        main (default True): a configuration of the common case; only those get a predicted step time.
+        specialization (default None): Triton's ``attrs`` of the arguments as launched (None: :meth:`attrs`).
     """
 
     name: str
@@ -233,10 +236,16 @@ class LaunchConfig:
     group: str = ""
     fp32_state_twin: str | None = None
     launched_by: str = ""
+    main: bool = True
+    """Whether it runs the common case (whole tiles); False: e.g. the masked kernel of tensors' last tiles."""
+    specialization: dict | None = None
+    """Triton's ``attrs`` of the arguments as launched; None: :meth:`attrs`' default."""
 
     def attrs(self) -> dict:
-        """Triton's specialization of the arguments as launched: every pointer hf_optim passes is a tensor's data,
-        16-byte aligned (``tt.divisibility`` 16, as Triton's launcher detects); integers are left general."""
+        """Triton's specialization of the arguments as launched: by default every pointer hf_optim passes is a
+        tensor's data, 16-byte aligned (``tt.divisibility`` 16, as Triton's launcher detects); integers general."""
+        if self.specialization is not None:
+            return self.specialization
         names = self.kernel.arg_names
         return {(names.index(name),): [["tt.divisibility", 16]] for name, kind in self.signature.items()
                 if isinstance(kind, str) and kind.startswith("*")}
@@ -247,7 +256,7 @@ class LaunchConfig:
             return getattr(value, "__name__", None) or repr(value)
         return (self.kernel.fn.__module__, self.kernel.__name__, repr(sorted(self.signature.items())),
                 repr(sorted((k, plain(v)) for k, v in self.constexprs.items())), self.num_warps,
-                repr(sorted(self.options.items())))
+                repr(sorted(self.options.items())), repr(sorted(self.attrs().items())))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -903,7 +912,8 @@ def predict(rows: list[dict], configs: dict[str, LaunchConfig], numels: Sequence
     by_key = {(row["config"], row["arch"]): row for row in rows}
     for row in rows:
         config = configs.get(row["config"])
-        if config is None or config.stream is None or row["instructions_per_element"] is None:
+        if (config is None or config.stream is None or not config.main
+                or row.get("instructions_per_element") is None):
             continue
         for gpu in GPUS:
             if row["arch"] != gpu.arch:
@@ -936,12 +946,17 @@ DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _dtype_facts(dtype: str) -> dict:
+    """The kernels' run-time code of parameter dtype ``dtype`` (``fp32``, ``bf16``, ``fp16``) and its bytes."""
     import torch  # noqa: PLC0415
 
-    from hf_optim.kernels.triton_blockwise import DTYPE_CODES  # noqa: PLC0415
-
     torch_dtype = getattr(torch, DTYPE_NAMES[dtype])
-    return {"dtype": DTYPE_CODES[torch_dtype], "param_bytes": torch_dtype.itemsize}
+    for module in ("hf_optim.kernels.triton_tile", "hf_optim.kernels.triton_blockwise"):  # where it lives
+        try:
+            code = importlib.import_module(module).dtype_code(torch_dtype)
+        except (ModuleNotFoundError, AttributeError):
+            continue
+        return {"dtype": code, "param_bytes": torch_dtype.itemsize}
+    raise RuntimeError("no dtype_code() in hf_optim.kernels.triton_tile or triton_blockwise")
 
 
 def _hyper_signature(algorithm) -> tuple:
@@ -1118,6 +1133,61 @@ def _adafactor_configs(module, tile_blocks: int, options: dict) -> list[LaunchCo
 
 
 # --------------------------------------------------------------------------------------------------------------
+# The kernels layer's enumerator (hf_optim.kernels.triton_configs), when the checkout has one
+
+
+def _kernels_layer():
+    try:
+        return importlib.import_module("hf_optim.kernels.triton_configs")
+    except ModuleNotFoundError as error:
+        if error.name != "hf_optim.kernels.triton_configs":
+            raise
+        return None
+
+
+def kernel_layer_configs() -> tuple[list[LaunchConfig], list[str]]:
+    """(every configuration ``hf_optim.kernels.triton_configs.kernel_specs`` lists for the registered algorithms,
+    the configurations one AdamW8bit step with bf16 parameters launches: ``step_specs``)."""
+    import hf_optim  # noqa: F401, PLC0415  (registers the algorithms)
+    from hf_optim.optim import registry  # noqa: PLC0415
+
+    layer = _kernels_layer()
+    if layer is None:
+        raise SystemExit("--source kernels: this checkout has no hf_optim/kernels/triton_configs.py")
+    algorithms = [(family.algorithm, family.base._supported_bits()) for family in registry.families()]
+    configs = [_from_spec(spec) for spec in layer.kernel_specs(algorithms)]
+    dtype = _dtype_facts("bf16")["dtype"]
+    cold = [spec.name for spec in layer.step_specs(registry.lookup_algorithm("adamw").algorithm, 8, dtype)]
+    return configs, cold
+
+
+def _from_spec(spec) -> LaunchConfig:
+    """A :class:`LaunchConfig` of a ``triton_configs.LaunchSpec`` (its bytes model from its dtype and formats)."""
+    stream = None
+    if spec.param_dtype is not None and spec.group in ("fused", "lamb"):
+        param_bytes = _dtype_facts(spec.param_dtype)["param_bytes"]
+        if spec.state_rows:  # a fused update (LAMB's direction pass writes the fp32 direction, not the parameter)
+            stream = Stream(param_bytes, spec.state_format, spec.state_rows, param_write=not spec.writes_direction,
+                            out_write=4 if spec.writes_direction else 0)
+        elif spec.group == "lamb":  # LAMB's apply pass: p -= lr * ratio * direction
+            stream = Stream(param_bytes, None, 0, grad_read=False, out_read=4)
+    facts = dict(FULL_TILE) if spec.main else {"first_block": 0, "n": 1}
+    config = LaunchConfig(spec.name, spec.kernel, spec.signature, spec.constexprs, num_warps=spec.num_warps,
+                          options=dict(spec.options), facts=facts, elements_per_program=spec.elements_per_program,
+                          stream=stream, group=spec.group, fp32_state_twin=spec.fp32_state_twin,
+                          launched_by=spec.launched_by, main=spec.main, specialization=spec.attrs())
+    return config
+
+
+def load_configs(source: str) -> tuple[list[LaunchConfig], list[str]]:
+    """(configurations, the cold-start set) from ``source``: ``kernels`` (the kernels layer's enumerator), ``today``
+    (this script's enumeration of the generic fused kernel), ``auto`` (the first of those the checkout has)."""
+    if source == "today" or (source == "auto" and _kernels_layer() is None):
+        return today_configs(), list(COLD_START)
+    return kernel_layer_configs()
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Running: one compile per distinct binary and arch, in parallel processes if asked
 
 _PLAN: list[tuple[list[LaunchConfig], str]] = []
@@ -1203,7 +1273,7 @@ def problems(rows: Iterable[dict]) -> list[str]:
     return found
 
 
-def cold_start(rows: Sequence[dict], config_names: Sequence[str], arch: str) -> float | None:
+def cold_start(rows: Sequence[dict], config_names: Iterable[str], arch: str) -> float | None:
     """Seconds to compile every distinct binary behind ``config_names`` on ``arch`` (one step's first launch)."""
     seconds = {row["binary"]: row["compile_seconds"] for row in rows
                if row["config"] in config_names and row["arch"] == arch and "error" not in row}
@@ -1211,8 +1281,8 @@ def cold_start(rows: Sequence[dict], config_names: Sequence[str], arch: str) -> 
 
 
 COLD_START = ("fused/adamw bf16 8bit", "fused/adamw bf16 32bit")
-"""What one AdamW8bit step with bf16 parameters launches on the Llama-3.2-1B set (tensors under min_8bit_size keep
-fp32 state)."""
+"""What one AdamW8bit step with bf16 parameters launches today on the Llama-3.2-1B set (tensors under min_8bit_size
+keep fp32 state); the kernels layer's enumerator names its own (``step_specs``)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1248,10 +1318,10 @@ def caption(environment: dict) -> str:
             "('issue': issue-bound)")
 
 
-def summary(rows: Sequence[dict]) -> list[str]:
+def summary(rows: Sequence[dict], cold_start_configs: Iterable[str] = COLD_START) -> list[str]:
     lines = []
     for arch in sorted({row["arch"] for row in rows}):
-        seconds = cold_start(rows, COLD_START, arch)
+        seconds = cold_start(rows, cold_start_configs, arch)
         if seconds is not None:
             lines.append(f"cold start on {arch}: compiling every binary one AdamW8bit step (bf16 params, "
                          f"Llama-3.2-1B set) launches takes {seconds:.1f} s here")
@@ -1279,7 +1349,7 @@ def print_table(rows: Sequence[dict], environment: dict) -> None:
         table.add_row(*_cells(row))
     console = Console(width=max(160, Console().width))
     console.print(table)
-    for line in summary(rows):
+    for line in summary(rows, environment.get("cold_start", COLD_START)):
         console.print(line)
 
 
@@ -1318,7 +1388,8 @@ def markdown(rows: Sequence[dict], environment: dict) -> str:
             issue = " (issue)" if bw is not None and predicted > bw * 1.0001 else ""
             line.append("" if bw is None else f"{bw:.2f} / {predicted:.2f}{issue}")
         lines.append("| " + " | ".join(line) + " |")
-    notes = [("  - " + line.strip()) if line.startswith("  ") else "- " + line for line in summary(rows)]
+    notes = [("  - " + line.strip()) if line.startswith("  ") else "- " + line
+             for line in summary(rows, environment.get("cold_start", COLD_START))]
     return "\n".join([*lines, "", caption(environment) + ".", "", *notes])
 
 
@@ -1375,6 +1446,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--from-json", type=Path, nargs="+", help="render saved --json runs (merged) instead of "
                         "compiling")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--source", choices=("auto", "kernels", "today"), default="auto",
+                        help="the configurations: the kernels layer's enumerator (hf_optim.kernels.triton_configs), "
+                        "this script's enumeration of the generic fused kernel (today), or the first one present "
+                        "(auto, default)")
     parser.add_argument("--list", action="store_true", help="list the configurations and exit")
     parser.add_argument("--check", action="store_true", help="exit 1 if a configuration spills, uses local memory "
                         "or fails to compile")
@@ -1387,13 +1462,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps(saved, indent=1))
     else:
-        configs = select(today_configs(), args.kernels)
+        every, cold = load_configs(args.source)
+        configs = select(every, args.kernels)
         if args.list:
             for config in configs:
                 print(config.name)
             return 0
         arches = parse_arches(args.arch)
-        env = environment(argv)
+        env = {**environment(argv), "cold_start": cold}
         with tempfile.TemporaryDirectory(prefix="gpu_static_cache_") as cache:
             os.environ.setdefault("TRITON_CACHE_DIR", cache)  # cold compiles, and no other run's cache touched
             knobs.cache.dir = os.environ["TRITON_CACHE_DIR"]
