@@ -78,9 +78,12 @@ def encode4(normalized, SIGNED: tl.constexpr):
         negative = (bits < 0).to(tl.int32)
         # magnitudes of 1.0 and above count every threshold; clamping keeps 2 * bits inside int32 (inf included)
         key = 2 * tl.minimum(bits & 0x7FFFFFFF, ONE_BITS) - negative
-        count = ((key >= S0).to(tl.int32) + (key >= S1).to(tl.int32) + (key >= S2).to(tl.int32)
-                 + (key >= S3).to(tl.int32) + (key >= S4).to(tl.int32) + (key >= S5).to(tl.int32)
-                 + (key >= S6).to(tl.int32) + (key >= S7).to(tl.int32))
+        # how many of the 8 sorted S_i are <= key: a binary search over S_0..S_6 (3 compares against selected
+        # constants), then S_7 (1.0's neighbour: no negative twin)
+        four = key >= S3
+        two = key >= tl.where(four, S5, S1)
+        one = key >= tl.where(four, tl.where(two, S6, S4), tl.where(two, S2, S0))
+        count = tl.where(four, 4, 0) + tl.where(two, 2, 0) + one.to(tl.int32) + (key >= S7).to(tl.int32)
         codes = tl.where(negative != 0, tl.maximum(ZERO_CODE - count, 0), ZERO_CODE + count)
         codes = tl.where(normalized == normalized, codes, 0)  # NaN counts no threshold
     else:

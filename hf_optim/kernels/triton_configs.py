@@ -214,15 +214,31 @@ def adafactor_specs(bits: Iterable[int] = (8, 32)) -> list[LaunchSpec]:
                             if binary in seen:
                                 continue
                             seen.add(binary)
-                            label = ", ".join(f"{k}={v}" for k, v in sorted(constexprs.items())
-                                              if k not in ("NCOLS", "CHUNK", "BR", "BC", "BLOCKS"))
+                            label = _adafactor_label(constexprs)
                             per_program = (triton_adafactor.TILE_BLOCKS * 256 if name in ("update", "apply")
                                            else None)
                             specs.append(LaunchSpec(
-                                f"adafactor/{name} {label}", kernel, _ADAFACTOR_SIGNATURES[name], constexprs,
+                                f"adafactor/{name} {label}".strip(), kernel, _ADAFACTOR_SIGNATURES[name], constexprs,
                                 config.num_warps, "adafactor", "Adafactor", elements_per_program=per_program,
                                 param_dtype=DTYPE_NAMES[dtype] if name in ("row-stats", "apply") else None))
     return specs
+
+
+def _adafactor_label(constexprs: dict) -> str:
+    """``bf16 grad=fp32 factored m=8bit decay scale sr``: the compile-time choices of one Adafactor pass."""
+    words = []
+    if "PARAM_DTYPE" in constexprs:
+        words.append(DTYPE_NAMES[constexprs["PARAM_DTYPE"]])
+    if "GRAD_DTYPE" in constexprs:
+        words.append(f"grad={DTYPE_NAMES[constexprs['GRAD_DTYPE']]}")
+    if "FACTORED" in constexprs:
+        words.append("factored" if constexprs["FACTORED"] else "unfactored")
+    if "M_FORMAT" in constexprs:
+        moment = constexprs["M_FORMAT"]
+        words.append("no-m" if moment == triton_adafactor.NO_MOMENT else
+                     f"m={next(f.bits for f in _formats() if f.code == moment)}bit")
+    words += [name for name, flag in (("decay", "HAS_DECAY"), ("scale", "SCALE"), ("sr", "SR")) if constexprs.get(flag)]
+    return " ".join(words)
 
 
 def standalone_specs() -> list[LaunchSpec]:
