@@ -73,6 +73,9 @@ def check(spec: LaunchSpec, arch: int) -> str:
     if spec.group in ("fused", "lamb") and spec.kernel.__name__ == "_fused_update_kernel":
         if re.search(r"\bfma\.rn\.f32", ptx):
             problems.append("contracted multiply-add")
+        if spec.param_dtype == "bf16" and not spec.writes_direction and arch >= 80 and not spec.constexprs.get("SR"):
+            if "cvt.rn.bf16" not in ptx:  # triton_tile.fp32_to_bf16: the hardware rounding on the GPU
+                problems.append("bf16 parameters stored without cvt.rn.bf16")
         if spec.main:
             if not re.search(r"ld\.global(\.[a-z]+)*\.v4\.b32", ptx):
                 problems.append("no 128-bit vector loads on a whole tile")

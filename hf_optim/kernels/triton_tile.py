@@ -17,11 +17,13 @@ Every choice that used to be a run-time branch (dtype, state format, whole or pa
 ``tl.constexpr`` of the kernel, chosen on the host, so each compiled binary holds one straight path. Whole tiles
 pass ``mask=None``: no predicates at all; a tensor's last, partial tile passes ``offs < n``.
 
-bf16 is converted with integer bit operations, rounding to nearest even as torch does (Triton's interpreter
-truncates when casting to bf16, so ``.to(tl.bfloat16)`` would not be its own twin).
+bf16 is loaded by shifting its bits into an fp32 and stored rounding to nearest even, as torch does
+(:func:`fp32_to_bf16`).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -112,12 +114,25 @@ def bf16_to_fp32(bits):
     return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
+INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+"""Whether the kernels run in Triton's CPU interpreter (read when this module is imported, as Triton reads it)."""
+
+
 @triton.jit
 def fp32_to_bf16(values):
-    """Round to nearest even (NaN stays a quiet NaN), as torch's float -> bfloat16 conversion."""
-    bits = values.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return tl.where(values != values, 0x7FC0, rounded).to(tl.uint16)
+    """bf16 bit patterns (uint16) of fp32 ``values``, rounded to nearest even as torch converts on the same device.
+
+    Compiled: the hardware conversion (``cvt.rn.bf16.f32``, one instruction per two values from sm_80), what torch's
+    CUDA kernels use. The interpreter's cast truncates, so there the same rounding is spelled out with integer
+    operations, as torch's CPU conversion computes it. Both round every number identically; a NaN becomes the
+    device's canonical quiet NaN (0x7FFF on CUDA, 0x7FC0 in torch's CPU code)."""
+    if INTERPRETED:
+        bits = values.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out = tl.where(values != values, 0x7FC0, rounded).to(tl.uint16)
+    else:
+        out = values.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.uint16, bitcast=True)
+    return out
 
 
 @triton.jit
