@@ -614,3 +614,35 @@ def test_subclass_with_its_own_rule_takes_the_pytorch_path(device, use_triton):
     assert triton_step.supported(hf_optim.Lion8bit([param]), param, sharded=False) is True
     opt.step()
     assert torch.equal(param.detach(), -0.5 * torch.sign(param.grad))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_launch_is_an_enumerated_configuration(device, monkeypatch, use_triton):
+    """What the optimizers launch is what ``triton_configs.kernel_specs`` lists (the compile test and
+    ``benchmarks/gpu_static.py`` compile that list): every launch of a few steps of the fused, LAMB and Adafactor
+    kernels, with mixed dtypes and formats, is one of its configurations (same kernel, compile-time arguments and
+    warps)."""
+    from hf_optim.kernels import triton_configs, triton_guard
+    from hf_optim.optim import registry
+
+    specs = triton_configs.kernel_specs([(f.algorithm, f.base._supported_bits()) for f in registry.families()])
+    known = {(spec.kernel.__name__, spec.num_warps, tuple(sorted((k, repr(v)) for k, v in spec.constexprs.items())))
+             for spec in specs}
+    launched = []
+    original = triton_guard.launch
+
+    def recording(kernel, grid, *args, **kwargs):
+        constexprs = sorted((k, repr(v)) for k, v in kwargs.items() if k not in ("num_warps", "enable_fp_fusion"))
+        launched.append((kernel.__name__, kwargs["num_warps"], tuple(constexprs)))
+        return original(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(triton_guard, "launch", recording)
+    for cls, kwargs in ((hf_optim.AdamW, {"optim_bits": 8}), (hf_optim.LAMB, {"optim_bits": 8}),
+                        (hf_optim.Adafactor, {"beta1": 0.9, "optim_bits": 8, "lr": 1e-2, "relative_step": False})):
+        params = make_problem(device)  # the bf16 tensor rounds stochastically
+        opt = cls([{"params": [p for p in params if p.dtype != torch.bfloat16]},
+                   {"params": [p for p in params if p.dtype == torch.bfloat16], "bf16_stochastic_round": True}],
+                  **kwargs)
+        set_grads(params, 0, non_finite=False)
+        opt.step()
+    assert launched and set(launched) <= known, sorted(set(launched) - known)[:3]
