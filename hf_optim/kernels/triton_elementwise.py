@@ -181,24 +181,36 @@ class FusedConfig:
         if self.stochastic and self.param_dtype != BF16.value:
             raise ValueError("stochastic rounding applies to bf16 parameters only")
 
+    WHOLE_TILE_WARPS = 4
+
     @property
-    def width(self) -> int:
-        """Elements per thread row (``triton_tile``). 8 where a row of 8-bit state must stay in one thread, so that a
-        256-element block is one warp (its absmax: warp shuffles), and for 16-bit parameters with quantized state
-        (16 bytes of bf16, a 32-bit word of 4-bit codes); 4 where fp32 values are stored and no 8-bit row needs 8
-        (fp32 parameters, fp32 state, LAMB's fp32 direction): Triton stores at most 16 bytes per thread at once, so
-        4 fp32 values keep every store a single vector without redistributing values through shared memory."""
+    def whole_tile_width(self) -> int:
+        """Elements per thread row (``triton_tile``) of the whole-tile kernel. 8 where a row of 8-bit state must
+        stay in one thread, so that a 256-element block is one warp (its absmax: warp shuffles), and for 16-bit
+        parameters with quantized state (16 bytes of bf16, a 32-bit word of 4-bit codes); 4 where fp32 values are
+        stored and no 8-bit row needs 8 (fp32 parameters, fp32 state, LAMB's fp32 direction): Triton stores at
+        most 16 bytes per thread at once, so 4 fp32 values keep every store a single vector without redistributing
+        values through shared memory."""
         stores_fp32 = self.param_dtype == 0 or FP32.code in self.formats or self.write_out
         return 4 if stores_fp32 and BLOCKWISE8.code not in self.formats else 8
 
     @property
-    def num_warps(self) -> int:
-        return 4
+    def tile_blocks(self) -> int:
+        """256-element blocks per program (the tile tables' unit: the same for whole and partial tiles): the
+        whole-tile kernel's 4 warps with one row per thread."""
+        return self.WHOLE_TILE_WARPS * 32 * self.whole_tile_width // 256
 
     @property
-    def tile_blocks(self) -> int:
-        """256-element blocks per program: one row per thread."""
-        return self.num_warps * 32 * self.width // 256
+    def width(self) -> int:
+        """Elements per thread row: the whole-tile width, or 2 for the partial-tile kernel. Its masks keep the
+        compiler from vector accesses anyway (it runs one program per tensor), and a short row keeps its registers
+        low: the same tile takes more warps, and a quantization block's absmax spans several of them (a reduction
+        through shared memory)."""
+        return self.whole_tile_width if self.full else 2
+
+    @property
+    def num_warps(self) -> int:
+        return self.tile_blocks * 256 // (32 * self.width)
 
     def constants(self) -> dict:
         """The kernel's compile-time arguments."""
