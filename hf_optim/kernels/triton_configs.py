@@ -107,7 +107,8 @@ def _hyper_signature(algorithm: Algorithm):
     return algorithm.hyper(*["fp32"] * len(algorithm.hyper._fields))
 
 
-FUSED_SIGNATURE = {"meta": "*i64", "tiles": "*i32", "partials": "*fp32", "maps": "*i64"}
+FUSED_SIGNATURE = {"meta": "*i64", "tiles": "*i32", "partials": "*fp32", "qmap0": "*fp32", "encoder0": "*i32",
+                   "qmap1": "*fp32", "encoder1": "*i32", "qmap2": "*fp32", "encoder2": "*i32"}
 
 
 def fused_spec(algorithm: Algorithm, config: FusedConfig, launched_by: str = "") -> LaunchSpec:

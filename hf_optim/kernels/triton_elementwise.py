@@ -51,48 +51,25 @@ from hf_optim.kernels.triton_tile import (
     tile_sum,
 )
 
-MAP8: tl.constexpr = tl.constexpr(0)
-TABLE8: tl.constexpr = tl.constexpr(2)
-MAP4: tl.constexpr = tl.constexpr(4)
-"""Columns of :func:`maps_table`: 8-bit signed/unsigned maps, their encoder tables, the signed 4-bit map."""
-
 
 @triton.jit
-def _row_maps(maps, FORMAT: tl.constexpr, SIGNED: tl.constexpr):
-    """(map for dequantizing, encoder table) of a row of ``FORMAT``; fp32 rows and 4-bit encoders need neither."""
-    kind = 0 if SIGNED else 1
-    if FORMAT == FORMAT_BLOCKWISE8:
-        qmap = tl.load(maps + MAP8 + kind).to(tl.pointer_type(tl.float32))
-        table = tl.load(maps + TABLE8 + kind).to(tl.pointer_type(tl.int32))
-    elif FORMAT == FORMAT_BLOCKWISE4:
-        qmap = tl.load(maps + MAP4).to(tl.pointer_type(tl.float32))
-        table = maps
-    else:
-        qmap = maps
-        table = maps
-    return qmap, table
-
-
-@triton.jit
-def _load_row(row, r: tl.constexpr, maps, blocks, halves, rows, offs, mask, n, FORMAT: tl.constexpr,
+def _load_row(row, r: tl.constexpr, qmap, blocks, halves, rows, offs, mask, n, FORMAT: tl.constexpr,
               SIGNED: tl.constexpr, ALIGNED: tl.constexpr):
-    """fp32 values of state row ``r`` of a tensor's meta ``row``."""
-    qmap, _ = _row_maps(maps, FORMAT, SIGNED)
+    """fp32 values of state row ``r`` of a tensor's meta ``row`` (``qmap``: the row's map, see :func:`row_maps`)."""
     return load_state(tl.load(row + mt.VALUES + r), tl.load(row + mt.ABSMAX + r), qmap, blocks, halves, rows, offs,
                       mask, n, FORMAT, SIGNED, ALIGNED)
 
 
 @triton.jit
-def _store_row(row, r: tl.constexpr, maps, blocks, halves, rows, offs, values, mask, n, FORMAT: tl.constexpr,
+def _store_row(row, r: tl.constexpr, encoder, blocks, halves, rows, offs, values, mask, n, FORMAT: tl.constexpr,
                SIGNED: tl.constexpr, ALIGNED: tl.constexpr):
-    _, table = _row_maps(maps, FORMAT, SIGNED)
-    store_state(tl.load(row + mt.VALUES + r), tl.load(row + mt.ABSMAX + r), table, blocks, halves, rows, offs, values,
-                mask, n, FORMAT, SIGNED, ALIGNED)
+    store_state(tl.load(row + mt.VALUES + r), tl.load(row + mt.ABSMAX + r), encoder, blocks, halves, rows, offs,
+                values, mask, n, FORMAT, SIGNED, ALIGNED)
 
 
 @triton.jit
 def _fused_update_kernel(
-    meta, tiles, partials, maps, h, ordinals, key,
+    meta, tiles, partials, qmap0, encoder0, qmap1, encoder1, qmap2, encoder2, h, ordinals, key,
     RULE: tl.constexpr, ROWS: tl.constexpr, FORMAT0: tl.constexpr, FORMAT1: tl.constexpr, FORMAT2: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr, FULL: tl.constexpr, SR: tl.constexpr, WRITE_OUT: tl.constexpr, NORMS: tl.constexpr,
@@ -116,22 +93,23 @@ def _fused_update_kernel(
     finite = tl.abs(g) < float("inf")  # false for NaN and +-inf: one compare
     g = tl.where(finite, g, 0.0)
 
-    s0 = _load_row(row, 0, maps, blocks, halves, rows, offs, mask, n, FORMAT0, SIGNED0, ALIGNED)
+    s0 = _load_row(row, 0, qmap0, blocks, halves, rows, offs, mask, n, FORMAT0, SIGNED0, ALIGNED)
     s1 = tl.zeros_like(p)
     s2 = tl.zeros_like(p)
     if ROWS > 1:
-        s1 = _load_row(row, 1, maps, blocks, halves, rows, offs, mask, n, FORMAT1, SIGNED1, ALIGNED)
+        s1 = _load_row(row, 1, qmap1, blocks, halves, rows, offs, mask, n, FORMAT1, SIGNED1, ALIGNED)
     if ROWS > 2:
-        s2 = _load_row(row, 2, maps, blocks, halves, rows, offs, mask, n, FORMAT2, SIGNED2, ALIGNED)
+        s2 = _load_row(row, 2, qmap2, blocks, halves, rows, offs, mask, n, FORMAT2, SIGNED2, ALIGNED)
 
     out, n0, n1, n2 = RULE(p, g, s0, s1, s2, h)
 
-    _store_row(row, 0, maps, blocks, halves, rows, offs, tl.where(finite, n0, s0), mask, n, FORMAT0, SIGNED0, ALIGNED)
+    _store_row(row, 0, encoder0, blocks, halves, rows, offs, tl.where(finite, n0, s0), mask, n, FORMAT0, SIGNED0,
+               ALIGNED)
     if ROWS > 1:
-        _store_row(row, 1, maps, blocks, halves, rows, offs, tl.where(finite, n1, s1), mask, n, FORMAT1, SIGNED1,
+        _store_row(row, 1, encoder1, blocks, halves, rows, offs, tl.where(finite, n1, s1), mask, n, FORMAT1, SIGNED1,
                    ALIGNED)
     if ROWS > 2:
-        _store_row(row, 2, maps, blocks, halves, rows, offs, tl.where(finite, n2, s2), mask, n, FORMAT2, SIGNED2,
+        _store_row(row, 2, encoder2, blocks, halves, rows, offs, tl.where(finite, n2, s2), mask, n, FORMAT2, SIGNED2,
                    ALIGNED)
 
     if WRITE_OUT:
@@ -250,32 +228,42 @@ def row_formats(state: dict, specs) -> tuple[int, ...]:
     return tuple(slot_format(state, spec).code for spec in specs for _ in range(spec.rows))
 
 
-def maps_table(device: torch.device) -> torch.Tensor:
-    """Addresses of the formats' maps on ``device``, for the kernels (one int64 table instead of five pointer
-    arguments): 8-bit signed/unsigned map, their encoder tables, the signed 4-bit map. The tensors are cached per
-    device by their modules, so the addresses stay valid."""
-    return _maps_table(torch.device(device))
+def row_maps(config: FusedConfig, device: torch.device) -> list[torch.Tensor]:
+    """The kernel's ``qmap0, encoder0, qmap1, ...`` arguments: per state row its map (8-bit map, or the signed
+    4-bit map; the unsigned 4-bit map is computed) and its 8-bit encoder table. Kernel arguments rather than a table
+    of addresses: the kernel reads them from its constant bank, with no load. Rows without them get a placeholder
+    (never read). The tensors are cached per device by their modules, so the addresses stay valid."""
+    return list(_row_maps(tuple(config.formats), tuple(config.signed), torch.device(device)))
 
 
 @functools.cache
-def _maps_table(device: torch.device) -> torch.Tensor:
-    tensors = [shared_map8(True, device), shared_map8(False, device), encoder_table(True, device),
-               encoder_table(False, device), shared_map4(True, device)]
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+def _row_maps(formats: tuple[int, ...], signed: tuple[bool, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    no_map, no_encoder = shared_map8(True, device), encoder_table(True, device)  # typed as the kernel declares them
+    maps = []
+    for r in range(mt.MAX_ROWS):
+        fmt, sign = (formats[r], signed[r]) if r < len(formats) else (FP32.code, True)
+        if fmt == BLOCKWISE8.code:
+            maps += [shared_map8(sign, device), encoder_table(sign, device)]
+        elif fmt == BLOCKWISE4.code:
+            maps += [shared_map4(True, device), no_encoder]
+        else:
+            maps += [no_map, no_encoder]
+    return tuple(maps)
 
 
-def launch(config: FusedConfig, meta, tiles, num_tiles: int, maps, hyper: tuple, *, partials=None,
+def launch(config: FusedConfig, meta, tiles, num_tiles: int, hyper: tuple, device: torch.device, *, partials=None,
            stochastic=None) -> None:
     """One launch of ``config``'s kernel over ``num_tiles`` tiles of ``tiles`` (a :class:`triton_multi_tensor`
-    tile table of the right kind: whole or partial). ``hyper``: the rule's scalars (the algorithm's ``hyper``
-    named tuple of floats); ``partials``: LAMB's per-tile sums (``write_out`` configurations); ``stochastic``:
-    ``(ordinals, key)`` int64 device tensors (each tensor's parameter ordinal, the step's two key words)."""
+    tile table of the right kind: whole or partial) on ``device``. ``hyper``: the rule's scalars (the algorithm's
+    ``hyper`` named tuple of floats); ``partials``: LAMB's per-tile sums (``write_out`` configurations);
+    ``stochastic``: ``(ordinals, key)`` int64 device tensors (each tensor's parameter ordinal, the step's two key
+    words)."""
     if num_tiles == 0:
         return
     ordinals, key = stochastic if stochastic is not None else (meta, meta)
     triton_guard.launch(
         _fused_update_kernel, (num_tiles,),
-        meta, tiles, partials if partials is not None else meta, maps, hyper, ordinals, key,
+        meta, tiles, partials if partials is not None else meta, *row_maps(config, device), hyper, ordinals, key,
         **config.constants(), **launch_options(config.num_warps),
     )
 

@@ -23,7 +23,6 @@ from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import kernel_scalars
 from hf_optim.kernels.blockwise import num_blocks
 from hf_optim.kernels.triton_elementwise import launch as launch_fused
-from hf_optim.kernels.triton_elementwise import maps_table
 from hf_optim.kernels.triton_rounding import store_param
 from hf_optim.kernels.triton_tile import (
     BF16,
@@ -195,7 +194,7 @@ def step(optimizer, algorithm, group: dict, key, batch: list, step: int, hyper, 
                         clamp=group["max_trust_ratio"] is not None, tile_blocks=direction.tile_blocks)
     update = ApplyConfig(kinds[0], full=True, tile_blocks=direction.tile_blocks,
                          stochastic=stochastic is not None and kinds[0] == BF16.value, aligned=direction.aligned)
-    scalars, maps = kernel_scalars(hyper), maps_table(device)
+    scalars = kernel_scalars(hyper)
     buckets = _buckets(batch, SCRATCH_NUMEL)
     # One direction buffer for every bucket: launches run in stream order, so a bucket's direction pass writes it
     # after the previous bucket's apply pass has read it (and the launches triton_guard records hold only this one).
@@ -211,7 +210,7 @@ def step(optimizer, algorithm, group: dict, key, batch: list, step: int, hyper, 
         partials = torch.empty(2 * launch.num_tiles, dtype=torch.float32, device=device)
         for whole, table, count in launch.tables():
             launch_fused(dataclasses.replace(direction, full=whole, aligned=direction.aligned and launch.aligned),
-                         launch.meta, table, count, maps, scalars, partials=partials)
+                         launch.meta, table, count, scalars, device, partials=partials)
         ratios = torch.empty(len(bucket), dtype=torch.float32, device=device)
         trust_ratios(launch, partials, ratios, ratio, group["max_trust_ratio"])
         rounding_args = None

@@ -30,7 +30,7 @@ import torch
 from hf_optim.kernels import rounding, triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import Algorithm, kernel_scalars, resolve
-from hf_optim.kernels.triton_elementwise import FusedConfig, format_label, maps_table
+from hf_optim.kernels.triton_elementwise import FusedConfig, format_label
 from hf_optim.kernels.triton_elementwise import launch as launch_fused
 from hf_optim.kernels.triton_tile import BF16, DTYPE_NAMES, dtype_code
 
@@ -156,4 +156,4 @@ def _elementwise(algorithm: Algorithm, key, kinds, batch, hyper, cache, device, 
     launch = cache.launch(key, batch, algorithm.slots, config.tile_blocks, device)
     for whole, table, count in launch.tables():
         launch_fused(dataclasses.replace(config, full=whole, aligned=config.aligned and launch.aligned), launch.meta,
-                     table, count, maps_table(device), kernel_scalars(hyper), stochastic=stochastic)
+                     table, count, kernel_scalars(hyper), device, stochastic=stochastic)
