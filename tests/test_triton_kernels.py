@@ -80,9 +80,8 @@ def test_quantize_and_dequantize_match_pytorch(device, signed):
     values[1, 256:512] = 0.0  # an all-zero block
     values[0, 700] = values[0, 768:1000].abs().max()  # an exact tie for the block maximum
     values = values.to(device)
-    table = encoder_table(signed, device)
-    codes, absmax = triton_blockwise.quantize(values, table, signed)
-    ref_codes, ref_absmax = blockwise.quantize(values, table, signed)
+    codes, absmax = triton_blockwise.quantize(values, signed)
+    ref_codes, ref_absmax = blockwise.quantize(values, encoder_table(signed, device), signed)
     assert torch.equal(codes, ref_codes)
     assert torch.equal(absmax, ref_absmax)
     qmap = dynamic_map(signed, device)
@@ -99,9 +98,8 @@ def test_encoder_midpoints_ties_and_sign_fix(device, signed):
     up, down = torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0))
     probes = torch.cat([mids, up, down, qmap, torch.tensor([-1e-30, -0.0, 0.0, 1e-30, -1e-7, 1.0, -1.0])])
     normalized = probes.clamp(-1.0 if signed else 0.0, 1.0).view(1, -1).to(device)
-    table = encoder_table(signed, device)
-    codes = triton_blockwise.quantize(normalized, table, signed)[0]
-    assert torch.equal(codes, blockwise.quantize(normalized, table, signed)[0])
+    codes = triton_blockwise.quantize(normalized, signed)[0]
+    assert torch.equal(codes, blockwise.quantize(normalized, encoder_table(signed, device), signed)[0])
     if signed:  # -1e-30 and -0.0 take the smallest negative code, not +0
         assert torch.equal(codes[0, -7:-5], torch.tensor([126, 126], dtype=torch.uint8, device=device))
 

@@ -40,7 +40,7 @@ from hf_optim.kernels import triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import kernel_scalars
 from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.dynamic_map import encoder_table
+from hf_optim.kernels.encode8 import encoder8_tables
 from hf_optim.kernels.formats.blockwise8 import shared_map as shared_map8
 from hf_optim.kernels.state_store import slot_format
 from hf_optim.kernels.triton_blockwise import load_state, store_state
@@ -444,5 +444,5 @@ def step(optimizer, algorithm, group: dict, key, items: list, step: int, hyper, 
             units = [blocks[i] for i in chosen]
             grid = (sum(triton.cdiv(b, TILE_BLOCKS) for b in units),)
             run("apply", grid, meta, cache.units(units, TILE_BLOCKS, device, chosen), row_factor, col_factor,
-                clip_denominators, lrs, eps1, h.negative_decay, shared_map8(True, device), encoder_table(True, device),
-                h.beta1, h.one_minus_beta1, ordinals, sr_key, factored=factored)
+                clip_denominators, lrs, eps1, h.negative_decay, shared_map8(True, device),
+                encoder8_tables(True, device), h.beta1, h.one_minus_beta1, ordinals, sr_key, factored=factored)

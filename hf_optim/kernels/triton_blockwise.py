@@ -3,12 +3,13 @@ and :func:`load_state` / :func:`store_state`, through which every fused kernel r
 
 A state row's format (fp32, 8-bit or 4-bit: ``hf_optim.kernels.formats`` codes) is a compile-time constant, so a
 kernel holds only the path of its own formats. 8-bit rows dequantize as ``qmap[code] * absmax[block]`` and
-re-quantize against the new per-block absmax with the exact nearest-code encoder of
-:mod:`hf_optim.kernels.dynamic_map` (same packed table, same tie and sign rules); 4-bit rows are
-:mod:`triton_blockwise4`'s. Tiles are :mod:`triton_tile`'s ``(BLOCKS, 2, ROWS, W)`` offsets; whole tiles pass
-``mask=None``.
+re-quantize against the new per-block absmax with :mod:`triton_encode8`'s encoder: the codes of
+:mod:`hf_optim.kernels.dynamic_map`'s nearest-code encoder (same tie and sign rules) from a 10 KiB table, without
+dividing by the absmax (``encode8`` has the method and its proof). 4-bit rows are :mod:`triton_blockwise4`'s. Tiles
+are :mod:`triton_tile`'s ``(BLOCKS, 2, ROWS, W)`` offsets; whole tiles pass ``mask=None``.
 
-The standalone :func:`quantize` / :func:`dequantize` take the same arguments as their PyTorch twins.
+The standalone :func:`quantize` / :func:`dequantize` take the arguments of their PyTorch twins (the encoder's tables
+in place of the reference's packed table).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels import dynamic_map as dm
 from hf_optim.kernels.blockwise import num_blocks
+from hf_optim.kernels.encode8 import encoder8_tables
 from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8
 from hf_optim.kernels.triton_blockwise4 import load_state4, store_state4
+from hf_optim.kernels.triton_encode8 import quantize8 as quantize8_codes
+from hf_optim.kernels.triton_encode8 import quantize8_params
 from hf_optim.kernels.triton_tile import (
     block_max,
     launch_options,
@@ -30,27 +33,9 @@ from hf_optim.kernels.triton_tile import (
     zero_outside,
 )
 
-KEY_SHIFT: tl.constexpr = tl.constexpr(dm.KEY_SHIFT)
-KEY_OFFSET: tl.constexpr = tl.constexpr(dm.KEY_OFFSET)
-KEYS_PER_SIGN: tl.constexpr = tl.constexpr(dm.KEYS_PER_SIGN)
-LOW_MASK: tl.constexpr = tl.constexpr(dm.LOW_MASK)
-
 FORMAT_FP32: tl.constexpr = tl.constexpr(0)
 FORMAT_BLOCKWISE8: tl.constexpr = tl.constexpr(BLOCKWISE8.code)
 FORMAT_BLOCKWISE4: tl.constexpr = tl.constexpr(BLOCKWISE4.code)
-
-
-@triton.jit
-def encode(normalized, table_ptr, SIGNED: tl.constexpr):
-    """Nearest code of values in [-1, 1] through the packed encoder table (see ``dynamic_map``): one lookup."""
-    bits = normalized.to(tl.int32, bitcast=True)
-    key = ((bits & 0x7FFFFFFF) >> KEY_SHIFT) - KEY_OFFSET
-    key = tl.minimum(tl.maximum(key, 0), KEYS_PER_SIGN - 1) + tl.where(bits < 0, KEYS_PER_SIGN, 0)
-    entry = tl.load(table_ptr + key)
-    further = ((bits & LOW_MASK) > (entry & LOW_MASK)).to(tl.int32)
-    if SIGNED:
-        further = tl.where(bits < 0, -further, further)
-    return ((entry >> KEY_SHIFT) + further).to(tl.uint8)
 
 
 @triton.jit
@@ -82,19 +67,19 @@ def load_state8(codes_ptr, absmax_ptr, qmap_ptr, blocks, offs, mask, block_mask)
 
 
 @triton.jit
-def quantize8(values, mask, table_ptr, SIGNED: tl.constexpr):
-    """(uint8 codes, absmax per 256-block) of fp32 tile ``values``; lanes outside ``mask`` count as 0."""
+def quantize8(values, mask, tables):
+    """(uint8 codes, absmax per 256-block) of fp32 tile ``values``; lanes outside ``mask`` count as 0. ``tables``:
+    the map's ``encode8.encoder8_tables`` (int32 pointer; it carries the map's signedness). The block's divisor
+    (absmax, or 1 for an all-zero block, as the PyTorch twin divides) is prepared once per block."""
     values = zero_outside(values, mask)
     absmax = block_max(tl.abs(values))
-    # An all-zero block has absmax 0: divide by 1 so it encodes as exact zeros, as the PyTorch twin does.
-    divisor = tl.where(absmax > 0, absmax, 1.0)
-    return encode(tl.div_rn(values, per_block(divisor)), table_ptr, SIGNED), absmax
+    scale, norm, reciprocal = quantize8_params(absmax)
+    return quantize8_codes(values, per_block(scale), per_block(norm), per_block(reciprocal), tables), absmax
 
 
 @triton.jit
-def store_state8(codes_ptr, absmax_ptr, table_ptr, blocks, rows, offs, values, mask, block_mask,
-                 SIGNED: tl.constexpr):
-    codes, absmax = quantize8(values, mask, table_ptr, SIGNED)
+def store_state8(codes_ptr, absmax_ptr, tables, blocks, rows, offs, values, mask, block_mask):
+    codes, absmax = quantize8(values, mask, tables)
     tl.store(codes_ptr + offs, codes, mask=mask)
     store_per_block(absmax_ptr, blocks, rows, absmax, block_mask)
 
@@ -118,14 +103,14 @@ def load_state(address, absmax_address, qmap_ptr, blocks, halves, rows, offs, ma
 
 
 @triton.jit
-def store_state(address, absmax_address, table_ptr, blocks, halves, rows, offs, values, mask, n,
+def store_state(address, absmax_address, tables, blocks, halves, rows, offs, values, mask, n,
                 FORMAT: tl.constexpr, SIGNED: tl.constexpr, ALIGNED: tl.constexpr):
-    """Store fp32 ``values`` into one state row of format ``FORMAT``, re-quantizing an 8-bit (encoder table
-    ``table_ptr``) or 4-bit row against its new block absmax."""
+    """Store fp32 ``values`` into one state row of format ``FORMAT``, re-quantizing an 8-bit (encoder tables
+    ``tables``, see :func:`quantize8`) or 4-bit row against its new block absmax."""
     if FORMAT == FORMAT_BLOCKWISE8:
         block_mask = None if mask is None else blocks * 256 < n
-        store_state8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)), table_ptr,
-                     blocks, rows, offs, values, mask, block_mask, SIGNED)
+        store_state8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)), tables,
+                     blocks, rows, offs, values, mask, block_mask)
     elif FORMAT == FORMAT_BLOCKWISE4:
         store_state4(address, absmax_address.to(tl.pointer_type(tl.float32)), halves, rows, offs, values, mask, n,
                      SIGNED, ALIGNED)
@@ -140,14 +125,13 @@ W: tl.constexpr = tl.constexpr(8)
 
 
 @triton.jit
-def _quantize_kernel(values_ptr, codes_ptr, absmax_ptr, table_ptr, n, blocks_per_row,
-                     SIGNED: tl.constexpr, BLOCKS: tl.constexpr):
+def _quantize_kernel(values_ptr, codes_ptr, absmax_ptr, tables, n, blocks_per_row, BLOCKS: tl.constexpr):
     row = tl.program_id(1)
     blocks, _, rows, offs = tile(tl.program_id(0) * BLOCKS, BLOCKS, W)
     mask = offs < n
     values = tl.load(values_ptr + row * n + offs, mask=mask, other=0.0)
-    store_state8(codes_ptr + row * n, absmax_ptr + row * blocks_per_row, table_ptr, blocks, rows, offs, values, mask,
-                 blocks < blocks_per_row, SIGNED)
+    store_state8(codes_ptr + row * n, absmax_ptr + row * blocks_per_row, tables, blocks, rows, offs, values, mask,
+                 blocks < blocks_per_row)
 
 
 @triton.jit
@@ -160,8 +144,9 @@ def _dequantize_kernel(codes_ptr, absmax_ptr, qmap_ptr, out_ptr, n, blocks_per_r
     tl.store(out_ptr + row * n + offs, values, mask=mask)
 
 
-def quantize(values: torch.Tensor, table: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (rows, n) uint8 and absmax (rows, blocks) fp32 for fp32 ``values`` (rows, n)."""
+def quantize(values: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (rows, n) uint8 and absmax (rows, blocks) fp32 for fp32 ``values`` (rows, n) with the signed or
+    unsigned map."""
     values = values.contiguous()
     rows, n = values.shape
     blocks = num_blocks(n)
@@ -169,8 +154,8 @@ def quantize(values: torch.Tensor, table: torch.Tensor, signed: bool) -> tuple[t
     absmax = torch.empty((rows, blocks), dtype=torch.float32, device=values.device)
     if n and rows:
         grid = (triton.cdiv(blocks, TILE_BLOCKS), rows)
-        _quantize_kernel[grid](values, codes, absmax, table, n, blocks, SIGNED=bool(signed), BLOCKS=TILE_BLOCKS,
-                               **launch_options())
+        _quantize_kernel[grid](values, codes, absmax, encoder8_tables(bool(signed), values.device), n, blocks,
+                               BLOCKS=TILE_BLOCKS, **launch_options())
     return codes, absmax
 
 

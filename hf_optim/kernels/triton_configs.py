@@ -248,12 +248,12 @@ def standalone_specs() -> list[LaunchSpec]:
     blocks8, blocks4 = triton_blockwise.TILE_BLOCKS, triton_blockwise4.TILE_BLOCKS
     rows8 = {"n": "i32", "blocks_per_row": "i32"}
     rows4 = {"n": "i32", "row_bytes": "i32", "row_blocks": "i32"}
+    specs.append(LaunchSpec(  # the encoder's tables carry the map's signedness
+        "standalone/quantize8", triton_blockwise._quantize_kernel,
+        {"values_ptr": "*fp32", "codes_ptr": "*u8", "absmax_ptr": "*fp32", "tables": "*i32", **rows8},
+        {"BLOCKS": blocks8}, launch_options()["num_warps"], "standalone",
+        "triton_blockwise.quantize", elements_per_program=blocks8 * 256, main=False))
     for signed in (True, False):
-        specs.append(LaunchSpec(
-            f"standalone/quantize8 {'signed' if signed else 'unsigned'}", triton_blockwise._quantize_kernel,
-            {"values_ptr": "*fp32", "codes_ptr": "*u8", "absmax_ptr": "*fp32", "table_ptr": "*i32", **rows8},
-            {"SIGNED": signed, "BLOCKS": blocks8}, launch_options()["num_warps"], "standalone",
-            "triton_blockwise.quantize", elements_per_program=blocks8 * 256, main=False))
         specs.append(LaunchSpec(
             f"standalone/quantize4 {'signed' if signed else 'unsigned'}", triton_blockwise4._quantize_kernel,
             {"values_ptr": "*fp32", "codes_ptr": "*u8", "scale_ptr": "*fp32", **rows4},

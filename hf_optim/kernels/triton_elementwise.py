@@ -30,7 +30,7 @@ import triton.language as tl
 
 from hf_optim.kernels import triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
-from hf_optim.kernels.dynamic_map import encoder_table
+from hf_optim.kernels.encode8 import encoder8_tables
 from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8, FORMATS, FP32
 from hf_optim.kernels.formats.blockwise4 import shared_map as shared_map4
 from hf_optim.kernels.formats.blockwise8 import shared_map as shared_map8
@@ -229,21 +229,22 @@ def row_formats(state: dict, specs) -> tuple[int, ...]:
 
 
 def row_maps(config: FusedConfig, device: torch.device) -> list[torch.Tensor]:
-    """The kernel's ``qmap0, encoder0, qmap1, ...`` arguments: per state row its map (8-bit map, or the signed
-    4-bit map; the unsigned 4-bit map is computed) and its 8-bit encoder table. Kernel arguments rather than a table
-    of addresses: the kernel reads them from its constant bank, with no load. Rows without them get a placeholder
-    (never read). The tensors are cached per device by their modules, so the addresses stay valid."""
+    """The kernel's ``qmap0, encoder0, qmap1, ...`` arguments: per state row its map (the 8-bit map, or the signed
+    4-bit map; the unsigned 4-bit map is computed) and its 8-bit encoder's tables (``encode8.encoder8_tables``).
+    Kernel arguments rather than a table of addresses: the kernel reads them from its constant bank, with no load.
+    Rows without them get a placeholder (never read). The tensors are cached per device by their modules, so the
+    addresses stay valid."""
     return list(_row_maps(tuple(config.formats), tuple(config.signed), torch.device(device)))
 
 
 @functools.cache
 def _row_maps(formats: tuple[int, ...], signed: tuple[bool, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    no_map, no_encoder = shared_map8(True, device), encoder_table(True, device)  # typed as the kernel declares them
+    no_map, no_encoder = shared_map8(True, device), encoder8_tables(True, device)  # typed as the kernel declares them
     maps = []
     for r in range(mt.MAX_ROWS):
         fmt, sign = (formats[r], signed[r]) if r < len(formats) else (FP32.code, True)
         if fmt == BLOCKWISE8.code:
-            maps += [shared_map8(sign, device), encoder_table(sign, device)]
+            maps += [shared_map8(sign, device), encoder8_tables(sign, device)]
         elif fmt == BLOCKWISE4.code:
             maps += [shared_map4(True, device), no_encoder]
         else:
