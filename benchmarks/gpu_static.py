@@ -240,6 +240,9 @@ class LaunchConfig:
     """Whether it runs the common case (whole tiles); False: e.g. the masked kernel of tensors' last tiles."""
     specialization: dict | None = None
     """Triton's ``attrs`` of the arguments as launched; None: :meth:`attrs`' default."""
+    arch: str | None = None
+    """The arch it is launched on (a key of :data:`ARCHES`), where the kernels layer specializes per arch; None: every
+    arch."""
 
     def attrs(self) -> dict:
         """Triton's specialization of the arguments as launched: by default every pointer hf_optim passes is a
@@ -1147,7 +1150,9 @@ def _kernels_layer():
 
 def kernel_layer_configs() -> tuple[list[LaunchConfig], list[str]]:
     """(every configuration ``hf_optim.kernels.triton_configs.kernel_specs`` lists for the registered algorithms,
-    the configurations one AdamW8bit step with bf16 parameters launches: ``step_specs``)."""
+    the configurations one AdamW8bit step with bf16 parameters launches: ``step_specs``). The layer enumerates per
+    arch (a few configurations take another tile width on some arches): each configuration is kept for the arches
+    it is launched on."""
     import hf_optim  # noqa: F401, PLC0415  (registers the algorithms)
     from hf_optim.optim import registry  # noqa: PLC0415
 
@@ -1155,14 +1160,19 @@ def kernel_layer_configs() -> tuple[list[LaunchConfig], list[str]]:
     if layer is None:
         raise SystemExit("--source kernels: this checkout has no hf_optim/kernels/triton_configs.py")
     algorithms = [(family.algorithm, family.base._supported_bits()) for family in registry.families()]
-    configs = [_from_spec(spec) for spec in layer.kernel_specs(algorithms)]
+    per_arch = "arch" in inspect.signature(layer.kernel_specs).parameters
+    configs = []
+    for arch in ARCHES if per_arch else (None,):
+        specs = layer.kernel_specs(algorithms, arch=ARCHES[arch].cc) if arch else layer.kernel_specs(algorithms)
+        configs += [_from_spec(spec, arch) for spec in specs]
     dtype = _dtype_facts("bf16")["dtype"]
     cold = [spec.name for spec in layer.step_specs(registry.lookup_algorithm("adamw").algorithm, 8, dtype)]
     return configs, cold
 
 
-def _from_spec(spec) -> LaunchConfig:
-    """A :class:`LaunchConfig` of a ``triton_configs.LaunchSpec`` (its bytes model from its dtype and formats)."""
+def _from_spec(spec, arch: str | None = None) -> LaunchConfig:
+    """A :class:`LaunchConfig` of a ``triton_configs.LaunchSpec`` (its bytes model from its dtype and formats),
+    launched on ``arch`` (None: every arch)."""
     stream = None
     if spec.param_dtype is not None and spec.group in ("fused", "lamb"):
         param_bytes = _dtype_facts(spec.param_dtype)["param_bytes"]
@@ -1175,7 +1185,7 @@ def _from_spec(spec) -> LaunchConfig:
     config = LaunchConfig(spec.name, spec.kernel, spec.signature, spec.constexprs, num_warps=spec.num_warps,
                           options=dict(spec.options), facts=facts, elements_per_program=spec.elements_per_program,
                           stream=stream, group=spec.group, fp32_state_twin=spec.fp32_state_twin,
-                          launched_by=spec.launched_by, main=spec.main, specialization=spec.attrs())
+                          launched_by=spec.launched_by, main=spec.main, specialization=spec.attrs(), arch=arch)
     return config
 
 
@@ -1228,8 +1238,8 @@ def run(configs: Sequence[LaunchConfig], arches: Sequence[str], jobs: int = 1,
     """
     groups: dict[tuple, list[LaunchConfig]] = {}
     for config in configs:
-        groups.setdefault(config.binary_key(), []).append(config)
-    _PLAN[:] = [(members, arch) for arch in arches for members in groups.values()]
+        groups.setdefault((config.binary_key(), config.arch), []).append(config)
+    _PLAN[:] = [(members, arch) for arch in arches for members in groups.values() if members[0].arch in (None, arch)]
     results: list[list[dict]] = []
     if jobs > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
@@ -1242,7 +1252,8 @@ def run(configs: Sequence[LaunchConfig], arches: Sequence[str], jobs: int = 1,
             results.append(_run_task(index))
             if progress:
                 progress(_progress_line(results[-1], len(results), len(_PLAN)))
-    order = {(c.name, a): i for i, (c, a) in enumerate((c, a) for c in configs for a in arches)}
+    order = {(c.name, a): i for i, (c, a) in enumerate((c, a) for c in configs for a in arches
+                                                      if c.arch in (None, a))}
     rows = sorted((row for chunk in results for row in chunk), key=lambda r: order[(r["config"], r["arch"])])
     predict(rows, {c.name: c for c in configs}, llama_numels())
     return rows
@@ -1465,8 +1476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         every, cold = load_configs(args.source)
         configs = select(every, args.kernels)
         if args.list:
-            for config in configs:
-                print(config.name)
+            for name in dict.fromkeys(config.name for config in configs):
+                print(name)
             return 0
         arches = parse_arches(args.arch)
         env = {**environment(argv), "cold_start": cold}

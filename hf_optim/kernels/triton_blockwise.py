@@ -33,7 +33,6 @@ from hf_optim.kernels.triton_tile import (
     zero_outside,
 )
 
-FORMAT_FP32: tl.constexpr = tl.constexpr(0)
 FORMAT_BLOCKWISE8: tl.constexpr = tl.constexpr(BLOCKWISE8.code)
 FORMAT_BLOCKWISE4: tl.constexpr = tl.constexpr(BLOCKWISE4.code)
 

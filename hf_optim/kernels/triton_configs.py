@@ -140,10 +140,11 @@ def _fused_name(config: FusedConfig, state_code: int | None = None) -> str:
             f"{' sr' if config.stochastic else ''}{'' if config.aligned or not config.full else ' unaligned'}")
 
 
-def fused_configs(algorithm: Algorithm, bits: Iterable[int], *, include_unaligned: bool = False) -> list[FusedConfig]:
+def fused_configs(algorithm: Algorithm, bits: Iterable[int], *, include_unaligned: bool = False,
+                  arch: int = 90) -> list[FusedConfig]:
     """Every fused-kernel configuration ``algorithm`` launches with state of ``bits`` (32 included: tensors under
-    ``min_8bit_size``): per parameter dtype (gradients of the same dtype), state format, whole or partial tile and,
-    for bf16 parameters of elementwise algorithms, stochastic rounding."""
+    ``min_8bit_size``) on compute capability ``arch``: per parameter dtype (gradients of the same dtype), state
+    format, whole or partial tile and, for bf16 parameters of elementwise algorithms, stochastic rounding."""
     if algorithm.triton_rule is None:
         return []
     rule = resolve(algorithm.triton_rule)
@@ -157,7 +158,8 @@ def fused_configs(algorithm: Algorithm, bits: Iterable[int], *, include_unaligne
                 for full in (True, False):
                     for aligned in (True, False) if include_unaligned and full else (True,):
                         configs.append(FusedConfig(algorithm.name, rule, formats, signed, dtype, dtype, full,
-                                                   stochastic=stochastic, write_out=write_out, aligned=aligned))
+                                                   stochastic=stochastic, write_out=write_out, aligned=aligned,
+                                                   arch=arch))
     return configs
 
 
@@ -278,20 +280,22 @@ def standalone_specs() -> list[LaunchSpec]:
 
 
 def kernel_specs(algorithms: Iterable[tuple[Algorithm, Iterable[int]]], *, include_unaligned: bool = False,
-                 standalone: bool = True) -> list[LaunchSpec]:
-    """Every kernel configuration the optimizers of ``algorithms`` launch.
+                 standalone: bool = True, arch: int = 90) -> list[LaunchSpec]:
+    """Every kernel configuration the optimizers of ``algorithms`` launch on a GPU of compute capability ``arch``
+    (a few fused configurations take another tile width on some arches: ``FusedConfig.whole_tile_width``).
 
     Args:
         algorithms: ``(algorithm, state bits it runs with)`` pairs, e.g. from the optimizer registry.
         include_unaligned (default False): also the whole-tile fused configurations for tensors that are not 16-byte
             aligned (views at odd offsets; torch's own allocations always are).
         standalone (default True): also the standalone quantize / dequantize / rounding kernels.
+        arch (default 90): the compute capability (``major * 10 + minor``).
     """
     specs: list[LaunchSpec] = []
     lamb_tiles = set()
     for algorithm, bits in algorithms:
         bits = tuple(bits)
-        for config in fused_configs(algorithm, bits, include_unaligned=include_unaligned):
+        for config in fused_configs(algorithm, bits, include_unaligned=include_unaligned, arch=arch):
             specs.append(fused_spec(algorithm, config))
             if config.write_out:
                 lamb_tiles.add(config.tile_blocks)
@@ -308,10 +312,11 @@ def kernel_specs(algorithms: Iterable[tuple[Algorithm, Iterable[int]]], *, inclu
     return specs
 
 
-def step_specs(algorithm: Algorithm, bits: int, param_dtype: int, *, stochastic: bool = False) -> list[LaunchSpec]:
+def step_specs(algorithm: Algorithm, bits: int, param_dtype: int, *, stochastic: bool = False,
+               arch: int = 90) -> list[LaunchSpec]:
     """The fused kernels one step of ``algorithm`` with ``bits``-bit state launches on a model whose parameters (and
-    gradients) are of dtype code ``param_dtype``: whole and partial tiles, of the quantized tensors and of those
-    under ``min_8bit_size`` (fp32 state)."""
-    return [fused_spec(algorithm, config) for config in fused_configs(algorithm, (bits,))
+    gradients) are of dtype code ``param_dtype``, on compute capability ``arch``: whole and partial tiles, of the
+    quantized tensors and of those under ``min_8bit_size`` (fp32 state)."""
+    return [fused_spec(algorithm, config) for config in fused_configs(algorithm, (bits,), arch=arch)
             if config.param_dtype == param_dtype and config.stochastic == stochastic
             and {format_for_bits(b).code for b in (bits, 32)} >= set(config.formats)]

@@ -140,6 +140,7 @@ class FusedConfig:
         stochastic: bf16 stochastic rounding of the parameter (bf16 parameters only).
         write_out: LAMB's pass: write the rule's output (the direction) and per-tile norms, not the parameter.
         aligned: every address is 16-byte aligned (vector accesses; partial tiles never need it).
+        arch: the CUDA compute capability it is compiled for (``major * 10 + minor``), for the tile width.
     """
 
     algorithm: str
@@ -152,6 +153,7 @@ class FusedConfig:
     stochastic: bool = False
     write_out: bool = False
     aligned: bool = True
+    arch: int = 90
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.formats) <= mt.MAX_ROWS or len(self.signed) != len(self.formats):
@@ -163,14 +165,23 @@ class FusedConfig:
 
     @property
     def whole_tile_width(self) -> int:
-        """Elements per thread row (``triton_tile``) of the whole-tile kernel. 8 where a row of 8-bit state must
-        stay in one thread, so that a 256-element block is one warp (its absmax: warp shuffles), and for 16-bit
-        parameters with quantized state (16 bytes of bf16, a 32-bit word of 4-bit codes); 4 where fp32 values are
-        stored and no 8-bit row needs 8 (fp32 parameters, fp32 state, LAMB's fp32 direction): Triton stores at
-        most 16 bytes per thread at once, so 4 fp32 values keep every store a single vector without redistributing
-        values through shared memory."""
-        stores_fp32 = self.param_dtype == 0 or FP32.code in self.formats or self.write_out
-        return 4 if stores_fp32 and BLOCKWISE8.code not in self.formats else 8
+        """Elements per thread row (``triton_tile``) of the whole-tile kernel, chosen from compiled register counts
+        (``benchmarks/gpu_static.py``) so that every kernel fits in 64 registers, 50% occupancy on sm_80 and sm_90:
+
+        - 8 for 16-bit parameters with quantized state in at most two rows (AdamW, Lion, RMSprop): a 256-element
+          block is one warp (its absmax: warp shuffles), a row of bf16 is one 16-byte vector and its 4-bit codes one
+          32-bit word; the per-thread work is spread over 8 elements, the fewest instructions per element.
+        - 4 otherwise: fp32 parameters or fp32 state (16-byte fp32 vectors; Triton stores at most 16 bytes per
+          thread at once, so 8 fp32 values would be redistributed through shared memory before their store), and
+          the configurations that take more than 64 registers at 8: three state rows (AdEMAMix), LAMB's direction
+          pass, and on sm_80 (whose compiler allocates 80+ registers there) 4-bit state. An 8-bit block's absmax
+          then spans two warps (a reduction through shared memory, 16 bytes)."""
+        quantized = any(code != FP32.code for code in self.formats)
+        if not quantized or self.param_dtype == 0 or self.write_out or len(self.formats) > 2:
+            return 4
+        if self.arch == 80 and BLOCKWISE4.code in self.formats and len(self.formats) == 2:
+            return 4
+        return 8
 
     @property
     def tile_blocks(self) -> int:
@@ -200,13 +211,6 @@ class FusedConfig:
                 "SR": self.stochastic, "WRITE_OUT": self.write_out, "NORMS": self.write_out,
                 "BLOCKS": self.tile_blocks, "W": self.width, "COLS": mt.META_COLS,
                 "ALIGNED": self.aligned and self.full}
-
-    @property
-    def key(self) -> tuple:
-        """A hashable name of the configuration (the fallback guard's key)."""
-        return ("fused", self.algorithm, DTYPE_NAMES[self.param_dtype], DTYPE_NAMES[self.grad_dtype],
-                tuple(format_label(f) for f in self.formats), "full" if self.full else "partial",
-                "sr" if self.stochastic else "rn", "aligned" if self.aligned and self.full else "unaligned")
 
     @property
     def label(self) -> str:

@@ -189,7 +189,7 @@ def step(optimizer, algorithm, group: dict, key, batch: list, step: int, hyper, 
 
     specs = algorithm.slots
     kinds = kernel_group(specs, *batch[0])
-    direction = fused_config(algorithm, kinds, stochastic=False, write_out=True)
+    direction = fused_config(algorithm, kinds, device, stochastic=False, write_out=True)
     ratio = RatioConfig(adapt=group["weight_decay"] != 0 or group["use_nvlamb"],
                         clamp=group["max_trust_ratio"] is not None, tile_blocks=direction.tile_blocks)
     update = ApplyConfig(kinds[0], full=True, tile_blocks=direction.tile_blocks,

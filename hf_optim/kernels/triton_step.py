@@ -140,19 +140,31 @@ def _on(device: torch.device):
     return contextlib.nullcontext()
 
 
-def fused_config(algorithm: Algorithm, kinds: tuple, *, stochastic: bool, write_out: bool = False) -> FusedConfig:
-    """The fused kernel's configuration for a batch of kernel group ``kinds`` (whole tiles: the launch makes the
-    partial-tile twin)."""
+def fused_config(algorithm: Algorithm, kinds: tuple, device: torch.device, *, stochastic: bool,
+                 write_out: bool = False) -> FusedConfig:
+    """The fused kernel's configuration for a batch of kernel group ``kinds`` on ``device`` (whole tiles: the
+    launch makes the partial-tile twin)."""
     param_dtype, grad_dtype, formats, aligned = kinds
     signed = mt.row_signedness(algorithm.slots)[: len(formats)]
     return FusedConfig(algorithm.name, resolve(algorithm.triton_rule), formats, signed, param_dtype, grad_dtype,
-                       full=True, stochastic=stochastic, write_out=write_out, aligned=aligned)
+                       full=True, stochastic=stochastic, write_out=write_out, aligned=aligned,
+                       arch=device_arch(device))
+
+
+@functools.cache
+def device_arch(device: torch.device) -> int:
+    """CUDA compute capability ``major * 10 + minor`` of ``device`` (the kernels' tile width depends on it); 90 for
+    other devices (the interpreter, XPU), whose kernels take sm_90's configuration."""
+    if device.type == "cuda" and not torch.version.hip:
+        major, minor = torch.cuda.get_device_capability(device)
+        return major * 10 + minor
+    return 90
 
 
 def _elementwise(algorithm: Algorithm, key, kinds, batch, hyper, cache, device, stochastic=None) -> None:
     """The fused kernel over tensors of one kernel group on one device sharing one step counter: a launch for the
     whole tiles, one for the partial ones (``stochastic``: bf16 stochastic rounding's ``(ordinals, key)``)."""
-    config = fused_config(algorithm, kinds, stochastic=stochastic is not None)
+    config = fused_config(algorithm, kinds, device, stochastic=stochastic is not None)
     launch = cache.launch(key, batch, algorithm.slots, config.tile_blocks, device)
     for whole, table, count in launch.tables():
         launch_fused(dataclasses.replace(config, full=whole, aligned=config.aligned and launch.aligned), launch.meta,

@@ -36,7 +36,6 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """Compile-time dtype codes of :func:`load_values` / :func:`store_values`."""
 DTYPE_NAMES = {0: "fp32", 1: "bf16", 2: "fp16"}
 
-BLOCK: tl.constexpr = tl.constexpr(256)
 HALF: tl.constexpr = tl.constexpr(128)
 
 
