@@ -1362,7 +1362,7 @@ def markdown(rows: Sequence[dict], environment: dict) -> str:
         by_config.setdefault(row["config"], {})[row["arch"]] = row
     each = "/".join(arch.removeprefix("sm_") for arch in arches)
     gpus = [gpu for gpu in GPUS if gpu.arch in arches]
-    header = (["config", "warps", f"regs ({each})", f"occupancy % ({each})", f"spill B ({each})", "smem B",
+    header = (["config", "warps", f"regs ({each})", f"occupancy % ({each})", f"spill B ({each})", f"smem B ({each})",
                f"inst/el ({each})", f"compile s ({each})"]
               + [f"{gpu.name} ms: bw / predicted" for gpu in gpus])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -1380,7 +1380,7 @@ def markdown(rows: Sequence[dict], environment: dict) -> str:
         line = [name, str(first["num_warps"]), joined(cells, lambda r: str(r["regs"])),
                 joined(cells, lambda r: f"{100 * r['occupancy']:.0f}"),
                 joined(cells, lambda r: str(r["spill_stores"] + r["spill_loads"])),
-                "/".join(dict.fromkeys(str(r["smem"]) for r in cells.values() if "smem" in r)), ipe,
+                joined(cells, lambda r: str(r["smem"])), ipe,
                 joined(cells, lambda r: f"{r['compile_seconds']:.1f}")]
         for gpu in gpus:
             row = cells.get(gpu.arch, {})
