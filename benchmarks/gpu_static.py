@@ -308,7 +308,8 @@ def _run_tool(name: str, cubin: bytes, *args: str) -> str:
         f.flush()
         done = subprocess.run([_tool(name), *args, f.name], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"{name} {' '.join(args)} failed: {done.stderr.strip().splitlines()[:1]}")
+        first = (done.stderr.strip().splitlines() or ["no message"])[0]
+        raise RuntimeError(f"{name} {' '.join(args)} failed: {first}")
     return done.stdout
 
 
@@ -528,15 +529,21 @@ def _arm_keys(ins: Instruction) -> set[tuple[str, int, int]]:
     return {(path, index, arm) for path, line in ins.frames for index, arm in _line_arms(path).get(line, ())}
 
 
-@functools.cache
 def _module_namespace(path: str) -> dict:
     """The numeric globals of the loaded module at ``path`` (``tl.constexpr`` values unwrapped), for the tests."""
-    for module in list(sys.modules.values()):
-        file = getattr(module, "__file__", None)
-        if file and os.path.realpath(file) == os.path.realpath(path):
-            values = {name: getattr(value, "value", value) for name, value in vars(module).items()}
-            return {name: value for name, value in values.items() if isinstance(value, int | float | bool)}
-    return {}
+    if path not in _NAMESPACES:
+        for module in list(sys.modules.values()):
+            file = getattr(module, "__file__", None)
+            if file and os.path.realpath(file) == os.path.realpath(path):
+                values = {name: getattr(value, "value", value) for name, value in vars(module).items()}
+                _NAMESPACES[path] = {k: v for k, v in values.items() if isinstance(v, int | float | bool)}
+                break
+        else:
+            return {}  # not imported (yet): not remembered
+    return _NAMESPACES[path]
+
+
+_NAMESPACES: dict[str, dict] = {}
 
 
 class Decisions:
@@ -1457,6 +1464,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: must be at least 1")
     if args.from_json:
+        unreadable = [str(path) for path in args.from_json if not path.is_file()]
+        if unreadable:
+            parser.error(f"--from-json: no such file: {', '.join(unreadable)} (write one with --json)")
         saved = merge([json.loads(path.read_text()) for path in args.from_json])
         rows, env = saved["rows"], saved["environment"]
         if args.json:
