@@ -1,4 +1,4 @@
-"""The ``hf-optim`` command: train, validate, ls, cp, plot, compare, optimizers, run (``--help`` on each).
+"""The ``hf-optim`` command: train, validate, ls, cp, plot, compare, optimizers, run, doctor (``--help`` on each).
 
 Also runs as ``python -m hf_optim.cli``. Only the standard library is imported before a verb runs: ``run`` and
 ``optimizers`` work on an install without extras, and a verb whose extra is missing says which one to install.
@@ -19,6 +19,7 @@ EXAMPLES = """examples:
   hf-optim validate llama-3.1-8b-full --fit 24GiB                # which setups fit a 24 GB card, largest batch
   hf-optim train llama-3.2-1b-qlora --smoke                   # any recipe, a few steps on CPU
   hf-optim train llama-3.2-1b-full --sweep training.optim=adamw_torch,adamw_8bit,paged_adamw_8bit
+  hf-optim doctor                                             # versions, devices, a self-test of the kernels here
 """
 
 
@@ -80,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     run = verbs.add_parser("run", help="run a command (trl sft, accelerate launch, ...) with hf_optim's names",
                            add_help=False)
     run.add_argument("command", nargs=argparse.REMAINDER, help="hf-optim run --help")
+    doctor = verbs.add_parser("doctor", help="versions, devices and a self-test of the kernels on this machine",
+                              add_help=False)
+    doctor.add_argument("options", nargs=argparse.REMAINDER, help="hf-optim doctor --help")
     return parser
 
 
@@ -345,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         from hf_optim import run
 
         return run.main(argv[1:])
+    if argv[:1] == ["doctor"]:  # its own options (hf_optim.doctor reads them before importing torch)
+        from hf_optim import doctor
+
+        return doctor.main(argv[1:])
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may also come after options (train RECIPE --smoke training.optim=x): argparse leaves those over.

@@ -32,3 +32,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def fresh_guards():
+    """Forget the Triton and torch.compile fallbacks before and after a test (they last for the process)."""
+    from hf_optim.kernels import compile_guard, triton_guard
+
+    triton_guard.reset()
+    compile_guard.reset()
+    yield
+    triton_guard.reset()
+    compile_guard.reset()

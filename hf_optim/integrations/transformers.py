@@ -166,13 +166,13 @@ def check_release_arguments(args: Any) -> None:
 
 def _backend_label(model: nn.Module | None) -> str:
     """The kernels the optimizer will run on the model's devices (the Trainer's default device without one):
-    ``triton``, ``torch`` or ``torch-compile on CPU`` (see ``hf_optim.kernels.backend``)."""
+    ``triton``, ``torch`` or ``torch-compile on CPU`` / ``on CUDA`` (see ``hf_optim.kernels.backend``)."""
     if model is not None:
         devices = {p.device for p in model.parameters()}
     else:
         devices = {torch.device("cuda" if torch.cuda.is_available() else "cpu")}
     label = kernel_backend.describe(devices)
-    return label + " on CPU" if label == "torch-compile" else label
+    return label + " on " + "/".join(sorted({d.type.upper() for d in devices})) if label == "torch-compile" else label
 
 
 def unknown_name_message(name: str) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from hf_optim.kernels import multi_tensor
+from hf_optim.kernels import compile_guard, multi_tensor
 
 ENV_VAR = "HF_OPTIM_BACKEND"
 BACKENDS = ("torch", "triton")
@@ -68,8 +68,10 @@ def uses_triton(device: torch.device) -> bool:
 
 
 def torch_backend_name(device: torch.device) -> str:
-    """The PyTorch path's name on ``device``: ``torch-compile`` (CPU, compiled by inductor) or ``torch``."""
-    return "torch-compile" if device.type == "cpu" and multi_tensor.compile_enabled() else "torch"
+    """The PyTorch path's name on ``device``: ``torch-compile`` (CPU or CUDA, compiled by inductor) or ``torch``
+    (eager: ``HF_OPTIM_COMPILE=0``, another device type, or compiling failed on this device)."""
+    compiled = multi_tensor.compile_enabled() and compile_guard.compiles_on(torch.device(device))
+    return "torch-compile" if compiled else "torch"
 
 
 def backend_name(device: torch.device) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_optim.kernels import elementwise, rounding
+from hf_optim.kernels import compile_guard, elementwise, rounding
 from hf_optim.kernels.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.flat_state import FlatState
 from hf_optim.kernels.formats import SlotLayout
@@ -43,7 +43,7 @@ COMPILE_ENV = "HF_OPTIM_COMPILE"
 
 
 def compile_enabled() -> bool:
-    """Whether CPU updates are compiled by inductor (set ``HF_OPTIM_COMPILE=0`` for the eager path)."""
+    """Whether updates are compiled by inductor (set ``HF_OPTIM_COMPILE=0`` for the eager path)."""
     return os.environ.get(COMPILE_ENV, "1") != "0"
 
 
@@ -69,15 +69,19 @@ def compiled_update(rule: Callable, layouts: Sequence[SlotLayout], has_out: bool
 
 
 def run_update(rule, layouts, param, grad, out, tensors, hyper, stochastic=None) -> None:
-    """:func:`elementwise.update` on one chunk: compiled on CPU (unless disabled, or the chunk is a single element,
-    which dynamo would specialize), eager otherwise."""
-    if param.device.type == "cpu" and compile_enabled() and param.numel() > 1:
+    """:func:`elementwise.update` on one chunk: compiled on CPU and CUDA (unless disabled, compiling failed on that
+    device, see :mod:`compile_guard`, or the chunk is a single element, which dynamo would specialize), eager
+    otherwise."""
+    if compile_enabled() and param.numel() > 1 and compile_guard.compiles_on(param.device):
         # stochastic rounding is a variant of its own (a code object of its own, see compiled_update)
         variant = (param.dtype, grad.dtype) + (("bf16 stochastic rounding",) if stochastic is not None else ())
         compiled = compiled_update(rule, layouts, out is not None, variant)
-        compiled(rule, tuple(layouts), param, grad, out, tensors, hyper, stochastic)
-    else:
-        elementwise.update(rule, layouts, param, grad, out, tensors, hyper, stochastic)
+        try:
+            compiled(rule, tuple(layouts), param, grad, out, tensors, hyper, stochastic)
+            return
+        except compile_guard.compile_errors() as error:  # raised before the compiled code ran: nothing written
+            compile_guard.compile_failed(param.device, error)
+    elementwise.update(rule, layouts, param, grad, out, tensors, hyper, stochastic)
 
 
 def hyper_tensors(hyper: tuple) -> tuple:
@@ -187,6 +191,9 @@ def buckets(flat: FlatState, run: Sequence[int], limit: int) -> list[list[int]]:
         size += length
     return result
 
+
+DEVICE_TYPES = ("cpu", "cuda")
+"""Device types the multi-tensor path runs on (compiled there: :data:`compile_guard.COMPILED_DEVICE_TYPES`)."""
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Parameter dtypes the multi-tensor path takes (the rules compute in fp32 and round back)."""

@@ -3,7 +3,7 @@
 Same counter-based hash on int64 values held in 32 bits (multipliers below 2^31, masked after each multiply), same
 counters ``(ordinal << 32) + index in the parameter``, same key words (read from a device tensor, so they are int64
 whatever their value and a new step never recompiles). Kernels store parameters through :func:`store_param`, which
-rounds stochastically only where asked (``SR``) and only into bf16 parameters (dtype code 1).
+rounds stochastically only where asked (``SR``, a compile-time constant the host sets only for bf16 parameters).
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import triton
 import triton.language as tl
 
 from hf_optim.kernels import rounding
-from hf_optim.kernels.triton_blockwise import pointer, store_values
+from hf_optim.kernels.triton_tile import BF16, launch_options, pointer, store_values
 
 MULTIPLIER_1: tl.constexpr = tl.constexpr(rounding.MULTIPLIER_1)
 MULTIPLIER_2: tl.constexpr = tl.constexpr(rounding.MULTIPLIER_2)
+ROUND_BLOCK = 1024
+"""Elements per program of the standalone :func:`round_to_bf16`."""
 
 
 @triton.jit
@@ -52,19 +54,17 @@ def round_to_bf16_bits(values, index, ordinal, k0, k1):
 
 
 @triton.jit
-def store_param(address, dtype, offs, values, mask, ordinal, key, SR: tl.constexpr, ALIGNED: tl.constexpr = False):
-    """``store_values`` of fp32 ``values`` into a parameter; with ``SR`` a bf16 parameter (dtype code 1) is rounded
-    stochastically, ``offs`` being the elements' indices in it and ``key`` the address of the two key words."""
+def store_param(address, offs, values, mask, ordinal, key, DTYPE: tl.constexpr, SR: tl.constexpr,
+                ALIGNED: tl.constexpr):
+    """``store_values`` of fp32 ``values`` into a parameter of dtype code ``DTYPE``; with ``SR`` (bf16 only) it is
+    rounded stochastically, ``offs`` being the elements' indices in it and ``key`` the address of the two key
+    words."""
     if SR:
-        if dtype == 1:
-            k0 = tl.load(key)
-            k1 = tl.load(key + 1)
-            bits = round_to_bf16_bits(values, offs, ordinal, k0, k1)
-            tl.store(pointer(address, tl.uint16, ALIGNED) + offs, bits, mask=mask)
-        else:
-            store_values(address, dtype, offs, values, mask, ALIGNED)
+        tl.static_assert(DTYPE == BF16, "stochastic rounding stores into bf16 parameters only")
+        bits = round_to_bf16_bits(values, offs, ordinal, tl.load(key), tl.load(key + 1))
+        tl.store(pointer(address, tl.uint16, ALIGNED) + offs, bits, mask=mask)
     else:
-        store_values(address, dtype, offs, values, mask, ALIGNED)
+        store_values(address, offs, values, mask, DTYPE, ALIGNED)
 
 
 @triton.jit
@@ -82,10 +82,9 @@ def round_to_bf16(values: torch.Tensor, ordinal: int, key: torch.Tensor, start: 
     values = values.contiguous().view(-1)
     out = torch.empty(values.shape, dtype=torch.int16, device=values.device)
     if values.numel():
-        block = 1024
-        _round_kernel[(triton.cdiv(values.numel(), block),)](
+        _round_kernel[(triton.cdiv(values.numel(), ROUND_BLOCK),)](
             values, out, values.numel(), start, torch.tensor(ordinal, dtype=torch.int64).item(),
-            key.to(values.device), BLOCK=block,
+            key.to(values.device), BLOCK=ROUND_BLOCK, **launch_options(),
         )
     return out.view(torch.bfloat16)
 

@@ -246,20 +246,26 @@ class HfOptimizer(torch.optim.Optimizer):
     # Dispatch
     @property
     def backend(self) -> str:
-        """The kernels that update this optimizer's parameters: ``triton``, ``torch-compile`` (large CPU tensors
-        compiled) or ``torch`` (eager), per device type when they differ (see ``hf_optim.kernels.backend``)."""
+        """The kernels that update this optimizer's parameters: ``triton``, ``torch-compile`` (the multi-tensor path
+        compiled by inductor, CPU and CUDA) or ``torch`` (eager), per device type when they differ (see
+        ``hf_optim.kernels.backend``). Configurations whose Triton kernels failed on this machine are listed by
+        ``hf_optim.kernels.triton_guard.failures()``."""
         devices = {local_tensor(p).device for group in self.param_groups for p in group["params"]}
         return kernel_backend.describe(devices)
 
 
     def _on_multi_tensor_path(self, full: torch.Tensor, param: torch.Tensor) -> bool:
-        """Whether ``full``'s state lives in flat buffers: whole (unsharded) contiguous float tensors on the CPU
-        (Triton, when it runs, has its own multi-tensor kernels)."""
+        """Whether ``full``'s state lives in flat buffers: :meth:`_multi_tensor_eligible` tensors the backend does not
+        assign to Triton (Triton has its own multi-tensor kernels)."""
+        return self._multi_tensor_eligible(full, param) and not kernel_backend.uses_triton(param.device)
+
+    def _multi_tensor_eligible(self, full: torch.Tensor, param: torch.Tensor) -> bool:
+        """Whether ``full`` can step on the multi-tensor PyTorch path: whole (unsharded) contiguous float tensors on
+        a device it runs on (CPU, CUDA)."""
         return (
             _multi_tensor_capable(type(self))
             and param is full
-            and param.device.type == "cpu"
-            and not kernel_backend.uses_triton(param.device)  # HF_OPTIM_BACKEND=triton in Triton's interpreter
+            and param.device.type in multi_tensor.DEVICE_TYPES
             and param.is_contiguous()
             and param.dtype in multi_tensor.PARAM_DTYPES
         )
@@ -284,7 +290,7 @@ class HfOptimizer(torch.optim.Optimizer):
         """Update a group's ``(local param, local grad, state, param)`` items: one fused Triton launch (per pass)
         for the tensors the backend assigns to Triton, the multi-tensor PyTorch path for those whose state is in
         flat buffers, the PyTorch path tensor by tensor for the rest."""
-        fused, flat_items = [], []
+        fused, flat_items, fused_full = [], [], {}
         triton_devices: dict[torch.device, bool] = {}  # the backend choice reads the environment: once per device
         for param, grad, state, full in items:
             if param.device not in triton_devices:
@@ -294,6 +300,7 @@ class HfOptimizer(torch.optim.Optimizer):
 
                 if triton_step.supported(self, param, param is not full):
                     fused.append((param, grad, state))
+                    fused_full[id(state)] = full
                     continue
             if self._on_multi_tensor_path(full, param):
                 flat_items.append((param, grad, state, full))
@@ -303,9 +310,25 @@ class HfOptimizer(torch.optim.Optimizer):
             self._update_flat(group, flat_items)
         if fused:
             if group[SR_KEY]:
-                triton_step.step_group(self, group, group_index, fused, ordinals=self._ordinals)
+                skipped = triton_step.step_group(self, group, group_index, fused, ordinals=self._ordinals)
             else:
-                triton_step.step_group(self, group, group_index, fused)
+                skipped = triton_step.step_group(self, group, group_index, fused)
+            if skipped:  # their kernels failed to compile or load on this GPU (hf_optim.kernels.triton_guard)
+                self._update_fallback(group, [(param, grad, state, fused_full[id(state)])
+                                              for param, grad, state in skipped])
+
+    def _update_fallback(self, group: dict, items: list) -> None:
+        """The PyTorch path for ``(local param, local grad, state, param)`` items whose Triton kernels failed: the
+        multi-tensor path where it applies (their per-tensor state, created for Triton, moves into flat buffers at
+        the first such step), tensor by tensor otherwise. The same math as their Triton kernels."""
+        flat_items = []
+        for param, grad, state, full in items:
+            if self._multi_tensor_eligible(full, param):
+                flat_items.append((param, grad, state, full))
+            else:
+                self._update(param, grad, state, group, full=full)
+        if flat_items:
+            self._update_flat(group, flat_items)
 
     # The multi-tensor path runs its own compiled kernels: under an outer torch.compile(optimizer.step) it runs as
     # it is (dynamo would otherwise specialize on every step's learning rate and bias corrections).
@@ -319,8 +342,9 @@ class HfOptimizer(torch.optim.Optimizer):
             for (param, _, state, full), place in zip(items, located)
             if place is None
         ]
-        if homeless:  # a loaded state dict replaced their state: move it into flat buffers
-            self._flat.adopt(self.state_specs, homeless, self._allocate)
+        if homeless:  # a loaded state dict (or the Triton path, before a fallback) made their state: move it in
+            for piece in _adoption_pieces(homeless):
+                self._flat.adopt(self.state_specs, piece, self._allocate)
             located = [place or self._flat.locate(full, state) for (_, _, state, full), place in zip(items, located)]
         batches: dict[tuple, tuple[FlatState, list]] = {}
         ordinals: dict[int, dict[int, int]] = {}  # per flat buffer: member index -> parameter ordinal
@@ -728,6 +752,27 @@ class HfOptimizer(torch.optim.Optimizer):
                     "or uint8 (fp32 values, or quantized codes with their absmax and qmap)"
                 )
             fmt.check_loaded(param, state, spec, where)
+
+
+ADOPT_BYTES = 256 << 20
+"""Most bytes of state moved into flat buffers at once: until a parameter's old state is released, it exists twice,
+so adopting a whole model's state in one piece would briefly double it (on a GPU, that can fail for lack of memory
+at the very step that falls back from a failed Triton kernel)."""
+
+
+def _adoption_pieces(entries: list) -> list[list]:
+    """``entries`` (``FlatStates.adopt``'s) in consecutive pieces of at most :data:`ADOPT_BYTES` of state each (a
+    larger parameter's state is a piece by itself)."""
+    pieces, size = [], 0
+    for entry in entries:
+        state = entry[2]
+        nbytes = sum(t.nbytes for t in state.values() if isinstance(t, torch.Tensor))
+        if not pieces or size + nbytes > ADOPT_BYTES:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(entry)
+        size += nbytes
+    return pieces
 
 
 def _owner(cls: type, name: str) -> type:

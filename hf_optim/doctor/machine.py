@@ -1,0 +1,117 @@
+"""What the doctor reports about this machine: versions, devices and the backend each gets, paging, caches."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+import torch
+
+from hf_optim.kernels import backend as kernel_backend
+from hf_optim.kernels import triton_guard
+from hf_optim.paging import managed, paging_unavailable_reason
+
+PACKAGES = ("torch", "triton", "transformers", "trl", "peft", "bitsandbytes", "accelerate")
+MANAGED_PROBE_BYTES = 1 << 20
+"""The managed buffer the paging check allocates: 1 MiB, and only when four times that is free on the card."""
+
+
+def versions() -> dict[str, str | None]:
+    """Python, hf_optim, the packages hf_optim works with (None: not installed), CUDA runtime and driver."""
+    import hf_optim
+
+    found: dict[str, str | None] = {"python": platform.python_version(), "hf_optim": hf_optim.__version__}
+    for package in PACKAGES:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    found["cuda_runtime"] = torch.version.cuda or (f"ROCm {torch.version.hip}" if torch.version.hip else None)
+    found["cuda_driver"] = driver_version() if torch.cuda.is_available() else None
+    return found
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version through NVML (nvidia-ml-py), else the CUDA driver API version torch reports."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # noqa: BLE001 - no NVML (not installed, ROCm, a container without it): try the runtime
+        pass
+    try:
+        version = torch._C._cuda_getDriverVersion()  # e.g. 12040 for CUDA 12.4
+        return f"CUDA {version // 1000}.{version % 1000 // 10} driver API"
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def devices() -> list[torch.device]:
+    """The CPU and every visible CUDA device."""
+    found = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        found += [torch.device("cuda", index) for index in range(torch.cuda.device_count())]
+    return found
+
+
+def describe_device(device: torch.device, interpret: bool = False) -> dict:
+    """Name, arch, the backend the device gets, its PyTorch path, and whether paged optimizers page there."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name, memory = props.name, int(props.total_memory)
+        arch = triton_guard.device_arch(device)
+    else:
+        name, memory = platform.processor() or platform.machine(), None
+        arch = platform.machine()
+    if interpret and device.type == "cpu":
+        chosen = "triton (interpreter)"
+    else:
+        try:
+            chosen = kernel_backend.backend_name(device)
+        except (RuntimeError, ValueError) as error:  # HF_OPTIM_BACKEND asks for what cannot run here
+            chosen = f"error: {error}"
+    return {
+        "device": str(device),
+        "name": name,
+        "arch": arch,
+        "memory_bytes": memory,
+        "backend": chosen,
+        "pytorch_path": kernel_backend.torch_backend_name(device),
+        "paging": check_paging(device),
+    }
+
+
+def check_paging(device: torch.device) -> str:
+    """``works`` after allocating, prefetching, writing and reading back a 1 MiB managed buffer on ``device``; else
+    why paged optimizers keep their state in ordinary memory there."""
+    reason = paging_unavailable_reason(device)
+    if reason is not None:
+        return f"unavailable: {reason}"
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < 4 * MANAGED_PROBE_BYTES:
+        return f"not checked: only {free} bytes free on {device}"
+    try:
+        buffer = managed.managed_zeros(managed.runtime(), (MANAGED_PROBE_BYTES // 4,), torch.float32, device)
+        buffer += 1.5
+        managed.prefetch(managed.runtime(), buffer)
+        total = float(buffer.sum())
+        del buffer
+    except Exception as error:  # noqa: BLE001 - whatever the runtime says is the answer
+        return f"FAILED: {triton_guard.first_line(error)}"
+    expected = 1.5 * (MANAGED_PROBE_BYTES // 4)
+    if total != expected:
+        return f"FAILED: a managed buffer read back {total}, expected {expected}"
+    return "works (1 MiB managed buffer allocated, prefetched, written, read back)"
+
+
+def caches() -> dict[str, str]:
+    """Where inductor and Triton keep compiled kernels (later processes load them instead of compiling)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        inductor = cache_dir()
+    except Exception as error:  # noqa: BLE001 - a torch without this module
+        inductor = f"unknown ({triton_guard.first_line(error)})"
+    return {"inductor": inductor, "triton": triton_guard.cache_dir()}
