@@ -5,10 +5,11 @@
     python benchmarks/gpu_static.py --json benchmarks/results/gpu_static_after.json
     python benchmarks/gpu_static.py --from-json benchmarks/results/gpu_static_before.json --markdown
 
-Each configuration is compiled with Triton's ahead-of-time compiler (``triton.compile(ASTSource(...),
-target=GPUTarget("cuda", cc, 32))``: no device or driver needed) to a cubin for each arch, and the cubin is read with
-the tools in Triton's wheel (``cuobjdump -res-usage``, ``nvdisasm``; ``ptxas -v``'s log for spills). One table, one
-row per configuration and arch:
+The configurations are those ``hf_optim.kernels.triton_configs.kernel_specs`` lists (exactly what the optimizers
+launch, built from the configuration objects the launches use). Each is compiled with Triton's ahead-of-time
+compiler (``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``: no device or driver needed) to a
+cubin for each arch, and the cubin is read with the tools in Triton's wheel (``cuobjdump -res-usage``, ``nvdisasm``;
+``ptxas -v``'s log for spills). One table, one row per configuration and arch:
 
 - ``regs``: registers per thread; ``spill st/ld``: bytes of spill stores / loads (``ptxas -v``); ``local``: local
   memory instructions (``LDL``/``STL``) in the SASS; ``smem``: shared memory per block in bytes (Triton's dynamic
@@ -20,10 +21,11 @@ row per configuration and arch:
   its blocks (16, 32, 16, 24, 32) and its shared memory (64, 164, 100, 100, 228 KiB).
 - ``inst/el``: SASS instructions executed per thread on the main path x threads per program / elements per program.
   The main path is the common case: a full tile, the configuration's parameter dtype and state format, no special
-  operands. For straight-line code it is the static instruction count. Where a kernel branches at run time
-  (today's fused kernel branches on dtype and state format per tensor), only the executed path is counted, found by
-  a control-flow analysis of the SASS (method below). Loops count their trip count; kernels whose work is per
-  tensor (reductions over per-tile partials) have no per-element count (``-``).
+  operands. For straight-line code it is the static instruction count. Where a kernel branches at run time (the
+  generic fused kernel before issue 22 branched on dtype and state format per tensor), only the executed path is
+  counted, found by a control-flow analysis of the SASS (method below). Loops count their trip count; kernels whose
+  work is per tensor (reductions over per-tile partials) have no per-element count (``-``). A configuration off the
+  main path (the masked kernel of a tensor's last, partial tile) shows its own count and gets no prediction.
 - ``compile s``: wall seconds of ``triton.compile`` (front end, LLVM and ``ptxas``) for that arch, cold (Triton's
   cache is bypassed); one binary serves every row that shares its compile-time constants, and its seconds are shown
   on each of them. They depend on the machine and its load.
@@ -56,10 +58,12 @@ side, and these rules are tried in order:
    runs it.
 
 A branch no rule decides follows its larger side (an upper bound) and is counted in ``ambiguous_branches``
-(marked ``?`` in the table); every configuration here has none. A backward branch attributed to a ``for`` header is
-that loop's latch, taken trip count - 1 times (a compiler or library loop runs once and counts as ambiguous).
-Predicated instructions count where they lie on the path: they issue whatever their predicate. The method is checked
-on kernels with known answers (tests/gpu_static_probe.py: the arm of a run-time branch, loop trips, a spill).
+(marked ``?`` in the table); the CI test asserts there are none in the fused kernels. A backward branch attributed
+to a ``for`` header is that loop's latch, taken trip count - 1 times; a loop whose body ends in an unconditional
+backward branch leaves at its exit test (the branch attributed to the same header) once the body ran trip count
+times; a compiler or library loop runs once and counts as ambiguous. Predicated instructions count where they lie on
+the path: they issue whatever their predicate. The method is checked on kernels with known answers
+(tests/gpu_static_probe.py: the arm of a run-time branch, loop trips, a spill).
 
 Machine-readable output: ``--json PATH`` writes every row (and the environment); ``--from-json A.json [B.json ...]``
 re-renders saved runs (merged: run arch subsets separately, then merge them with ``--json``); ``--markdown`` prints the
@@ -76,7 +80,6 @@ import collections
 import contextlib
 import datetime
 import functools
-import importlib
 import inspect
 import io
 import json
@@ -311,7 +314,8 @@ def _run_tool(name: str, cubin: bytes, *args: str) -> str:
         f.flush()
         done = subprocess.run([_tool(name), *args, f.name], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"{name} {' '.join(args)} failed: {done.stderr.strip().splitlines()[:1]}")
+        first = (done.stderr.strip().splitlines() or ["no message"])[0]
+        raise RuntimeError(f"{name} {' '.join(args)} failed: {first}")
     return done.stdout
 
 
@@ -531,15 +535,21 @@ def _arm_keys(ins: Instruction) -> set[tuple[str, int, int]]:
     return {(path, index, arm) for path, line in ins.frames for index, arm in _line_arms(path).get(line, ())}
 
 
-@functools.cache
 def _module_namespace(path: str) -> dict:
     """The numeric globals of the loaded module at ``path`` (``tl.constexpr`` values unwrapped), for the tests."""
-    for module in list(sys.modules.values()):
-        file = getattr(module, "__file__", None)
-        if file and os.path.realpath(file) == os.path.realpath(path):
-            values = {name: getattr(value, "value", value) for name, value in vars(module).items()}
-            return {name: value for name, value in values.items() if isinstance(value, int | float | bool)}
-    return {}
+    if path not in _NAMESPACES:
+        for module in list(sys.modules.values()):
+            file = getattr(module, "__file__", None)
+            if file and os.path.realpath(file) == os.path.realpath(path):
+                values = {name: getattr(value, "value", value) for name, value in vars(module).items()}
+                _NAMESPACES[path] = {k: v for k, v in values.items() if isinstance(v, int | float | bool)}
+                break
+        else:
+            return {}  # not imported (yet): not remembered
+    return _NAMESPACES[path]
+
+
+_NAMESPACES: dict[str, dict] = {}
 
 
 class Decisions:
@@ -939,213 +949,25 @@ def predict(rows: list[dict], configs: dict[str, LaunchConfig], numels: Sequence
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Today's configurations (the kernels' own enumerator replaces this when the kernels layer has one)
+# Facts of the main path
 
 FULL_TILE = {"first_block": 0, "n": 1 << 40}
-"""Facts of a program whose tile lies wholly inside its tensor (the main path)."""
-LLAMA_MATRIX = (8192, 2048)
-"""The Llama-3.2-1B shape with the most elements after the embedding (MLP gate/up): per-element counts of loops."""
+"""Run-time facts of a program whose tile lies wholly inside its tensor (for kernels that test it at run time)."""
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _dtype_facts(dtype: str) -> dict:
-    """The kernels' run-time code of parameter dtype ``dtype`` (``fp32``, ``bf16``, ``fp16``) and its bytes."""
+    """The kernels' code of parameter dtype ``dtype`` (``fp32``, ``bf16``, ``fp16``) and its bytes per element."""
     import torch  # noqa: PLC0415
 
+    from hf_optim.kernels.triton_tile import dtype_code  # noqa: PLC0415
+
     torch_dtype = getattr(torch, DTYPE_NAMES[dtype])
-    for module in ("hf_optim.kernels.triton_tile", "hf_optim.kernels.triton_blockwise"):  # where it lives
-        try:
-            code = importlib.import_module(module).dtype_code(torch_dtype)
-        except (ModuleNotFoundError, AttributeError):
-            continue
-        return {"dtype": code, "param_bytes": torch_dtype.itemsize}
-    raise RuntimeError("no dtype_code() in hf_optim.kernels.triton_tile or triton_blockwise")
-
-
-def _hyper_signature(algorithm) -> tuple:
-    return algorithm.hyper(*["fp32"] * len(algorithm.hyper._fields))
-
-
-ROUNDING_ARGS = {"ordinals": "*i64", "key": "*i64"}
-
-
-def today_configs() -> list[LaunchConfig]:
-    """Every kernel configuration today's optimizers launch (and the standalone kernels tests and tools launch).
-
-    Today the fused kernel branches on dtype and state format at run time, so one binary per (algorithm, stochastic
-    rounding) serves every (parameter dtype, state format): each of those is a row (its own main path) sharing that
-    binary.
-    """
-    import hf_optim  # noqa: F401, PLC0415  (registers the algorithms)
-    from hf_optim.kernels import (  # noqa: PLC0415
-        triton_adafactor,
-        triton_blockwise,
-        triton_blockwise4,
-        triton_elementwise,
-        triton_lamb,
-        triton_multi_tensor,
-        triton_rounding,
-    )
-    from hf_optim.kernels.algorithm import resolve  # noqa: PLC0415
-    from hf_optim.kernels.formats import FORMATS  # noqa: PLC0415
-    from hf_optim.optim import registry  # noqa: PLC0415
-
-    no_fusion = {"enable_fp_fusion": False}  # launch_kwargs on CUDA
-    blocks, cols = triton_elementwise.TILE_BLOCKS, triton_multi_tensor.META_COLS
-    tile = blocks * 256
-    formats = sorted(FORMATS.values(), key=lambda fmt: -fmt.bits)
-    configs: list[LaunchConfig] = []
-
-    for family in registry.families():
-        algorithm = family.algorithm
-        if algorithm.triton_rule is None:
-            continue
-        lamb = not algorithm.triton_plan.elementwise  # the rule's direction pass of a plan with more passes (LAMB)
-        signed = [spec.signed for spec in algorithm.slots for _ in range(spec.rows)] + [True] * 3
-        bits = family.base._supported_bits()
-        for sr in (False,) if lamb else (False, True):
-            constexprs = {"RULE": resolve(algorithm.triton_rule), "ROWS": algorithm.state_rows,
-                          "SIGNED0": signed[0], "SIGNED1": signed[1], "SIGNED2": signed[2], "WRITE_OUT": lamb,
-                          "NORMS": lamb, "BLOCKS": blocks, "COLS": cols, "ALIGNED": True, "SR": sr}
-            signature = {"meta": "*i64", "tiles": "*i32", "partials": "*fp32", "maps": "*i64",
-                         "h": _hyper_signature(algorithm), **ROUNDING_ARGS}
-            for dtype in ("bf16",) if sr else ("fp32", "bf16", "fp16"):
-                facts = _dtype_facts(dtype)
-                for fmt in formats:
-                    if fmt.bits not in bits:
-                        continue
-                    stream = Stream(facts["param_bytes"], fmt, algorithm.state_rows, param_write=not lamb,
-                                    out_write=4 if lamb else 0)
-                    prefix = "lamb/direction" if lamb else f"fused/{algorithm.name}"
-                    suffix = " sr" if sr else ""
-                    configs.append(LaunchConfig(
-                        f"{prefix} {dtype} {fmt.bits}bit{suffix}", triton_elementwise._fused_update_kernel, signature,
-                        constexprs, options=no_fusion, facts={**FULL_TILE, "dtype": facts["dtype"], "fmt": fmt.code},
-                        elements_per_program=tile, stream=stream, group="lamb" if lamb else "fused",
-                        fp32_state_twin=f"{prefix} {dtype} 32bit{suffix}", launched_by=f"{family.base.__name__}"))
-
-    # LAMB's other passes
-    for adapt, clamp in ((True, True), (True, False), (False, False), (False, True)):
-        configs.append(LaunchConfig(
-            f"lamb/ratio adapt={adapt:d} clamp={clamp:d}", triton_lamb._ratio_kernel,
-            {"meta": "*i64", "partials": "*fp32", "ratios": "*fp32", "max_trust_ratio": "fp32"},
-            {"ADAPT": adapt, "CLAMP": clamp, "CHUNK": triton_lamb.REDUCE_CHUNK, "BLOCKS": blocks, "COLS": cols},
-            options=no_fusion, group="lamb", launched_by="LAMB"))
-    for sr in (False, True):
-        for dtype in ("bf16",) if sr else ("fp32", "bf16", "fp16"):
-            facts = _dtype_facts(dtype)
-            configs.append(LaunchConfig(
-                f"lamb/apply {dtype}{' sr' if sr else ''}", triton_lamb._apply_kernel,
-                {"meta": "*i64", "tiles": "*i32", "ratios": "*fp32", "lr": "fp32", **ROUNDING_ARGS},
-                {"BLOCKS": blocks, "COLS": cols, "ALIGNED": True, "SR": sr}, options=no_fusion,
-                facts={**FULL_TILE, "dtype": facts["dtype"]}, elements_per_program=tile,
-                stream=Stream(facts["param_bytes"], None, 0, grad_read=False, out_read=4), group="lamb",
-                launched_by="LAMB"))
-
-    configs.extend(_adafactor_configs(triton_adafactor, blocks, no_fusion))
-
-    # standalone kernels (tests and tools; Triton's default fp fusion, as launched)
-    blocks8, blocks4 = triton_blockwise.TILE_BLOCKS, triton_blockwise4.TILE_BLOCKS
-    for signed in (True, False):
-        configs.append(LaunchConfig(
-            f"standalone/quantize8 signed={signed:d}", triton_blockwise._quantize_kernel,
-            {"values_ptr": "*fp32", "codes_ptr": "*u8", "absmax_ptr": "*fp32", "table_ptr": "*i32", "n": "i32",
-             "blocks_per_row": "i32"}, {"SIGNED": signed, "BLOCKS": blocks8}, elements_per_program=blocks8 * 256,
-            group="standalone", launched_by="triton_blockwise.quantize (tests, tools)"))
-    configs.append(LaunchConfig(
-        "standalone/dequantize8", triton_blockwise._dequantize_kernel,
-        {"codes_ptr": "*u8", "absmax_ptr": "*fp32", "qmap_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
-         "blocks_per_row": "i32"}, {"BLOCKS": blocks8}, elements_per_program=blocks8 * 256, group="standalone",
-        launched_by="triton_blockwise.dequantize (tests, tools)"))
-    four = {"n": "i32", "row_bytes": "i32", "row_blocks": "i32"}
-    configs.append(LaunchConfig(
-        "standalone/quantize4", triton_blockwise4._quantize_kernel,
-        {"values_ptr": "*fp32", "codes_ptr": "*u8", "scale_ptr": "*fp32", "thresholds_ptr": "*fp32", **four},
-        {"BLOCKS": blocks4}, elements_per_program=blocks4 * 128, group="standalone",
-        launched_by="triton_blockwise4.quantize (tests, tools)"))
-    configs.append(LaunchConfig(
-        "standalone/dequantize4", triton_blockwise4._dequantize_kernel,
-        {"codes_ptr": "*u8", "scale_ptr": "*fp32", "qmap_ptr": "*fp32", "out_ptr": "*fp32", **four},
-        {"BLOCKS": blocks4}, elements_per_program=blocks4 * 128, group="standalone",
-        launched_by="triton_blockwise4.dequantize (tests, tools)"))
-    configs.append(LaunchConfig(
-        "standalone/round_bf16", triton_rounding._round_kernel,
-        {"values_ptr": "*fp32", "out_ptr": "*i16", "n": "i32", "start": "i32", "ordinal": "i64", "key": "*i64"},
-        {"BLOCK": 1024}, elements_per_program=1024, group="standalone",
-        launched_by="triton_rounding.round_to_bf16 (tests, tools)"))
-    return configs
-
-
-def _adafactor_configs(module, tile_blocks: int, options: dict) -> list[LaunchConfig]:
-    """Adafactor's six passes; loops and per-element counts on a factored :data:`LLAMA_MATRIX` tensor."""
-    height, cols = LLAMA_MATRIX
-    meta = {"meta": "*i64", "units": "*i32"}
-    ncols = {"NCOLS": module.META_COLS}
-    factored = {"tl.load(row + FACTORED) != 0": True, "cols": cols, "height": height, "rows": height}
-    tile = tile_blocks * 256
-    br, bc = module.ROWS_PER_PROGRAM, module.COLS_PER_PROGRAM
-    scratch = {"row_factor": "*fp32", "col_factor": "*fp32"}
-    configs = []
-    for dtype in ("fp32", "bf16", "fp16"):
-        facts = {**factored, "dtype": _dtype_facts(dtype)["dtype"]}
-        configs.append(LaunchConfig(
-            f"adafactor/row_stats {dtype}", module._row_stats_kernel,
-            {**meta, "row_sums": "*fp32", "param_sq": "*fp32", "eps1": "fp32"}, {"BR": br, "BC": bc, **ncols},
-            options=options, facts=facts, elements_per_program=br * cols, group="adafactor", launched_by="Adafactor"))
-        configs.append(LaunchConfig(
-            f"adafactor/col_stats {dtype}", module._col_stats_kernel, {**meta, "col_sums": "*fp32", "eps1": "fp32"},
-            {"BR": br, "BC": bc, **ncols}, options=options, facts=facts, elements_per_program=bc * height,
-            group="adafactor", launched_by="Adafactor"))
-        configs.append(LaunchConfig(
-            f"adafactor/update_sq {dtype}", module._update_sq_kernel,
-            {"meta": "*i64", "tiles": "*i32", **scratch, "partials": "*fp32", "beta2t": "fp32",
-             "one_minus_beta2t": "fp32", "eps1": "fp32"}, {"BLOCKS": tile_blocks, **ncols}, options=options,
-            facts=facts, elements_per_program=tile, group="adafactor", launched_by="Adafactor"))
-    finalize = {**meta, "row_sums": "*fp32", "param_sq": "*fp32", "col_sums": "*fp32", **scratch, "lrs": "*fp32",
-                "step_size": "fp32", "eps2": "fp32", "beta2t": "fp32", "one_minus_beta2t": "fp32"}
-    for scale in (True, False):
-        configs.append(LaunchConfig(
-            f"adafactor/finalize scale={scale:d}", module._finalize_kernel, finalize,
-            {"SCALE": scale, "CHUNK": module.REDUCE_CHUNK, **ncols}, options=options, group="adafactor",
-            launched_by="Adafactor"))
-    configs.append(LaunchConfig(
-        "adafactor/clip", module._clip_kernel,
-        {"meta": "*i64", "partials": "*fp32", "clip_denominators": "*fp32", "inverse_clip_threshold": "fp32"},
-        {"CHUNK": module.REDUCE_CHUNK, "BLOCKS": tile_blocks, **ncols}, options=options, group="adafactor",
-        launched_by="Adafactor"))
-    apply = {"meta": "*i64", "tiles": "*i32", **scratch, "clip_denominators": "*fp32", "lrs": "*fp32", "eps1": "fp32",
-             "negative_decay": "fp32", "qmap": "*fp32", "table": "*i32", "beta1": "fp32", "one_minus_beta1": "fp32",
-             "ordinals": "*i64", "sr_key": "*i64"}
-    from hf_optim.kernels.formats import BLOCKWISE8, FP32  # noqa: PLC0415
-
-    for has_m in (False, True):
-        for decay in (False, True):
-            for sr in (False, True):
-                for dtype in ("bf16",) if sr else ("fp32", "bf16", "fp16"):
-                    for fmt in (FP32, BLOCKWISE8) if has_m else (None,):
-                        label = f"adafactor/apply {dtype}" + (f" m={fmt.bits}bit" if fmt else "")
-                        label += f"{' decay' if decay else ''}{' sr' if sr else ''}"
-                        facts = {**FULL_TILE, **factored, "dtype": _dtype_facts(dtype)["dtype"],
-                                 **({"fmt": fmt.code} if fmt else {})}
-                        configs.append(LaunchConfig(
-                            label, module._apply_kernel, apply,
-                            {"HAS_M": has_m, "HAS_DECAY": decay, "BLOCKS": tile_blocks, **ncols, "SR": sr},
-                            options=options, facts=facts, elements_per_program=tile, group="adafactor",
-                            launched_by="Adafactor"))
-    return configs
+    return {"dtype": dtype_code(torch_dtype), "param_bytes": torch_dtype.itemsize}
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The kernels layer's enumerator (hf_optim.kernels.triton_configs), when the checkout has one
-
-
-def _kernels_layer():
-    try:
-        return importlib.import_module("hf_optim.kernels.triton_configs")
-    except ModuleNotFoundError as error:
-        if error.name != "hf_optim.kernels.triton_configs":
-            raise
-        return None
+# The configurations: the kernels layer's enumerator (hf_optim.kernels.triton_configs)
 
 
 def kernel_layer_configs() -> tuple[list[LaunchConfig], list[str]]:
@@ -1154,11 +976,9 @@ def kernel_layer_configs() -> tuple[list[LaunchConfig], list[str]]:
     arch (a few configurations take another tile width on some arches): each configuration is kept for the arches
     it is launched on."""
     import hf_optim  # noqa: F401, PLC0415  (registers the algorithms)
+    from hf_optim.kernels import triton_configs as layer  # noqa: PLC0415
     from hf_optim.optim import registry  # noqa: PLC0415
 
-    layer = _kernels_layer()
-    if layer is None:
-        raise SystemExit("--source kernels: this checkout has no hf_optim/kernels/triton_configs.py")
     algorithms = [(family.algorithm, family.base._supported_bits()) for family in registry.families()]
     per_arch = "arch" in inspect.signature(layer.kernel_specs).parameters
     configs = []
@@ -1187,14 +1007,6 @@ def _from_spec(spec, arch: str | None = None) -> LaunchConfig:
                           stream=stream, group=spec.group, fp32_state_twin=spec.fp32_state_twin,
                           launched_by=spec.launched_by, main=spec.main, specialization=spec.attrs(), arch=arch)
     return config
-
-
-def load_configs(source: str) -> tuple[list[LaunchConfig], list[str]]:
-    """(configurations, the cold-start set) from ``source``: ``kernels`` (the kernels layer's enumerator), ``today``
-    (this script's enumeration of the generic fused kernel), ``auto`` (the first of those the checkout has)."""
-    if source == "today" or (source == "auto" and _kernels_layer() is None):
-        return today_configs(), list(COLD_START)
-    return kernel_layer_configs()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1291,11 +1103,6 @@ def cold_start(rows: Sequence[dict], config_names: Iterable[str], arch: str) -> 
     return sum(seconds.values()) if seconds else None
 
 
-COLD_START = ("fused/adamw bf16 8bit", "fused/adamw bf16 32bit")
-"""What one AdamW8bit step with bf16 parameters launches today on the Llama-3.2-1B set (tensors under min_8bit_size
-keep fp32 state); the kernels layer's enumerator names its own (``step_specs``)."""
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Output
 
@@ -1329,7 +1136,9 @@ def caption(environment: dict) -> str:
             "('issue': issue-bound)")
 
 
-def summary(rows: Sequence[dict], cold_start_configs: Iterable[str] = COLD_START) -> list[str]:
+def summary(rows: Sequence[dict], cold_start_configs: Iterable[str] = ()) -> list[str]:
+    """Lines under the table: the cold start of ``cold_start_configs`` (the binaries one AdamW8bit step with bf16
+    parameters launches), the problems, undecided branches and main paths not found."""
     lines = []
     for arch in sorted({row["arch"] for row in rows}):
         seconds = cold_start(rows, cold_start_configs, arch)
@@ -1355,12 +1164,13 @@ def print_table(rows: Sequence[dict], environment: dict) -> None:
 
     table = Table(title="Triton kernels compiled ahead of time", caption=caption(environment))
     for column in COLUMNS:
-        table.add_column(column, justify="left" if column in ("config", "arch") else "right")
+        table.add_column(column, justify="left" if column in ("config", "arch") else "right",
+                         no_wrap=column == "config")
     for row in rows:
         table.add_row(*_cells(row))
     console = Console(width=max(160, Console().width))
     console.print(table)
-    for line in summary(rows, environment.get("cold_start", COLD_START)):
+    for line in summary(rows, environment.get("cold_start", ())):
         console.print(line)
 
 
@@ -1373,7 +1183,7 @@ def markdown(rows: Sequence[dict], environment: dict) -> str:
         by_config.setdefault(row["config"], {})[row["arch"]] = row
     each = "/".join(arch.removeprefix("sm_") for arch in arches)
     gpus = [gpu for gpu in GPUS if gpu.arch in arches]
-    header = (["config", "warps", f"regs ({each})", f"occupancy % ({each})", f"spill B ({each})", "smem B",
+    header = (["config", "warps", f"regs ({each})", f"occupancy % ({each})", f"spill B ({each})", f"smem B ({each})",
                f"inst/el ({each})", f"compile s ({each})"]
               + [f"{gpu.name} ms: bw / predicted" for gpu in gpus])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -1391,7 +1201,7 @@ def markdown(rows: Sequence[dict], environment: dict) -> str:
         line = [name, str(first["num_warps"]), joined(cells, lambda r: str(r["regs"])),
                 joined(cells, lambda r: f"{100 * r['occupancy']:.0f}"),
                 joined(cells, lambda r: str(r["spill_stores"] + r["spill_loads"])),
-                "/".join(dict.fromkeys(str(r["smem"]) for r in cells.values() if "smem" in r)), ipe,
+                joined(cells, lambda r: str(r["smem"])), ipe,
                 joined(cells, lambda r: f"{r['compile_seconds']:.1f}")]
         for gpu in gpus:
             row = cells.get(gpu.arch, {})
@@ -1400,7 +1210,7 @@ def markdown(rows: Sequence[dict], environment: dict) -> str:
             line.append("" if bw is None else f"{bw:.2f} / {predicted:.2f}{issue}")
         lines.append("| " + " | ".join(line) + " |")
     notes = [("  - " + line.strip()) if line.startswith("  ") else "- " + line
-             for line in summary(rows, environment.get("cold_start", COLD_START))]
+             for line in summary(rows, environment.get("cold_start", ()))]
     return "\n".join([*lines, "", caption(environment) + ".", "", *notes])
 
 
@@ -1457,10 +1267,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--from-json", type=Path, nargs="+", help="render saved --json runs (merged) instead of "
                         "compiling")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    parser.add_argument("--source", choices=("auto", "kernels", "today"), default="auto",
-                        help="the configurations: the kernels layer's enumerator (hf_optim.kernels.triton_configs), "
-                        "this script's enumeration of the generic fused kernel (today), or the first one present "
-                        "(auto, default)")
     parser.add_argument("--list", action="store_true", help="list the configurations and exit")
     parser.add_argument("--check", action="store_true", help="exit 1 if a configuration spills, uses local memory "
                         "or fails to compile")
@@ -1468,12 +1274,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: must be at least 1")
     if args.from_json:
+        unreadable = [str(path) for path in args.from_json if not path.is_file()]
+        if unreadable:
+            parser.error(f"--from-json: no such file: {', '.join(unreadable)} (write one with --json)")
         saved = merge([json.loads(path.read_text()) for path in args.from_json])
         rows, env = saved["rows"], saved["environment"]
         if args.json:
             args.json.write_text(json.dumps(saved, indent=1))
     else:
-        every, cold = load_configs(args.source)
+        every, cold = kernel_layer_configs()
         configs = select(every, args.kernels)
         if args.list:
             for name in dict.fromkeys(config.name for config in configs):

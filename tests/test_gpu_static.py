@@ -58,18 +58,20 @@ def test_every_configuration_compiles_for_sm90_and_sm75(table):
     names = set(table["configs"])
     for family in ("adamw", "ademamix", "lion", "rmsprop"):
         for bits in (32, 8, 4):
-            assert f"fused/{family} bf16 {bits}bit" in names and f"fused/{family} bf16 {bits}bit sr" in names
+            for tile in ("full", "partial", "full sr", "partial sr"):
+                assert f"fused/{family} bf16 {bits}bit {tile}" in names
     assert any(name.startswith("lamb/direction") for name in names)
     assert any(name.startswith("adafactor/apply") for name in names)
 
 
 KNOWN_SPILLS = {
-    (f"fused/lion bf16 {bits}bit sr", "sm_90"): "today's generic fused kernel with stochastic rounding: ptxas spills "
-    "4 bytes (2 LDL/STL) for Lion on sm_90; issue 22's specialized kernels are to remove it"
-    for bits in (32, 8, 4)
+    ("fused/ademamix bf16 8bit full", "sm_75"): "ptxas spills 4 bytes (2 LDL/STL)",
+    ("adafactor/apply bf16 grad=bf16 unfactored m=32bit sr", "sm_75"): "ptxas spills 8 bytes (2 LDL/STL)",
+    ("adafactor/apply bf16 grad=bf16 unfactored m=32bit decay sr", "sm_75"): "ptxas spills 8 bytes (2 LDL/STL)",
 }
-"""Problems measured on the kernels as they are, each still asserted to occur: when a kernel change removes one
-(or renames its configuration), this test fails until the entry is deleted, so the list cannot go stale."""
+"""Spills measured on the specialized kernels as merged (i22-kernels 57caa4c, Triton 3.9); issue 22's target is none
+on any arch. Each is asserted to still occur: when a kernel change removes one (or renames its configuration), this
+test fails until the entry is deleted, so the list cannot go stale."""
 
 
 @pytest.mark.slow
@@ -100,10 +102,9 @@ def test_main_path_counts_of_the_fused_kernels_are_decided(table):
     for row in fused:
         assert row["instructions_per_element"] > 0 and row["ambiguous_branches"] == 0, row["config"]
     h100 = {row["config"]: row for row in table["rows"] if row["arch"] == "sm_90" and "H100_bandwidth_ms" in row}
-    for bits in (32, 8, 4):
-        assert f"fused/adamw bf16 {bits}bit" in h100
-    assert (h100["fused/adamw bf16 4bit"]["H100_bandwidth_ms"] < h100["fused/adamw bf16 8bit"]["H100_bandwidth_ms"]
-            < h100["fused/adamw bf16 32bit"]["H100_bandwidth_ms"])
+    bandwidth = [h100[f"fused/adamw bf16 {bits}bit full"]["H100_bandwidth_ms"] for bits in (4, 8, 32)]
+    assert bandwidth == sorted(bandwidth) and len(set(bandwidth)) == 3
+    assert not any("partial" in name for name in h100)  # predictions are for the main path only
 
 
 @pytest.mark.slow
