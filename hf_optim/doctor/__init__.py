@@ -20,6 +20,13 @@ import os
 import subprocess
 import sys
 
+DESCRIPTION = (
+    "Versions, devices and the backend each gets, paged optimizers' managed memory, the caches of compiled kernels; "
+    "then a self-test of that backend against the eager PyTorch reference (every algorithm x state format x "
+    "parameter dtype, a few steps on small tensors) and one timed step per algorithm on a 4096 x 4096 tensor beside "
+    "torch's fused AdamW. Exit status 1 on a mismatch, an error, or a kernel that fell back to the PyTorch path."
+)
+
 
 class _Parser(argparse.ArgumentParser):
     """A bad command line is one line on stderr (exit 2), not the usage block."""
@@ -29,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser(prog: str = "hf-optim doctor") -> argparse.ArgumentParser:
-    result = _Parser(prog=prog, description=__doc__.split("\n\n")[1].replace("\n", " "))
+    result = _Parser(prog=prog, description=DESCRIPTION)
     result.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     result.add_argument("--quick", action="store_true", help="skip the timed steps on a 4096 x 4096 tensor")
     result.add_argument("--interpret", action="store_true",

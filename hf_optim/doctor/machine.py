@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import subprocess
 from importlib import metadata
 
 import torch
@@ -32,20 +33,22 @@ def versions() -> dict[str, str | None]:
 
 
 def driver_version() -> str | None:
-    """The NVIDIA driver's version through NVML (nvidia-ml-py), else the CUDA driver API version torch reports."""
+    """The NVIDIA driver's version: through NVML (nvidia-ml-py), else from ``nvidia-smi``; None when neither answers."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         version = pynvml.nvmlSystemGetDriverVersion()
         return version.decode() if isinstance(version, bytes) else str(version)
-    except Exception:  # noqa: BLE001 - no NVML (not installed, ROCm, a container without it): try the runtime
+    except Exception:  # noqa: BLE001 - no NVML (not installed, ROCm, a container without it): ask nvidia-smi
         pass
     try:
-        version = torch._C._cuda_getDriverVersion()  # e.g. 12040 for CUDA 12.4
-        return f"CUDA {version // 1000}.{version % 1000 // 10} driver API"
-    except Exception:  # noqa: BLE001
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
         return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else None
 
 
 def devices() -> list[torch.device]:
@@ -63,7 +66,7 @@ def describe_device(device: torch.device, interpret: bool = False) -> dict:
         name, memory = props.name, int(props.total_memory)
         arch = triton_guard.device_arch(device)
     else:
-        name, memory = platform.processor() or platform.machine(), None
+        name, memory = cpu_name(), None
         arch = platform.machine()
     if interpret and device.type == "cpu":
         chosen = "triton (interpreter)"
@@ -81,6 +84,18 @@ def describe_device(device: torch.device, interpret: bool = False) -> dict:
         "pytorch_path": kernel_backend.torch_backend_name(device),
         "paging": check_paging(device),
     }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def check_paging(device: torch.device) -> str:

@@ -19,6 +19,12 @@ ONE warning for that (configuration, device) naming the kernel, the device's arc
 error's first line, remembers the failure and returns False; the caller runs the same tensors on the PyTorch path
 (the same math), and :func:`failed` keeps sending that configuration there for the rest of the process.
 
+Use (``triton_step.step_group`` does this per batch of tensors; the kernels launch through :func:`launch`)::
+
+    config = triton_guard.KernelConfig(("fused", "adamw", torch.bfloat16, "blockwise8"), "fused/adamw bf16 8-bit")
+    if triton_guard.failed(config, device) or not triton_guard.run(config, device, lambda: my_passes(...)):
+        ...  # these tensors take the PyTorch path
+
 Messages go to the ``hf_optim`` logger, not to ``warnings``: importing hf_optim gives that logger a console handler
 (``hf_optim.integrations.transformers``), so Trainer and ``hf-optim train`` users see them once, above the progress
 bar; a ``-W error`` warnings filter cannot turn a working fallback into a crash; and the compile notice (INFO) and the
@@ -30,7 +36,8 @@ whether Triton's on-disk cache holds it is only known once the compile returns (
 answer, from Triton's compilation listener, with the seconds it took).
 
 Cost per guarded step: one extra argument binding and cache lookup per launch (the warmup), about 7 us of host
-time per launch measured with Triton 3.9's binder on a CPU; no device work and no synchronization.
+time per launch with Triton 3.9's binder on a 2-core CPU (``benchmarks/guard_overhead.py``); no device work and no
+synchronization.
 """
 
 from __future__ import annotations
@@ -164,6 +171,8 @@ def run(config: KernelConfig, device: torch.device, work: Callable[[], None]) ->
         work()
     finally:
         _recording.reset(token)
+    if not recorder.launches:  # nothing to update (empty tensors): nothing to compile either
+        return True
     first = key not in _prepared
     try:
         if first:
