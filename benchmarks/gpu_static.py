@@ -980,11 +980,8 @@ def kernel_layer_configs() -> tuple[list[LaunchConfig], list[str]]:
     from hf_optim.optim import registry  # noqa: PLC0415
 
     algorithms = [(family.algorithm, family.base._supported_bits()) for family in registry.families()]
-    per_arch = "arch" in inspect.signature(layer.kernel_specs).parameters
-    configs = []
-    for arch in ARCHES if per_arch else (None,):
-        specs = layer.kernel_specs(algorithms, arch=ARCHES[arch].cc) if arch else layer.kernel_specs(algorithms)
-        configs += [_from_spec(spec, arch) for spec in specs]
+    configs = [_from_spec(spec, arch) for arch in ARCHES
+               for spec in layer.kernel_specs(algorithms, arch=ARCHES[arch].cc)]
     dtype = _dtype_facts("bf16")["dtype"]
     cold = [spec.name for spec in layer.step_specs(registry.lookup_algorithm("adamw").algorithm, 8, dtype)]
     return configs, cold
@@ -1296,7 +1293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = run(configs, arches, args.jobs, progress=lambda line: print(line, file=sys.stderr, flush=True))
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            saved = {"environment": env, "arches": arches, "configs": [c.name for c in configs], "rows": rows}
+            names = list(dict.fromkeys(c.name for c in configs))  # one per name: the layer enumerates per arch
+            saved = {"environment": env, "arches": arches, "configs": names, "rows": rows}
             args.json.write_text(json.dumps(saved, indent=1))
     if args.markdown:
         print(markdown(rows, env))

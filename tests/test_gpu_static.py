@@ -64,16 +64,6 @@ def test_every_configuration_compiles_for_sm90_and_sm75(table):
     assert any(name.startswith("adafactor/apply") for name in names)
 
 
-KNOWN_SPILLS = {
-    ("fused/ademamix bf16 8bit full", "sm_75"): "ptxas spills 4 bytes (2 LDL/STL)",
-    ("adafactor/apply bf16 grad=bf16 unfactored m=32bit sr", "sm_75"): "ptxas spills 8 bytes (2 LDL/STL)",
-    ("adafactor/apply bf16 grad=bf16 unfactored m=32bit decay sr", "sm_75"): "ptxas spills 8 bytes (2 LDL/STL)",
-}
-"""Spills measured on the specialized kernels as merged (i22-kernels 57caa4c, Triton 3.9); issue 22's target is none
-on any arch. Each is asserted to still occur: when a kernel change removes one (or renames its configuration), this
-test fails until the entry is deleted, so the list cannot go stale."""
-
-
 @pytest.mark.slow
 def test_no_configuration_spills_or_uses_local_memory(table):
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -81,11 +71,8 @@ def test_no_configuration_spills_or_uses_local_memory(table):
         from gpu_static import problems  # noqa: PLC0415  (no compiling here: the rows come from the fixture)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    rows = {(row["config"], row["arch"]): row for row in table["rows"]}
-    unexpected = problems(row for key, row in rows.items() if key not in KNOWN_SPILLS)
-    assert unexpected == []
-    for key, reason in KNOWN_SPILLS.items():
-        assert key in rows and problems([rows[key]]), f"{key} no longer spills ({reason}): delete its entry"
+    """Issue 22's target: no spills on any arch, for every configuration (no known exceptions)."""
+    assert problems(table["rows"]) == []
 
 
 @pytest.mark.slow
