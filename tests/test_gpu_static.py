@@ -76,6 +76,17 @@ def test_no_configuration_spills_or_uses_local_memory(table):
 
 
 @pytest.mark.slow
+def test_fused_kernels_keep_registers_and_occupancy(table):
+    """Issue 22's targets for the fused elementwise kernels (AdamW, AdEMAMix, Lion, RMSprop, LAMB's passes), whole
+    and partial tiles: at most 96 registers per thread and at least 50% occupancy at the launch's warps."""
+    fused = [row for row in table["rows"] if row["group"] in ("fused", "lamb")]
+    assert fused
+    low = [f"{row['config']} on {row['arch']}: {row['regs']} registers, {row['occupancy']:.0%} occupancy"
+           for row in fused if row["regs"] > 96 or row["occupancy"] < 0.5]
+    assert low == []
+
+
+@pytest.mark.slow
 def test_every_main_path_is_found(table):
     assert [row["config"] for row in table["rows"] if "analysis_error" in row] == []
 

@@ -122,7 +122,7 @@ def fused_spec(algorithm: Algorithm, config: FusedConfig, launched_by: str = "")
         "lamb" if config.write_out else "fused", launched_by or algorithm.class_name,
         elements_per_program=config.tile_blocks * 256, main=config.full, param_dtype=DTYPE_NAMES[config.param_dtype],
         state_format=state_format, state_rows=len(config.formats), writes_direction=config.write_out,
-        fp32_state_twin=twin)
+        fp32_state_twin=twin, options={k: v for k, v in config.launch_options().items() if k != "num_warps"})
 
 
 def _formats() -> list[StateFormat]:
@@ -282,7 +282,8 @@ def standalone_specs() -> list[LaunchSpec]:
 def kernel_specs(algorithms: Iterable[tuple[Algorithm, Iterable[int]]], *, include_unaligned: bool = False,
                  standalone: bool = True, arch: int = 90) -> list[LaunchSpec]:
     """Every kernel configuration the optimizers of ``algorithms`` launch on a GPU of compute capability ``arch``
-    (a few fused configurations take another tile width on some arches: ``FusedConfig.whole_tile_width``).
+    (a few fused configurations take another tile width or a register limit on some arches:
+    ``FusedConfig.whole_tile_width``, ``FusedConfig.max_registers``).
 
     Args:
         algorithms: ``(algorithm, state bits it runs with)`` pairs, e.g. from the optimizer registry.

@@ -44,6 +44,7 @@ from hf_optim.kernels.triton_rounding import store_param
 from hf_optim.kernels.triton_tile import (
     BF16,
     DTYPE_NAMES,
+    FP16,
     launch_options,
     load_values,
     pointer,
@@ -126,6 +127,11 @@ def _fused_update_kernel(
         tl.store(partials + 2 * slot + 1, tile_sum(out * out))
 
 
+SM_64_WARPS = frozenset({80, 90, 100})
+"""Compute capabilities whose SMs hold 64 warps (A100, H100, B200): 50% occupancy at 4 warps per program needs at
+most 64 registers per thread (sm_86, sm_89, sm_120 hold 48, sm_75 32)."""
+
+
 @dataclass(frozen=True)
 class FusedConfig:
     """One specialization of the fused kernel: everything that decides its compiled path.
@@ -140,7 +146,8 @@ class FusedConfig:
         stochastic: bf16 stochastic rounding of the parameter (bf16 parameters only).
         write_out: LAMB's pass: write the rule's output (the direction) and per-tile norms, not the parameter.
         aligned: every address is 16-byte aligned (vector accesses; partial tiles never need it).
-        arch: the CUDA compute capability it is compiled for (``major * 10 + minor``), for the tile width.
+        arch: the CUDA compute capability it is compiled for (``major * 10 + minor``; 0: not an NVIDIA GPU), for
+            the tile width and the register limit.
     """
 
     algorithm: str
@@ -166,22 +173,44 @@ class FusedConfig:
     @property
     def whole_tile_width(self) -> int:
         """Elements per thread row (``triton_tile``) of the whole-tile kernel, chosen from compiled register counts
-        (``benchmarks/gpu_static.py``) so that every kernel fits in 64 registers, 50% occupancy on sm_80 and sm_90:
+        (``benchmarks/gpu_static.py``, Triton 3.9) so that every kernel reaches 50% occupancy at its 4 warps without
+        spills: at most 64 registers on the SMs of 64 warps (sm_80, sm_90), 80 on sm_86/sm_89, 128 on sm_75.
 
         - 8 for 16-bit parameters with quantized state in at most two rows (AdamW, Lion, RMSprop): a 256-element
           block is one warp (its absmax: warp shuffles), a row of bf16 is one 16-byte vector and its 4-bit codes one
           32-bit word; the per-thread work is spread over 8 elements, the fewest instructions per element.
         - 4 otherwise: fp32 parameters or fp32 state (16-byte fp32 vectors; Triton stores at most 16 bytes per
           thread at once, so 8 fp32 values would be redistributed through shared memory before their store), and
-          the configurations that take more than 64 registers at 8: three state rows (AdEMAMix), LAMB's direction
-          pass, and on sm_80 (whose compiler allocates 80+ registers there) 4-bit state. An 8-bit block's absmax
-          then spans two warps (a reduction through shared memory, 16 bytes)."""
+          the configurations that take more than 64 registers at 8 (sm_80 and sm_90 only where the others stay
+          under their limit): three state rows (AdEMAMix), LAMB's direction pass, on sm_80 and sm_90 stochastic
+          rounding and fp16 parameters with 4-bit state, and on sm_80 4-bit state in two rows. An 8-bit block's
+          absmax then spans two warps (a reduction through shared memory, 16 bytes)."""
         quantized = any(code != FP32.code for code in self.formats)
         if not quantized or self.param_dtype == 0 or self.write_out or len(self.formats) > 2:
             return 4
-        if self.arch == 80 and BLOCKWISE4.code in self.formats and len(self.formats) == 2:
+        four_bit = BLOCKWISE4.code in self.formats
+        if self.arch in SM_64_WARPS and (self.stochastic or (four_bit and self.param_dtype == FP16.value)):
+            return 4
+        if self.arch == 80 and four_bit and len(self.formats) == 2:
             return 4
         return 8
+
+    @property
+    def max_registers(self) -> int | None:
+        """``ptxas``' register limit (Triton's ``maxnreg``), or None (none). 64 for three state rows (AdEMAMix) on
+        sm_80: with bf16 parameters, 4-bit state and stochastic rounding it takes 69 registers at width 4 (under 50%
+        occupancy on its 64-warp SM), and ptxas fits it in 64 without spills. Only there: a limit above a kernel's
+        natural count is not free (ptxas then spends registers up to it: AdamW bf16 8-bit SR on sm_80, 48 without,
+        64 with), and every other configuration is within its arch's limit without one (``benchmarks/gpu_static.py``
+        measures every configuration)."""
+        return 64 if self.arch == 80 and len(self.formats) > 2 else None
+
+    def launch_options(self) -> dict:
+        """The launch's options: :func:`triton_tile.launch_options` and the register limit."""
+        options = launch_options(self.num_warps)
+        if self.max_registers is not None:
+            options["maxnreg"] = self.max_registers
+        return options
 
     @property
     def tile_blocks(self) -> int:
@@ -269,7 +298,7 @@ def launch(config: FusedConfig, meta, tiles, num_tiles: int, hyper: tuple, devic
     triton_guard.launch(
         _fused_update_kernel, (num_tiles,),
         meta, tiles, partials if partials is not None else meta, *row_maps(config, device), hyper, ordinals, key,
-        **config.constants(), **launch_options(config.num_warps),
+        **config.constants(), **config.launch_options(),
     )
 
 

@@ -153,12 +153,12 @@ def fused_config(algorithm: Algorithm, kinds: tuple, device: torch.device, *, st
 
 @functools.cache
 def device_arch(device: torch.device) -> int:
-    """CUDA compute capability ``major * 10 + minor`` of ``device`` (the kernels' tile width depends on it); 90 for
-    other devices (the interpreter, XPU), whose kernels take sm_90's configuration."""
+    """CUDA compute capability ``major * 10 + minor`` of ``device`` (the kernels' tile width and register limit
+    depend on it); 0 for other devices (the interpreter, ROCm, XPU): no NVIDIA-specific choice."""
     if device.type == "cuda" and not torch.version.hip:
         major, minor = torch.cuda.get_device_capability(device)
         return major * 10 + minor
-    return 90
+    return 0
 
 
 def _elementwise(algorithm: Algorithm, key, kinds, batch, hyper, cache, device, stochastic=None) -> None:
