@@ -318,6 +318,12 @@ class AdafactorConfig:
 
     num_warps = 4
 
+    def warps(self, name: str) -> int:
+        """Warps per program of pass ``name``: 8 for the column statistics (a 16 x 256 tile: at 4 warps a thread
+        holds 32 gradients and ptxas spills 16 bytes on sm_80 at 80 registers; at 8, 30 registers), else
+        :attr:`num_warps`."""
+        return 8 if name == "col-stats" else self.num_warps
+
     @property
     def key(self) -> tuple:
         return ("adafactor", DTYPE_NAMES[self.param_dtype], DTYPE_NAMES[self.grad_dtype], self.moment_format,
@@ -397,11 +403,9 @@ def step(optimizer, algorithm, group: dict, key, items: list, step: int, hyper, 
                              scale=bool(group["scale_parameter"]), decay=group["weight_decay"] != 0,
                              stochastic=stochastic is not None and first[PARAM_DTYPE.value] == BF16.value)
     kernels = {(name, args.get("FACTORED")): (kernel, args) for name, kernel, args in config.kernels()}
-    options = launch_options(config.num_warps)
-
     def run(name, grid, *args, factored=None):
         kernel, constants = kernels[(name, factored)]
-        triton_guard.launch(kernel, grid, *args, **constants, **options)
+        triton_guard.launch(kernel, grid, *args, **constants, **launch_options(config.warps(name)))
 
     meta = cache.table((algorithm.name, *key), table, torch.int64, device)
     kinds = {True: [i for i, row in enumerate(table) if row[FACTORED.value]],

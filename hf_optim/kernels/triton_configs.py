@@ -222,7 +222,7 @@ def adafactor_specs(bits: Iterable[int] = (8, 32)) -> list[LaunchSpec]:
                                            else None)
                             specs.append(LaunchSpec(
                                 f"adafactor/{name} {label}".strip(), kernel, _ADAFACTOR_SIGNATURES[name], constexprs,
-                                config.num_warps, "adafactor", "Adafactor", elements_per_program=per_program,
+                                config.warps(name), "adafactor", "Adafactor", elements_per_program=per_program,
                                 param_dtype=DTYPE_NAMES[dtype] if name in ("row-stats", "apply") else None))
     return specs
 
