@@ -182,16 +182,16 @@ class FusedConfig:
         - 4 otherwise: fp32 parameters or fp32 state (16-byte fp32 vectors; Triton stores at most 16 bytes per
           thread at once, so 8 fp32 values would be redistributed through shared memory before their store), and
           the configurations that take more than 64 registers at 8 (sm_80 and sm_90 only where the others stay
-          under their limit): three state rows (AdEMAMix), LAMB's direction pass, on sm_80 and sm_90 stochastic
-          rounding and fp16 parameters with 4-bit state, and on sm_80 4-bit state in two rows. An 8-bit block's
-          absmax then spans two warps (a reduction through shared memory, 16 bytes)."""
+          under their limit): three state rows (AdEMAMix), LAMB's direction pass, on sm_80 and sm_90 4-bit state
+          with stochastic rounding or fp16 parameters, and on sm_80 stochastic rounding and 4-bit state in two
+          rows. An 8-bit block's absmax then spans two warps (a reduction through shared memory, 16 bytes)."""
         quantized = any(code != FP32.code for code in self.formats)
         if not quantized or self.param_dtype == 0 or self.write_out or len(self.formats) > 2:
             return 4
         four_bit = BLOCKWISE4.code in self.formats
-        if self.arch in SM_64_WARPS and (self.stochastic or (four_bit and self.param_dtype == FP16.value)):
+        if self.arch in SM_64_WARPS and four_bit and (self.stochastic or self.param_dtype == FP16.value):
             return 4
-        if self.arch == 80 and four_bit and len(self.formats) == 2:
+        if self.arch == 80 and (self.stochastic or (four_bit and len(self.formats) == 2)):
             return 4
         return 8
 
