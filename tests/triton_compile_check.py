@@ -7,14 +7,15 @@ The CPU interpreter (test_triton_kernels.py) checks the math but accepts code th
 each kernel of ``hf_optim.kernels.triton_configs.kernel_specs`` (exactly what the optimizers launch) to a cubin with
 Triton's ahead-of-time compiler and checks the properties the bit-compatibility and bandwidth claims rest on:
 
-- IEEE division and square root (no ``div.full``, no ``sqrt.approx``), and no contraction of separate multiplies and
-  adds into FMAs in the fused elementwise kernels (their rules have none of their own);
+- IEEE division and square root (no ``div.full``, no ``sqrt.approx``; ``rsqrt.approx`` is the 8-bit encoder's), and
+  no contraction of separate multiplies and adds into FMAs in the fused elementwise kernels (every ``fma.rn.f32``
+  comes from an explicit ``tl.fma``, the 8-bit encoder's; the rules have none);
 - no register spills (no local memory);
-- whole, aligned tiles of the fused kernels: 128-bit vector loads, and no shared memory (no layout conversion:
-  per-block values stay where their reduction leaves them), except where it is expected: LAMB's direction pass (its
-  per-tile norms reduce across warps) and 8-bit state at 4 elements per thread (fp32 parameters, AdEMAMix's three
-  rows: ``FusedConfig.whole_tile_width``), whose 256-element blocks span two warps, so each block's absmax reduces
-  through shared memory.
+- whole, aligned tiles of the fused kernels: 128-bit vector loads (64-bit where a thread row is 4 bf16/fp16
+  values), and no shared memory (no layout conversion: per-block values stay where their reduction leaves them),
+  except where it is expected: LAMB's direction pass (its per-tile norms reduce across warps) and 8-bit state at 4
+  elements per thread (``FusedConfig.whole_tile_width``), whose 256-element blocks span two warps, so each block's
+  absmax reduces through shared memory.
 
 The CI set (the default) is every whole-tile fused configuration of AdamW (each dtype and state format, with and
 without stochastic rounding) and, for the other algorithms and the other kernels, one configuration each of every
@@ -27,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("run without TRITON_INTERPRET: interpreted kernels cannot be compiled")
@@ -61,6 +63,30 @@ def local_memory(cubin: bytes) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
+KERNELS = Path(hf_optim.__file__).parent / "kernels"
+
+
+def contracted(ptx: str) -> bool:
+    """Whether an ``fma.rn.f32`` in ``ptx`` comes from a source line without an explicit ``tl.fma`` (the 8-bit
+    encoder's fmas are explicit, ``triton_encode8``; anything else is the compiler contracting a multiply and an
+    add). Each instruction's source line is the ``.loc`` comment before it (``// file.py:line:col``)."""
+    where = None
+    for line in ptx.splitlines():
+        loc = re.search(r"\.loc\s.*//\s*(\S+\.py):(\d+):\d+", line)
+        if loc:
+            where = loc.groups()
+        elif re.search(r"\bfma\.rn\.f32", line):
+            if where is None or "tl.fma" not in _source_line(*where):
+                return True
+    return False
+
+
+def _source_line(name: str, number: str) -> str:
+    path = KERNELS / Path(name).name
+    lines = path.read_text().splitlines() if path.exists() else []
+    return lines[int(number) - 1] if 0 < int(number) <= len(lines) else ""
+
+
 def check(spec: LaunchSpec, arch: int) -> str:
     compiled = spec.compile(arch)
     ptx = compiled.asm["ptx"]
@@ -71,14 +97,18 @@ def check(spec: LaunchSpec, arch: int) -> str:
     if local:
         problems.append(f"{local} bytes of local memory (spills)")
     if spec.group in ("fused", "lamb") and spec.kernel.__name__ == "_fused_update_kernel":
-        if re.search(r"\bfma\.rn\.f32", ptx):
+        if contracted(ptx):
             problems.append("contracted multiply-add")
         if spec.param_dtype == "bf16" and not spec.writes_direction and arch >= 80 and not spec.constexprs.get("SR"):
             if "cvt.rn.bf16" not in ptx:  # triton_tile.fp32_to_bf16: the hardware rounding on the GPU
                 problems.append("bf16 parameters stored without cvt.rn.bf16")
         if spec.main:
-            if not re.search(r"ld\.global(\.[a-z]+)*\.v4\.b32", ptx):
-                problems.append("no 128-bit vector loads on a whole tile")
+            # a thread row of W parameters: 16 bytes (one 128-bit access) when it holds that many, else 8 (bf16 and
+            # fp16 at 4 elements per thread: FusedConfig.whole_tile_width)
+            row_bytes = spec.constexprs["W"] * {"fp32": 4, "bf16": 2, "fp16": 2}[spec.param_dtype]
+            vector = r"v4\.b32" if row_bytes >= 16 else r"v[24]\.b32"
+            if not re.search(rf"ld\.global(\.[a-z]+)*\.{vector}", ptx):
+                problems.append(f"no {min(row_bytes, 16) * 8}-bit vector loads on a whole tile")
             # a 256-element 8-bit block spans two warps at 4 elements per thread: its absmax reduces through
             # shared memory (triton_elementwise.FusedConfig.whole_tile_width)
             two_warp_blocks = spec.state_format is BLOCKWISE8 and spec.constexprs["W"] * 32 < 256
