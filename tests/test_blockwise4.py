@@ -319,7 +319,7 @@ def test_triton_twin_equals_pytorch(device, signed):
         values = adversarial_values(signed)[:, :n].contiguous()
         values[0, n // 2] = float("nan")
         values = values.to(device)
-        codes, scale = triton_blockwise4.quantize(values, thresholds(signed, device))
+        codes, scale = triton_blockwise4.quantize(values, signed)
         ref_codes, ref_scale = b4.quantize(values, thresholds(signed, device))
         assert torch.equal(codes, ref_codes)
         assert torch.equal(scale.isnan(), ref_scale.isnan()) and scale[0, n // 256].isnan()  # the NaN's block
@@ -330,17 +330,44 @@ def test_triton_twin_equals_pytorch(device, signed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_triton_state_helpers_in_a_256_wide_tile(device):
-    """load_state4 / store_state4 inside a kernel tiled like the fused optimizer kernels ((BLOCKS, 256) tiles
-    from triton_blockwise.tile_offsets): an update of one 4-bit state equals the PyTorch path."""
+@pytest.mark.parametrize("width", [8, 4])
+def test_triton_state_helpers_in_a_fused_kernel_tile(device, width):
+    """load_state4 / store_state4 inside a kernel tiled like the fused optimizer kernels (triton_tile.tile: whole
+    tiles through one 32- or 16-bit word per row, the last partial tile byte by byte): an update of one 4-bit state
+    equals the PyTorch path, and no byte past the row's end is written."""
     pytest.importorskip("triton")
     from blockwise4_kernels import scale_and_shift_state
 
-    n = 1000
+    n = 1537  # three whole 512-element tiles and a partial one ending in an odd element (a padding nibble)
     for signed in (True, False):
-        values = adversarial_values(signed)[:1, :n].to(device)
+        values = adversarial_values(signed).flatten()[None, :n].to(device)
         codes, scale = b4.quantize(values, thresholds(signed, device))
         expected = b4.quantize(b4.dequantize(codes, scale, b4.qmap4(signed, device), n) * 0.5 + 0.25,
                                thresholds(signed, device))
-        scale_and_shift_state(codes, scale, b4.qmap4(signed, device), thresholds(signed, device), n)
-        assert torch.equal(codes, expected[0]) and torch.equal(scale, expected[1])
+        guarded = torch.cat([codes[0], torch.full((8,), 0xAB, dtype=torch.uint8, device=device)])
+        scale_and_shift_state(guarded, scale[0], b4.qmap4(signed, device), n, signed, width)
+        assert torch.equal(guarded[: codes.shape[1]], expected[0][0]) and torch.equal(scale, expected[1])
+        assert torch.equal(guarded[codes.shape[1]:], torch.full((8,), 0xAB, dtype=torch.uint8, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_encoders_near_every_threshold(device):
+    """The Triton encoders count thresholds arithmetically (``triton_blockwise4.encode4``): on every fp32 within 64
+    ulps of each threshold of both maps, both signs, plus 0, -0, the map values and +-1, they give the PyTorch
+    path's codes (each 128-value block holds 1.0, so values are their own normalized values).
+    ``benchmarks/encoder4_proof.py`` checks every fp32 in [-1, 1]."""
+    triton_blockwise4 = pytest.importorskip("hf_optim.kernels.triton_blockwise4")
+    edges = torch.cat([b4.encoder_thresholds(True), b4.encoder_thresholds(False)]).abs()
+    bits = edges.view(torch.int32).long()
+    near = (bits[:, None] + torch.arange(-64, 65)[None, :]).flatten().to(torch.int32).view(torch.float32)
+    probes = torch.cat([near, -near, b4.qmap4(True), b4.qmap4(False), torch.tensor([0.0, -0.0, 1.0, -1.0])])
+    probes = probes[probes.abs() <= 1.0]
+    blocks = -(-probes.numel() // 127)
+    padded = torch.cat([probes, torch.zeros(blocks * 127 - probes.numel())]).view(blocks, 127)
+    values = torch.cat([torch.ones(blocks, 1), padded], dim=1)  # 1.0 first: every block's absmax
+    for signed in (True, False):
+        row = (values if signed else values.abs()).reshape(1, -1).to(device)
+        codes, scale = triton_blockwise4.quantize(row, signed)
+        ref_codes, ref_scale = b4.quantize(row, thresholds(signed, device))
+        assert torch.equal(scale, ref_scale) and bool((scale == 1.0).all())
+        assert torch.equal(codes, ref_codes)

@@ -20,6 +20,7 @@ from hf_optim.kernels import (  # noqa: E402
     blockwise,
     triton_blockwise,
     triton_elementwise,
+    triton_lamb,
     triton_step,
 )
 from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table  # noqa: E402
@@ -79,9 +80,8 @@ def test_quantize_and_dequantize_match_pytorch(device, signed):
     values[1, 256:512] = 0.0  # an all-zero block
     values[0, 700] = values[0, 768:1000].abs().max()  # an exact tie for the block maximum
     values = values.to(device)
-    table = encoder_table(signed, device)
-    codes, absmax = triton_blockwise.quantize(values, table, signed)
-    ref_codes, ref_absmax = blockwise.quantize(values, table, signed)
+    codes, absmax = triton_blockwise.quantize(values, signed)
+    ref_codes, ref_absmax = blockwise.quantize(values, encoder_table(signed, device), signed)
     assert torch.equal(codes, ref_codes)
     assert torch.equal(absmax, ref_absmax)
     qmap = dynamic_map(signed, device)
@@ -98,9 +98,8 @@ def test_encoder_midpoints_ties_and_sign_fix(device, signed):
     up, down = torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0))
     probes = torch.cat([mids, up, down, qmap, torch.tensor([-1e-30, -0.0, 0.0, 1e-30, -1e-7, 1.0, -1.0])])
     normalized = probes.clamp(-1.0 if signed else 0.0, 1.0).view(1, -1).to(device)
-    table = encoder_table(signed, device)
-    codes = triton_blockwise.quantize(normalized, table, signed)[0]
-    assert torch.equal(codes, blockwise.quantize(normalized, table, signed)[0])
+    codes = triton_blockwise.quantize(normalized, signed)[0]
+    assert torch.equal(codes, blockwise.quantize(normalized, encoder_table(signed, device), signed)[0])
     if signed:  # -1e-30 and -0.0 take the smallest negative code, not +0
         assert torch.equal(codes[0, -7:-5], torch.tensor([126, 126], dtype=torch.uint8, device=device))
 
@@ -175,59 +174,181 @@ def assert_same_state(ref_opt, ref_params, opt, params, exact_codes, steps=2, st
                 assert ulp_distance(value, ref) <= state_ulps, f"{where}: {key} more than {state_ulps} ulp apart"
 
 
-# Every state format each algorithm runs with (4-bit: AdamW, AdEMAMix, Lion).
-FORMAT_CASES = [
-    pytest.param(cls, kwargs, bits, id=f"{cls.__name__}-{kwargs}-{bits}bit")
-    for cls, kwargs in CASES for bits in cls._supported_bits()
+# Every configuration of the fused kernel, in the interpreter, bit for bit. Each case runs one optimizer over
+# three parameter dtypes, with min_8bit_size lowered so that small tensors cover every kind of program: a quantized
+# tensor with whole tiles and a partial one (2500 elements, an all-zero block, parameters at exactly 0 there), an
+# fp32-state tensor with a whole tile and a short partial one (1030 elements) and a 0-d one; a second param group
+# rounds its bf16 parameters stochastically. Two steps, the second with NaN/+-Inf gradients.
+MIN_8BIT = 1500
+CONFIG_SHAPES = [(50, 50), (1030,), ()]
+CONFIG_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ZERO_BLOCK = slice(256, 512)  # of the first shape: zero parameters and gradients keep a block of zero state
+
+
+def config_problem(device):
+    gen = torch.Generator().manual_seed(0)
+    plain = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype).to(device))
+             for dtype in CONFIG_DTYPES for shape in CONFIG_SHAPES]
+    rounded = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(torch.bfloat16).to(device))
+               for shape in CONFIG_SHAPES]
+    for p in (plain[0], plain[3], plain[6], rounded[0]):
+        p.data.view(-1)[ZERO_BLOCK] = 0.0
+    return plain, rounded
+
+
+def config_grads(params, step):
+    set_grads(params, step, non_finite=step == 1)
+    for p in params:
+        if p.dim() == 2:
+            p.grad.view(-1)[ZERO_BLOCK] = 0.0
+
+
+class CudaScalar(torch.Tensor):
+    """A rule's scalar that divides as torch does on CUDA: ``tensor / scalar`` is ``tensor * (1 / scalar)`` with the
+    fp32 reciprocal (torch's CPU kernels divide; they differ by an ulp now and then). The Triton twins follow the
+    CUDA semantics (``triton_rules``: ``inv_...`` fields), so the reference they are compared with bit for bit does
+    too. Every other operation sees a plain tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        plain = [a.as_subclass(torch.Tensor) if isinstance(a, CudaScalar) else a for a in args]
+        divides = func in (torch.Tensor.__truediv__, torch.Tensor.div, torch.div, torch.true_divide)
+        if divides and isinstance(args[1], CudaScalar) and not isinstance(args[0], CudaScalar):
+            return plain[0] * (torch.ones((), dtype=torch.float32) / plain[1])
+        return func(*plain, **(kwargs or {}))
+
+
+@pytest.fixture
+def cuda_scalars(monkeypatch):
+    """The PyTorch path's rules get :class:`CudaScalar` scalars."""
+    from hf_optim.kernels import elementwise
+
+    original = elementwise.scalar_tensors
+    monkeypatch.setattr(elementwise, "scalar_tensors",
+                        lambda hyper: type(hyper)(*(v.as_subclass(CudaScalar) for v in original(hyper))))
+
+
+def run_config_case(cls, kwargs, device, backend_name, monkeypatch, steps=2):
+    monkeypatch.setenv("HF_OPTIM_BACKEND", backend_name)
+    plain, rounded = config_problem(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = cls([{"params": plain}, {"params": rounded, "bf16_stochastic_round": True}], min_8bit_size=MIN_8BIT,
+                  **kwargs)
+    for step in range(steps):
+        config_grads(plain + rounded, step)
+        opt.step()
+    return opt, plain + rounded
+
+
+def assert_bit_identical(ref_opt, ref_params, opt, params, exact_params=True):
+    for ref_p, p in zip(ref_params, params):
+        where = f"{tuple(p.shape)} {p.dtype}"
+        if exact_params:
+            assert torch.equal(p.view(INT_VIEW[p.dtype]), ref_p.view(INT_VIEW[p.dtype])), f"{where}: parameter"
+        else:
+            assert_params_close(p, ref_p, where, steps=2)
+        ref_state, state = ref_opt.state[ref_p], opt.state[p]
+        assert ref_state.keys() == state.keys()
+        for key, ref in ref_state.items():
+            value = state[key]
+            if isinstance(ref, torch.Tensor):
+                assert value.dtype == ref.dtype and value.shape == ref.shape, f"{where}: {key}"
+                assert torch.equal(value.contiguous().view(-1).view(torch.uint8),
+                                   ref.contiguous().view(-1).view(torch.uint8)), f"{where}: {key} differs"
+            else:
+                assert value == ref
+
+
+CONFIG_CASES = [
+    (hf_optim.AdamW, {}),
+    (hf_optim.AdEMAMix, {"t_alpha": 4, "t_beta3": 4}),
+    (hf_optim.Lion, {"weight_decay": 0.1}),
+    (hf_optim.RMSprop, {"weight_decay": 0.01}),
+    (hf_optim.LAMB, {"max_trust_ratio": 10.0}),
 ]
+FORMAT_CASES = [
+    pytest.param(cls, kwargs, bits, id=f"{cls.__name__}-{bits}bit")
+    for cls, kwargs in CONFIG_CASES for bits in cls._supported_bits()
+] + [pytest.param(hf_optim.LAMB, {"weight_decay": 0.0, "adam_w_mode": False}, 8, id="LAMB-L2-8bit")]
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The fused configurations launched (``triton_elementwise.launch`` records them)."""
+    configs = []
+    original = triton_elementwise.launch
+
+    def recording(config, *args, **kwargs):
+        configs.append(config)
+        return original(config, *args, **kwargs)
+
+    monkeypatch.setattr(triton_elementwise, "launch", recording)
+    for module in (triton_step, triton_lamb):
+        monkeypatch.setattr(module, "launch_fused", recording)
+    return configs
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls,kwargs,optim_bits", FORMAT_CASES)
-def test_fused_update_matches_pytorch(cls, kwargs, optim_bits, device, monkeypatch, use_triton):
-    """Two steps (the second with NaN/+-Inf gradients) over five tensors in one launch: same quantized codes
-    and absmax, same fp32 state, parameters within 1 ulp."""
+def test_fused_update_matches_pytorch(cls, kwargs, optim_bits, device, monkeypatch, use_triton, launched,
+                                      cuda_scalars):
+    """Every fused-kernel configuration of the algorithm with this state format (fp32 / bf16 / fp16 parameters,
+    quantized and fp32 state, whole and partial tiles, bf16 stochastic rounding) against the PyTorch path (its
+    rules dividing by scalars as torch does on CUDA, see :class:`CudaScalar`): codes, absmax, fp32 state and
+    parameters bit for bit in the interpreter (LAMB's parameters: its norms sum in another order, within an ulp);
+    on a GPU, within an ulp and a rare one-code step."""
     kwargs = {**kwargs, "optim_bits": optim_bits}
-    ref_params, params = make_problem(device), make_problem(device)
-    ref_opt = run(cls, kwargs, ref_params, "torch", monkeypatch)
-    opt = run(cls, kwargs, params, "triton", monkeypatch)
+    ref_opt, ref_params = run_config_case(cls, kwargs, device, "torch", monkeypatch)
+    opt, params = run_config_case(cls, kwargs, device, "triton", monkeypatch)
     assert "backend=triton" in repr(opt)
     quantized = [opt.state[p]["state1"].dtype == torch.uint8 for p in params]
-    assert quantized == [optim_bits < 32 and p.numel() >= 4096 for p in params]
-    # A state that reads the parameter (L2 weight decay) inherits the parameter's last-bit differences.
-    reads_param = cls is hf_optim.RMSprop or kwargs.get("adam_w_mode") is False
-    state_ulps = 4 if reads_param else (0 if device == "cpu" else 1)
-    assert_same_state(ref_opt, ref_params, opt, params, exact_codes=device == "cpu", state_ulps=state_ulps)
+    assert quantized == [optim_bits < 32 and p.numel() >= MIN_8BIT for p in params]
+    lamb = cls is hf_optim.LAMB
+    if device == "cpu":
+        assert_bit_identical(ref_opt, ref_params, opt, params, exact_params=not lamb)
+    else:
+        assert_same_state(ref_opt, ref_params, opt, params, exact_codes=False, state_ulps=1)
+
+    # every configuration this optimizer launches was exercised
+    from hf_optim.kernels.triton_configs import fused_configs
+
+    algorithm = cls.definition
+    expected = {(c.param_dtype, c.formats, c.full, c.stochastic) for c in fused_configs(algorithm, (optim_bits,))}
+    seen = {(c.param_dtype, c.formats, c.full, c.stochastic) for c in launched}
+    assert seen == expected
+    # whole tiles use vector accesses: only AdEMAMix's stacked second row can start off a 16-byte boundary (n values
+    # in: 2500 codes, 1250 bytes of 4-bit codes, 1030 fp32 values), and those tensors get launches of their own
+    if cls is not hf_optim.AdEMAMix:
+        assert [c.label for c in launched if not c.aligned] == []
+    assert all(c.grad_dtype == c.param_dtype for c in launched)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_one_launch_per_group_and_step_counters(device, monkeypatch, use_triton):
-    """All tensors of a group go in one launch; a tensor whose step counter lags (it had no gradient) gets its
-    own launch with its own bias corrections, and still matches the PyTorch path."""
-    launches = []
-    kernel = triton_elementwise._fused_update_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-        def warmup(self, *args, **kwargs):  # triton_guard compiles every kernel before launching any
-            return kernel.warmup(*args, **kwargs)
-
-    monkeypatch.setattr(triton_elementwise, "_fused_update_kernel", Counting())
+def test_launches_per_kernel_group_and_step_counter(device, monkeypatch, use_triton, launched):
+    """A group's tensors go in one launch per kind of tile and configuration, never one per tensor: an 8-bit
+    AdamW over fp32 / bf16 / fp16 tensors launches, per dtype, its quantized tensors' whole and partial tiles and its
+    fp32-state tensors' whole and partial tiles. A tensor whose step counter lags (it had no gradient) gets launches
+    of its own with its own bias corrections, and still matches the PyTorch path."""
     ref_params, params = make_problem(device), make_problem(device)
     opts = []
+    first = 0
     for backend_name, ps in (("torch", ref_params), ("triton", params)):
         monkeypatch.setenv("HF_OPTIM_BACKEND", backend_name)
         opt = hf_optim.AdamW8bit(ps)
         set_grads(ps, 0, non_finite=False)
         ps[1].grad = None  # the bf16 tensor skips the first step
         opt.step()
+        first = len(launched)
         set_grads(ps, 1, non_finite=False)
         opt.step()
         opts.append(opt)
-    assert [len(g) for g in launches] == [1, 1, 1]  # step 1: one launch; step 2: counters 2 and 1
+    # SHAPES/DTYPES: fp32 5120 (8-bit, whole tiles only), fp32 5110 (8-bit, both), fp32 () (fp32 state, partial),
+    # fp16 5000 (8-bit, both); bf16 300 (fp32 state, partial) joins at step 2 with its own step counter
+    eight, fp32 = (1, 1), (0, 0)
+    step1 = sorted([(0, eight, True), (0, eight, False), (0, fp32, False), (2, eight, True), (2, eight, False)])
+    assert sorted((c.param_dtype, c.formats, c.full) for c in launched[:first]) == step1
+    assert sorted((c.param_dtype, c.formats, c.full) for c in launched[first:]) == sorted(step1 + [(1, fp32, False)])
     assert opts[1].state[params[1]]["step"] == 1
     assert_same_state(opts[0], ref_params, opts[1], params, exact_codes=device == "cpu", steps=2,
                       state_ulps=0 if device == "cpu" else 1)
@@ -366,8 +487,11 @@ ADAFACTOR_PASSES = ("_row_stats_kernel", "_col_stats_kernel", "_finalize_kernel"
 @pytest.mark.parametrize("device", DEVICES)
 def test_adafactor_one_launch_per_pass(device, monkeypatch, use_triton):
     """One group of Adafactor tensors of many shapes and dtypes (factored 2-D and 3-D, wider than a column block,
-    1-D, a scalar, tensors below min_8bit_size with an fp32 first moment) runs each pass as one launch per step,
-    not one per tensor, and matches the PyTorch path."""
+    1-D, a scalar, tensors below min_8bit_size with an fp32 first moment) runs each pass once per kernel group
+    (parameter dtype, first-moment format) and, for the passes compiled per kind, once per kind of tensor present
+    (factored, unfactored), never once per tensor, and matches the PyTorch path."""
+    from collections import Counter
+
     from hf_optim.kernels import triton_adafactor
 
     launches = []
@@ -388,9 +512,13 @@ def test_adafactor_one_launch_per_pass(device, monkeypatch, use_triton):
               torch.float32]
     kwargs = {"beta1": 0.9, "optim_bits": 8, "weight_decay": 0.1, "lr": 1e-2, "relative_step": False}
     opt = compare_adafactor(shapes, dtypes, kwargs, device, monkeypatch)
-    assert launches == list(ADAFACTOR_PASSES) * 2  # two steps, each pass once over all seven tensors
+    # kernel groups: fp32 + 8-bit m {(64, 80)}; bf16 + 8-bit m {(3, 20, 70), (17, 300), (5000,)};
+    # fp32 + fp32 m {(10, 30), (7,), ()}: factored tensors in all three, unfactored ones in the last two
+    per_step = {"_row_stats_kernel": 3, "_col_stats_kernel": 3, "_finalize_kernel": 5, "_update_sq_kernel": 5,
+                "_clip_kernel": 3, "_apply_kernel": 5}
+    assert Counter(launches) == Counter({name: 2 * count for name, count in per_step.items()})  # two steps
     eight = [opt.state[p]["exp_avg"].dtype == torch.uint8 for p in opt.param_groups[0]["params"]]
-    assert eight == [True, True, True, False, True, False, False]  # 8-bit and fp32 first moments in one launch
+    assert eight == [True, True, True, False, True, False, False]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -485,3 +613,35 @@ def test_subclass_with_its_own_rule_takes_the_pytorch_path(device, use_triton):
     assert triton_step.supported(hf_optim.Lion8bit([param]), param, sharded=False) is True
     opt.step()
     assert torch.equal(param.detach(), -0.5 * torch.sign(param.grad))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_launch_is_an_enumerated_configuration(device, monkeypatch, use_triton):
+    """What the optimizers launch is what ``triton_configs.kernel_specs`` lists (the compile test and
+    ``benchmarks/gpu_static.py`` compile that list): every launch of a few steps of the fused, LAMB and Adafactor
+    kernels, with mixed dtypes and formats, is one of its configurations (same kernel, compile-time arguments and
+    warps)."""
+    from hf_optim.kernels import triton_configs, triton_guard
+    from hf_optim.optim import registry
+
+    specs = triton_configs.kernel_specs([(f.algorithm, f.base._supported_bits()) for f in registry.families()])
+    known = {(spec.kernel.__name__, spec.num_warps, tuple(sorted((k, repr(v)) for k, v in spec.constexprs.items())))
+             for spec in specs}
+    launched = []
+    original = triton_guard.launch
+
+    def recording(kernel, grid, *args, **kwargs):
+        constexprs = sorted((k, repr(v)) for k, v in kwargs.items() if k not in ("num_warps", "enable_fp_fusion"))
+        launched.append((kernel.__name__, kwargs["num_warps"], tuple(constexprs)))
+        return original(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(triton_guard, "launch", recording)
+    for cls, kwargs in ((hf_optim.AdamW, {"optim_bits": 8}), (hf_optim.LAMB, {"optim_bits": 8}),
+                        (hf_optim.Adafactor, {"beta1": 0.9, "optim_bits": 8, "lr": 1e-2, "relative_step": False})):
+        params = make_problem(device)  # the bf16 tensor rounds stochastically
+        opt = cls([{"params": [p for p in params if p.dtype != torch.bfloat16]},
+                   {"params": [p for p in params if p.dtype == torch.bfloat16], "bf16_stochastic_round": True}],
+                  **kwargs)
+        set_grads(params, 0, non_finite=False)
+        opt.step()
+    assert launched and set(launched) <= known, sorted(set(launched) - known)[:3]

@@ -1,116 +1,143 @@
-"""Compile every hf_optim Triton kernel for an H100 (sm_90) without a GPU; run by test_triton_compile.py.
+"""Compile hf_optim's Triton kernels for a GPU arch without a GPU; run by test_triton_compile.py.
 
-The CPU interpreter (test_triton_kernels.py) checks the math but accepts code the GPU compiler rejects; this
-compiles each kernel to PTX (Triton's ahead-of-time path: no device needed) and checks the properties the
-bit-compatibility and bandwidth claims rest on: IEEE division and square root, no contraction of separate
-multiplies and adds into FMAs, and 128-bit vector accesses on whole tiles.
+    python tests/triton_compile_check.py                 # the CI set, sm_90
+    python tests/triton_compile_check.py --all --arch 75 # every configuration the optimizers launch, sm_75
+
+The CPU interpreter (test_triton_kernels.py) checks the math but accepts code the GPU compiler rejects; this compiles
+each kernel of ``hf_optim.kernels.triton_configs.kernel_specs`` (exactly what the optimizers launch) to a cubin with
+Triton's ahead-of-time compiler and checks the properties the bit-compatibility and bandwidth claims rest on:
+
+- IEEE division and square root (no ``div.full``, no ``sqrt.approx``; ``rsqrt.approx`` is the 8-bit encoder's), and
+  no contraction of separate multiplies and adds into FMAs in the fused elementwise kernels (every ``fma.rn.f32``
+  comes from an explicit ``tl.fma``, the 8-bit encoder's; the rules have none);
+- no register spills (no local memory);
+- whole, aligned tiles of the fused kernels: 128-bit vector loads (64-bit where a thread row is 4 bf16/fp16
+  values), and no shared memory (no layout conversion: per-block values stay where their reduction leaves them),
+  except where it is expected: LAMB's direction pass (its per-tile norms reduce across warps) and 8-bit state at 4
+  elements per thread (``FusedConfig.whole_tile_width``), whose 256-element blocks span two warps, so each block's
+  absmax reduces through shared memory.
+
+The CI set (the default) is every whole-tile fused configuration of AdamW (each dtype and state format, with and
+without stochastic rounding) and, for the other algorithms and the other kernels, one configuration each of every
+kernel; ``--all`` compiles all of them (``benchmarks/gpu_static.py`` measures them).
 """
 
-import collections
+import argparse
 import os
 import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("run without TRITON_INTERPRET: interpreted kernels cannot be compiled")
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton import knobs  # noqa: E402
 
-from hf_optim.kernels import (  # noqa: E402
-    triton_adafactor,
-    triton_blockwise,
-    triton_elementwise,
-    triton_lamb,
-)
-from hf_optim.kernels.algorithm import resolve  # noqa: E402
+import hf_optim  # noqa: E402, F401  (registers the algorithms)
+from hf_optim.kernels.formats import BLOCKWISE8  # noqa: E402
+from hf_optim.kernels.triton_configs import LaunchSpec, kernel_specs  # noqa: E402
 from hf_optim.optim import registry  # noqa: E402
 
-H100 = GPUTarget("cuda", 90, 32)
+
+def ci_set(specs: list[LaunchSpec]) -> list[LaunchSpec]:
+    chosen, seen = [], set()
+    for spec in specs:
+        flagship = spec.group == "fused" and spec.name.startswith("fused/adamw ") and spec.main
+        kind = (spec.group, spec.kernel.__name__, spec.name.split(" ")[0], spec.main)
+        if flagship or kind not in seen:
+            chosen.append(spec)
+            seen.add(kind)
+    return chosen
 
 
-def compile_ptx(kernel, signature: dict, constants: dict, **options) -> str:
-    names = kernel.arg_names
-    signature = {**signature, **{name: "constexpr" for name in constants}}
-    constexprs = {(names.index(name),): value for name, value in constants.items()}
-    ptx = triton.compile(ASTSource(kernel, signature, constexprs), target=H100, options=options).asm["ptx"]
-    print(f"compiled {kernel.__name__}", flush=True)
-    return ptx
+def local_memory(cubin: bytes) -> tuple[int, int]:
+    """(registers, local memory bytes per thread) from ``cuobjdump -res-usage``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True)
+    found = re.search(r"REG:(\d+) STACK:\d+ SHARED:\d+ LOCAL:(\d+)", out.stdout)
+    assert found, out.stdout + out.stderr
+    return int(found.group(1)), int(found.group(2))
 
 
-def accesses(ptx: str) -> collections.Counter:
-    return collections.Counter(re.findall(r"(?:ld|st)\.global[a-z0-9._]*", ptx))
+KERNELS = Path(hf_optim.__file__).parent / "kernels"
 
 
-# bf16 stochastic rounding's arguments (the parameter ordinals and the step's key words)
-ROUNDING = {"ordinals": "*i64", "key": "*i64"}
+def contracted(ptx: str) -> bool:
+    """Whether an ``fma.rn.f32`` in ``ptx`` comes from a source line without an explicit ``tl.fma`` (the 8-bit
+    encoder's fmas are explicit, ``triton_encode8``; anything else is the compiler contracting a multiply and an
+    add). Each instruction's source line is the ``.loc`` comment before it (``// file.py:line:col``)."""
+    where = None
+    for line in ptx.splitlines():
+        loc = re.search(r"\.loc\s.*//\s*(\S+\.py):(\d+):\d+", line)
+        if loc:
+            where = loc.groups()
+        elif re.search(r"\bfma\.rn\.f32", line):
+            if where is None or "tl.fma" not in _source_line(*where):
+                return True
+    return False
 
 
-def check_fused_update(algorithm, stochastic: bool = False) -> None:
-    """The fused kernel with ``algorithm``'s Triton rule (its scalars: its ``hyper`` class of fp32 values)."""
-    hyper = algorithm.hyper(*["fp32"] * len(algorithm.hyper._fields))
-    signature = {"meta": "*i64", "tiles": "*i32", "partials": "*fp32", "maps": "*i64", "h": hyper, **ROUNDING}
-    out = not algorithm.triton_plan.elementwise  # LAMB: the direction, with per-tile norms
-    signed = [spec.signed for spec in algorithm.slots for _ in range(spec.rows)] + [False] * 3
-    constants = {"RULE": resolve(algorithm.triton_rule), "ROWS": algorithm.state_rows, "SIGNED0": signed[0],
-                 "SIGNED1": signed[1], "SIGNED2": signed[2], "WRITE_OUT": out, "NORMS": out,
-                 "BLOCKS": triton_elementwise.TILE_BLOCKS, "COLS": 16, "ALIGNED": True, "SR": stochastic}
-    ptx = compile_ptx(triton_elementwise._fused_update_kernel, signature, constants, enable_fp_fusion=False)
-    found = accesses(ptx)
-    assert found["ld.global.v4.b32"] > 0 and found["st.global.v4.b32"] + found["st.global.v2.b32"] > 0, found
-    assert "div.full" not in ptx and "sqrt.approx" not in ptx  # IEEE division and square root
-    fmas = len(re.findall(r"\bfma\.rn\.f32", ptx))
-    assert fmas == 0, fmas  # one rounding per operation, as the PyTorch rules (exact_math.lerp included)
+def _source_line(name: str, number: str) -> str:
+    path = KERNELS / Path(name).name
+    lines = path.read_text().splitlines() if path.exists() else []
+    return lines[int(number) - 1] if 0 < int(number) <= len(lines) else ""
 
 
-def check_other_kernels() -> None:
-    compile_ptx(triton_lamb._ratio_kernel, {"meta": "*i64", "partials": "*fp32", "ratios": "*fp32",
-                "max_trust_ratio": "fp32", "max_unorm": "fp32"},
-                {"ADAPT": True, "CLAMP": True, "UNORM": True, "CHUNK": 1024, "BLOCKS": 4, "COLS": 16})
-    for stochastic in (False, True):
-        compile_ptx(triton_lamb._apply_kernel, {"meta": "*i64", "tiles": "*i32", "ratios": "*fp32", "lr": "fp32",
-                    **ROUNDING}, {"BLOCKS": 4, "COLS": 16, "ALIGNED": True, "SR": stochastic})
-    compile_ptx(triton_blockwise._quantize_kernel, {"values_ptr": "*fp32", "codes_ptr": "*u8", "absmax_ptr": "*fp32",
-                "table_ptr": "*i32", "n": "i32", "blocks_per_row": "i32"}, {"SIGNED": True, "BLOCKS": 4})
-    compile_ptx(triton_blockwise._dequantize_kernel, {"codes_ptr": "*u8", "absmax_ptr": "*fp32", "qmap_ptr": "*fp32",
-                "out_ptr": "*fp32", "n": "i32", "blocks_per_row": "i32"}, {"BLOCKS": 4})
-    check_adafactor_kernels()
+def check(spec: LaunchSpec, arch: int) -> str:
+    compiled = spec.compile(arch)
+    ptx = compiled.asm["ptx"]
+    regs, local = local_memory(compiled.asm["cubin"])
+    problems = []
+    if "div.full" in ptx or re.search(r"(?<!r)sqrt\.approx", ptx):
+        problems.append("approximate division or square root")
+    if local:
+        problems.append(f"{local} bytes of local memory (spills)")
+    if spec.group in ("fused", "lamb") and spec.kernel.__name__ == "_fused_update_kernel":
+        if contracted(ptx):
+            problems.append("contracted multiply-add")
+        if spec.param_dtype == "bf16" and not spec.writes_direction and arch >= 80 and not spec.constexprs.get("SR"):
+            if "cvt.rn.bf16" not in ptx:  # triton_tile.fp32_to_bf16: the hardware rounding on the GPU
+                problems.append("bf16 parameters stored without cvt.rn.bf16")
+        if spec.main:
+            # a thread row of W parameters: 16 bytes (one 128-bit access) when it holds that many, else 8 (bf16 and
+            # fp16 at 4 elements per thread: FusedConfig.whole_tile_width)
+            row_bytes = spec.constexprs["W"] * {"fp32": 4, "bf16": 2, "fp16": 2}[spec.param_dtype]
+            vector = r"v4\.b32" if row_bytes >= 16 else r"v[24]\.b32"
+            if not re.search(rf"ld\.global(\.[a-z]+)*\.{vector}", ptx):
+                problems.append(f"no {min(row_bytes, 16) * 8}-bit vector loads on a whole tile")
+            # a 256-element 8-bit block spans two warps at 4 elements per thread: its absmax reduces through
+            # shared memory (triton_elementwise.FusedConfig.whole_tile_width)
+            two_warp_blocks = spec.state_format is BLOCKWISE8 and spec.constexprs["W"] * 32 < 256
+            expected = spec.writes_direction or two_warp_blocks
+            if compiled.metadata.shared and not expected:
+                problems.append(f"{compiled.metadata.shared} bytes of shared memory")
+    status = "; ".join(problems) if problems else "ok"
+    print(f"sm_{arch} {spec.name}: {regs} registers, {status}", flush=True)
+    return "" if not problems else f"{spec.name}: {status}"
 
 
-def check_adafactor_kernels() -> None:
-    table = {"meta": "*i64", "units": "*i32"}
-    adafactor = {"NCOLS": triton_adafactor.META_COLS}
-    compile_ptx(triton_adafactor._row_stats_kernel, {**table, "row_sums": "*fp32", "param_sq": "*fp32",
-                "eps1": "fp32"}, {"BR": 16, "BC": 256, **adafactor})
-    compile_ptx(triton_adafactor._col_stats_kernel, {**table, "col_sums": "*fp32", "eps1": "fp32"},
-                {"BR": 16, "BC": 256, **adafactor})
-    scratch = {"row_factor": "*fp32", "col_factor": "*fp32"}
-    finalize = {**table, "row_sums": "*fp32", "param_sq": "*fp32", "col_sums": "*fp32", **scratch,
-                "lrs": "*fp32", "step_size": "fp32", "eps2": "fp32", "beta2t": "fp32", "one_minus_beta2t": "fp32"}
-    for scale in (True, False):
-        ptx = compile_ptx(triton_adafactor._finalize_kernel, finalize, {"SCALE": scale, "CHUNK": 1024, **adafactor})
-        # IEEE RMS, means and divisions (rsqrt stays the hardware one, as torch's CUDA rsqrt)
-        assert "div.full" not in ptx and not re.search(r"(?<!r)sqrt\.approx", ptx)
-    compile_ptx(triton_adafactor._update_sq_kernel, {"meta": "*i64", "tiles": "*i32", **scratch,
-                "partials": "*fp32", "beta2t": "fp32", "one_minus_beta2t": "fp32", "eps1": "fp32"},
-                {"BLOCKS": 4, **adafactor})
-    clip = {"meta": "*i64", "partials": "*fp32", "clip_denominators": "*fp32", "inverse_clip_threshold": "fp32"}
-    ptx = compile_ptx(triton_adafactor._clip_kernel, clip, {"CHUNK": 1024, "BLOCKS": 4, **adafactor})
-    assert "div.full" not in ptx and "sqrt.approx" not in ptx
-    for stochastic in (False, True):
-        compile_ptx(triton_adafactor._apply_kernel, {"meta": "*i64", "tiles": "*i32", **scratch,
-                    "clip_denominators": "*fp32", "lrs": "*fp32", "eps1": "fp32", "negative_decay": "fp32",
-                    "qmap": "*fp32", "table": "*i32", "beta1": "fp32", "one_minus_beta1": "fp32", "ordinals": "*i64",
-                    "sr_key": "*i64"}, {"HAS_M": True, "HAS_DECAY": True, "BLOCKS": 4, "SR": stochastic, **adafactor})
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="every configuration (default: the CI set)")
+    parser.add_argument("--arch", default="90", help="compute capabilities, comma-separated (default 90)")
+    args = parser.parse_args(argv)
+    algorithms = [(f.algorithm, f.base._supported_bits()) for f in registry.families()]
+    failures, count = [], 0
+    for arch in (int(text) for text in args.arch.split(",")):
+        specs = kernel_specs(algorithms, arch=arch)  # a few configurations take another tile width per arch
+        specs = specs if args.all else ci_set(specs)
+        count += len(specs)
+        failures += [problem for spec in specs if (problem := check(spec, arch))]
+    if failures:
+        print("\n".join(["FAILED:", *failures]))
+        return 1
+    print(f"all kernels compiled ({count} configurations)")
+    return 0
 
 
 if __name__ == "__main__":
-    import hf_optim  # noqa: F401  (registers the algorithms)
-
-    for family in registry.families():
-        if family.algorithm.triton_rule is not None:
-            check_fused_update(family.algorithm)
-    check_fused_update(registry.lookup_algorithm("adamw").algorithm, stochastic=True)
-    check_other_kernels()
-    print("all kernels compiled")
+    sys.exit(main())

@@ -3,9 +3,12 @@
 :func:`step` is Adafactor's Triton plan (``ADAFACTOR.triton_plan``); it takes the step's host scalars (the
 algorithm's ``AdafactorHyper``) and its first-moment slot from the description, never from the optimizer.
 
-Every pass is one launch over all Adafactor tensors of a group that share a step counter (a per-tensor ``meta``
-table of addresses, sizes and offsets, and a program-to-tensor table built with
-:func:`hf_optim.kernels.triton_multi_tensor.unit_table`), so a step costs six launches whatever the group's size:
+Every pass is one launch over all Adafactor tensors of a group that share a step counter and a kernel group
+(parameter and gradient dtype, first-moment format: compile-time constants, see ``triton_step.kernel_group``), with
+a per-tensor ``meta`` table of addresses, sizes and offsets, and a program-to-tensor table built with
+:func:`hf_optim.kernels.triton_multi_tensor.unit_table`; the passes that treat factored and unfactored tensors
+differently (finalize, update, apply) are compiled for one kind and launched once per kind present. So a step
+costs six to nine launches whatever the group's size:
 
 1. row statistics: row sums of ``g*g + eps1`` and of ``p*p`` (one program per block of rows of one tensor);
 2. column statistics of factored (>= 2-D) tensors: column sums of ``g*g + eps1`` (one program per block of
@@ -27,6 +30,8 @@ PyTorch path's in the last bits, and parameters agree within an ulp rather than 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -35,18 +40,26 @@ from hf_optim.kernels import triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import kernel_scalars
 from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table
+from hf_optim.kernels.encode8 import encoder8_tables
+from hf_optim.kernels.formats.blockwise8 import shared_map as shared_map8
 from hf_optim.kernels.state_store import slot_format
-from hf_optim.kernels.triton_blockwise import (
+from hf_optim.kernels.triton_blockwise import load_state, store_state
+from hf_optim.kernels.triton_rounding import store_param
+from hf_optim.kernels.triton_tile import (
+    BF16,
+    DTYPE_NAMES,
     dtype_code,
-    load_state,
+    launch_options,
     load_values,
     pointer,
-    store_state,
-    tile_offsets,
+    tile,
+    tile_sum,
 )
-from hf_optim.kernels.triton_elementwise import TILE_BLOCKS, launch_kwargs
-from hf_optim.kernels.triton_rounding import store_param
+
+TILE_BLOCKS = 4
+W: tl.constexpr = tl.constexpr(8)
+NO_MOMENT = -1
+"""``M_FORMAT`` of tensors without a first moment (``beta1`` None)."""
 
 ROWS_PER_PROGRAM = 16
 COLS_PER_PROGRAM = 256
@@ -80,9 +93,9 @@ META_COLS = 18
 
 
 @triton.jit
-def _finite_grad(address, dtype, offs, mask):
-    g = load_values(address, dtype, offs, mask)
-    return tl.where((g == g) & (tl.abs(g) != float("inf")), g, 0.0)
+def _finite_grad(address, offs, mask, DTYPE: tl.constexpr):
+    g = load_values(address, offs, mask, DTYPE, False)
+    return tl.where(tl.abs(g) < float("inf"), g, 0.0)  # the compare is false for NaN and +-inf
 
 
 @triton.jit
@@ -95,11 +108,10 @@ def _tensor_row(meta, units, NCOLS: tl.constexpr):
 
 @triton.jit
 def _row_stats_kernel(meta, units, row_sums, param_sq, eps1, BR: tl.constexpr, BC: tl.constexpr,
-                      NCOLS: tl.constexpr):
+                      NCOLS: tl.constexpr, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr):
     row, unit = _tensor_row(meta, units, NCOLS)
     rows, cols = tl.load(row + ROWS), tl.load(row + COLS)
-    grad, grad_dtype = tl.load(row + GRAD), tl.load(row + GRAD_DTYPE)
-    param, param_dtype = tl.load(row + PARAM), tl.load(row + PARAM_DTYPE)
+    grad, param = tl.load(row + GRAD), tl.load(row + PARAM)
     r = unit.to(tl.int64) * BR + tl.arange(0, BR)
     row_ok = r < rows
     acc = tl.zeros([BR], dtype=tl.float32)
@@ -108,8 +120,8 @@ def _row_stats_kernel(meta, units, row_sums, param_sq, eps1, BR: tl.constexpr, B
         c = start + tl.arange(0, BC)
         offs = r[:, None] * cols + c[None, :]
         mask = row_ok[:, None] & (c < cols)[None, :]
-        g = _finite_grad(grad, grad_dtype, offs, mask)
-        p = load_values(param, param_dtype, offs, mask)
+        g = _finite_grad(grad, offs, mask, GRAD_DTYPE)
+        p = load_values(param, offs, mask, PARAM_DTYPE, False)
         acc += tl.sum(tl.where(mask, g * g + eps1, 0.0), axis=1)
         acc_p += tl.sum(p * p, axis=1)
     offset = tl.load(row + ROW_OFFSET)
@@ -118,10 +130,11 @@ def _row_stats_kernel(meta, units, row_sums, param_sq, eps1, BR: tl.constexpr, B
 
 
 @triton.jit
-def _col_stats_kernel(meta, units, col_sums, eps1, BR: tl.constexpr, BC: tl.constexpr, NCOLS: tl.constexpr):
+def _col_stats_kernel(meta, units, col_sums, eps1, BR: tl.constexpr, BC: tl.constexpr, NCOLS: tl.constexpr,
+                      GRAD_DTYPE: tl.constexpr):
     row, unit = _tensor_row(meta, units, NCOLS)
     height, cols = tl.load(row + HEIGHT), tl.load(row + COLS)
-    grad, grad_dtype = tl.load(row + GRAD), tl.load(row + GRAD_DTYPE)
+    grad = tl.load(row + GRAD)
     col_blocks = tl.cdiv(cols, BC)
     batch = unit.to(tl.int64) // col_blocks
     c = (unit % col_blocks) * BC + tl.arange(0, BC)
@@ -131,7 +144,7 @@ def _col_stats_kernel(meta, units, col_sums, eps1, BR: tl.constexpr, BC: tl.cons
         r = start + tl.arange(0, BR)
         offs = batch * height * cols + r[:, None].to(tl.int64) * cols + c[None, :]
         mask = (r < height)[:, None] & col_ok[None, :]
-        g = _finite_grad(grad, grad_dtype, offs, mask)
+        g = _finite_grad(grad, offs, mask, GRAD_DTYPE)
         acc += tl.sum(tl.where(mask, g * g + eps1, 0.0), axis=0)
     tl.store(col_sums + tl.load(row + COL_OFFSET) + batch * cols + c, acc, mask=col_ok)
 
@@ -156,7 +169,8 @@ def _ema(state, sums, count, beta2t, one_minus_beta2t, index, mask):
 
 @triton.jit
 def _finalize_kernel(meta, units, row_sums, param_sq, col_sums, row_factor, col_factor, lrs, step_size, eps2, beta2t,
-                     one_minus_beta2t, SCALE: tl.constexpr, CHUNK: tl.constexpr, NCOLS: tl.constexpr):
+                     one_minus_beta2t, SCALE: tl.constexpr, CHUNK: tl.constexpr, NCOLS: tl.constexpr,
+                     FACTORED: tl.constexpr):
     """One program per matrix of a factored tensor (one per unfactored tensor); a tensor's first program also
     computes its RMS and learning rate."""
     tensor = tl.load(units + 2 * tl.program_id(0))
@@ -175,7 +189,7 @@ def _finalize_kernel(meta, units, row_sums, param_sq, col_sums, row_factor, col_
         else:
             lr = rms * 0.0 + step_size
         tl.store(lrs + tensor, lr)
-    if tl.load(row + FACTORED) != 0:
+    if FACTORED:
         height = tl.load(row + HEIGHT)
         sq_row = pointer(tl.load(row + SQ), tl.float32, False)
         sq_col = pointer(tl.load(row + SQ_COL), tl.float32, False)
@@ -202,10 +216,10 @@ def _finalize_kernel(meta, units, row_sums, param_sq, col_sums, row_factor, col_
 
 @triton.jit
 def _direction(row, g, offs, mask, row_factor, col_factor, beta2t, one_minus_beta2t, eps1,
-               UPDATE_SQ: tl.constexpr):
+               UPDATE_SQ: tl.constexpr, FACTORED: tl.constexpr):
     """``u = g / sqrt(V)``: factored ``(rsqrt(R/mean R) * rsqrt(C)) * g``, else ``rsqrt(V) * g`` where the
     unfactored ``V`` is updated and stored first when ``UPDATE_SQ`` (the update pass), read as is otherwise."""
-    if tl.load(row + FACTORED) != 0:
+    if FACTORED:
         cols = tl.load(row + COLS)
         rows_cols = tl.load(row + HEIGHT) * cols
         factor_row = offs // cols + tl.load(row + ROW_OFFSET)
@@ -227,14 +241,14 @@ def _direction(row, g, offs, mask, row_factor, col_factor, beta2t, one_minus_bet
 
 @triton.jit
 def _update_sq_kernel(meta, tiles, row_factor, col_factor, partials, beta2t, one_minus_beta2t, eps1,
-                      BLOCKS: tl.constexpr, NCOLS: tl.constexpr):
+                      BLOCKS: tl.constexpr, NCOLS: tl.constexpr, GRAD_DTYPE: tl.constexpr, FACTORED: tl.constexpr):
     row, first_block = _tensor_row(meta, tiles, NCOLS)
-    _, offs = tile_offsets(first_block.to(tl.int64), BLOCKS)
+    _, _, _, offs = tile(first_block, BLOCKS, W)
     mask = offs < tl.load(row + NUMEL)
-    g = _finite_grad(tl.load(row + GRAD), tl.load(row + GRAD_DTYPE), offs, mask)
-    u = _direction(row, g, offs, mask, row_factor, col_factor, beta2t, one_minus_beta2t, eps1, True)
+    g = _finite_grad(tl.load(row + GRAD), offs, mask, GRAD_DTYPE)
+    u = _direction(row, g, offs, mask, row_factor, col_factor, beta2t, one_minus_beta2t, eps1, True, FACTORED)
     u = tl.where(mask, u, 0.0)
-    tl.store(partials + tl.program_id(0), tl.sum(tl.sum(u * u, axis=1), axis=0))
+    tl.store(partials + tl.load(row + FIRST_TILE) + first_block // BLOCKS, tile_sum(u * u))
 
 
 @triton.jit
@@ -254,36 +268,92 @@ def _clip_kernel(meta, partials, clip_denominators, inverse_clip_threshold, CHUN
 
 @triton.jit
 def _apply_kernel(meta, tiles, row_factor, col_factor, clip_denominators, lrs, eps1, negative_decay, qmap, table,
-                  beta1, one_minus_beta1, ordinals, sr_key, HAS_M: tl.constexpr, HAS_DECAY: tl.constexpr,
-                  BLOCKS: tl.constexpr, NCOLS: tl.constexpr, SR: tl.constexpr):
+                  beta1, one_minus_beta1, ordinals, sr_key, M_FORMAT: tl.constexpr, HAS_DECAY: tl.constexpr,
+                  BLOCKS: tl.constexpr, NCOLS: tl.constexpr, SR: tl.constexpr, PARAM_DTYPE: tl.constexpr,
+                  GRAD_DTYPE: tl.constexpr, FACTORED: tl.constexpr):
     program = tl.program_id(0)
     tensor = tl.load(tiles + 2 * program)
     row = meta + tensor.to(tl.int64) * NCOLS
-    blocks, offs = tile_offsets(tl.load(tiles + 2 * program + 1).to(tl.int64), BLOCKS)
+    blocks, halves, rows, offs = tile(tl.load(tiles + 2 * program + 1), BLOCKS, W)
     n = tl.load(row + NUMEL)
     mask = offs < n
-    block_mask = blocks * 256 < n
-    g = load_values(tl.load(row + GRAD), tl.load(row + GRAD_DTYPE), offs, mask)
-    finite = (g == g) & (tl.abs(g) != float("inf"))
+    g = load_values(tl.load(row + GRAD), offs, mask, GRAD_DTYPE, False)
+    finite = tl.abs(g) < float("inf")  # false for NaN and +-inf: one compare
     g = tl.where(finite, g, 0.0)
-    u = _direction(row, g, offs, mask, row_factor, col_factor, 0.0, 0.0, eps1, False)
+    u = _direction(row, g, offs, mask, row_factor, col_factor, 0.0, 0.0, eps1, False, FACTORED)
     u = tl.div_rn(u, tl.load(clip_denominators + tensor))
     lr = tl.load(lrs + tensor)
     u = u * lr
-    if HAS_M:
-        m_values, m_absmax, m_format = tl.load(row + M_VALUES), tl.load(row + M_ABSMAX), tl.load(row + M_FORMAT)
-        old = load_state(m_values, m_absmax, m_format, qmap, qmap, blocks, offs, mask, block_mask)  # no 4-bit state
+    if M_FORMAT != NO_MOMENT_CODE:
+        m_values, m_absmax = tl.load(row + M_VALUES), tl.load(row + M_ABSMAX)
+        old = load_state(m_values, m_absmax, qmap, blocks, halves, rows, offs, mask, n, M_FORMAT, True, False)
         m = tl.where(finite, old * beta1 + u * one_minus_beta1, old)
-        store_state(m_values, m_absmax, m_format, table, qmap, blocks, offs, m, mask, block_mask, True)
+        store_state(m_values, m_absmax, table, blocks, halves, rows, offs, m, mask, n, M_FORMAT, True, False)
         u = m
-    param, param_dtype = tl.load(row + PARAM), tl.load(row + PARAM_DTYPE)
-    p = load_values(param, param_dtype, offs, mask)
+    param = tl.load(row + PARAM)
+    p = load_values(param, offs, mask, PARAM_DTYPE, False)
     new = p
     if HAS_DECAY:
         new = new + new * (negative_decay * lr)
     new = new - u
     ordinal = tl.load(ordinals + tensor) if SR else 0
-    store_param(param, param_dtype, offs, tl.where(finite, new, p), mask, ordinal, sr_key, SR)
+    store_param(param, offs, tl.where(finite, new, p), mask, ordinal, sr_key, PARAM_DTYPE, SR, False)
+
+
+NO_MOMENT_CODE: tl.constexpr = tl.constexpr(NO_MOMENT)
+
+
+@dataclass(frozen=True)
+class AdafactorConfig:
+    """What Adafactor's passes are specialized on: parameter and gradient dtype, the first moment's format
+    (:data:`NO_MOMENT` without ``beta1``), and the step's switches (``scale_parameter``, weight decay, stochastic
+    rounding). Factored and unfactored tensors get their own launches of the passes that differ."""
+
+    param_dtype: int
+    grad_dtype: int
+    moment_format: int
+    scale: bool
+    decay: bool
+    stochastic: bool = False
+
+    num_warps = 4
+
+    def warps(self, name: str) -> int:
+        """Warps per program of pass ``name``: 8 for the column statistics (a 16 x 256 tile: at 4 warps a thread
+        holds 32 gradients and ptxas spills 16 bytes on sm_80 at 80 registers; at 8, 30 registers), else
+        :attr:`num_warps`."""
+        return 8 if name == "col-stats" else self.num_warps
+
+    @property
+    def key(self) -> tuple:
+        return ("adafactor", DTYPE_NAMES[self.param_dtype], DTYPE_NAMES[self.grad_dtype], self.moment_format,
+                self.scale, self.decay, "sr" if self.stochastic else "rn")
+
+    @property
+    def label(self) -> str:
+        moment = "no first moment" if self.moment_format == NO_MOMENT else f"first moment format {self.moment_format}"
+        return (f"adafactor {DTYPE_NAMES[self.param_dtype]}, {moment}"
+                f"{', stochastic rounding' if self.stochastic else ''}")
+
+    def kernels(self) -> list[tuple[str, object, dict]]:
+        """``(pass, kernel, compile-time arguments)`` of every kernel the passes launch (both kinds of tensor)."""
+        stats = {"BR": ROWS_PER_PROGRAM, "BC": COLS_PER_PROGRAM, "NCOLS": META_COLS}
+        kernels = [("row-stats", _row_stats_kernel, {**stats, "PARAM_DTYPE": self.param_dtype,
+                                                     "GRAD_DTYPE": self.grad_dtype}),
+                   ("col-stats", _col_stats_kernel, {**stats, "GRAD_DTYPE": self.grad_dtype}),
+                   ("clip", _clip_kernel, {"CHUNK": REDUCE_CHUNK, "BLOCKS": TILE_BLOCKS, "NCOLS": META_COLS})]
+        for factored in (True, False):
+            kernels += [
+                ("finalize", _finalize_kernel, {"SCALE": self.scale, "CHUNK": REDUCE_CHUNK, "NCOLS": META_COLS,
+                                                "FACTORED": factored}),
+                ("update", _update_sq_kernel, {"BLOCKS": TILE_BLOCKS, "NCOLS": META_COLS,
+                                               "GRAD_DTYPE": self.grad_dtype, "FACTORED": factored}),
+                ("apply", _apply_kernel, {"M_FORMAT": self.moment_format, "HAS_DECAY": self.decay,
+                                          "BLOCKS": TILE_BLOCKS, "NCOLS": META_COLS, "SR": self.stochastic,
+                                          "PARAM_DTYPE": self.param_dtype, "GRAD_DTYPE": self.grad_dtype,
+                                          "FACTORED": factored}),
+            ]
+        return kernels
 
 
 def _meta_rows(items: list, first_moment) -> tuple[list[list[int]], int, int, list[int]]:
@@ -320,25 +390,33 @@ def _meta_rows(items: list, first_moment) -> tuple[list[list[int]], int, int, li
 def step(optimizer, algorithm, group: dict, key, items: list, step: int, hyper, cache: mt.PlanCache,
          device: torch.device, stochastic=None) -> None:
     """One Adafactor step of ``items`` = [(param, grad, state), ...] (contiguous local tensors on ``device``, all
-    with step counter ``step``, already counted; ``hyper`` its ``AdafactorHyper``): six launches, each over every
-    tensor (five when no tensor is factored: no column pass). ``stochastic``: ``(ordinals, key)`` device tensors
-    to round bf16 parameters stochastically."""
-    kwargs = launch_kwargs(device)
+    with step counter ``step``, already counted, of one kernel group; ``hyper`` its ``AdafactorHyper``): the six
+    passes, each one launch over every tensor, or one per kind (factored, unfactored) where the kinds differ.
+    ``stochastic``: ``(ordinals, key)`` device tensors to round bf16 parameters stochastically."""
     (first_moment,) = algorithm.slots
     h = kernel_scalars(hyper)
     eps1, eps2 = h.eps1, h.eps2
     table, total_rows, total_cols, tiles = _meta_rows(items, first_moment)
+    first = table[0]
+    config = AdafactorConfig(first[PARAM_DTYPE.value], first[GRAD_DTYPE.value],
+                             first[M_FORMAT.value] if group["beta1"] is not None else NO_MOMENT,
+                             scale=bool(group["scale_parameter"]), decay=group["weight_decay"] != 0,
+                             stochastic=stochastic is not None and first[PARAM_DTYPE.value] == BF16.value)
+    kernels = {(name, args.get("FACTORED")): (kernel, args) for name, kernel, args in config.kernels()}
+    def run(name, grid, *args, factored=None):
+        kernel, constants = kernels[(name, factored)]
+        triton_guard.launch(kernel, grid, *args, **constants, **launch_options(config.warps(name)))
+
     meta = cache.table((algorithm.name, *key), table, torch.int64, device)
-    tiles_table = cache.units([num_blocks(row[NUMEL.value]) for row in table], TILE_BLOCKS, device)
+    kinds = {True: [i for i, row in enumerate(table) if row[FACTORED.value]],
+             False: [i for i, row in enumerate(table) if not row[FACTORED.value]]}
+    blocks = [num_blocks(row[NUMEL.value]) for row in table]
     row_units = [triton.cdiv(row[ROWS.value], ROWS_PER_PROGRAM) for row in table]
     row_table = cache.units(row_units, 1, device)
     # the column pass visits factored tensors only: its table names their indices in ``meta``
-    factored = [i for i, row in enumerate(table) if row[FACTORED.value]]
     col_units = [(table[i][ROWS.value] // table[i][HEIGHT.value]) * triton.cdiv(table[i][COLS.value], COLS_PER_PROGRAM)
-                 for i in factored]
-    col_table = cache.units(col_units, 1, device, factored) if factored else None
+                 for i in kinds[True]]
     matrices = [row[ROWS.value] // row[HEIGHT.value] if row[FACTORED.value] else 1 for row in table]
-    matrix_table = cache.units(matrices, 1, device)
 
     row_sums = torch.empty(total_rows, dtype=torch.float32, device=device)
     param_sq = torch.empty(total_rows, dtype=torch.float32, device=device)
@@ -346,42 +424,29 @@ def step(optimizer, algorithm, group: dict, key, items: list, step: int, hyper, 
     col_sums = torch.empty(max(total_cols, 1), dtype=torch.float32, device=device)
     col_factor = torch.empty(max(total_cols, 1), dtype=torch.float32, device=device)
     lrs = torch.empty(len(table), dtype=torch.float32, device=device)
-    num_tiles = sum(tiles)
-    partials = torch.empty(num_tiles, dtype=torch.float32, device=device)
+    partials = torch.empty(sum(tiles), dtype=torch.float32, device=device)
     clip_denominators = torch.empty(len(table), dtype=torch.float32, device=device)
 
-    triton_guard.launch(
-        _row_stats_kernel, (sum(row_units),),
-        meta, row_table, row_sums, param_sq, eps1, BR=ROWS_PER_PROGRAM, BC=COLS_PER_PROGRAM, NCOLS=META_COLS,
-        **kwargs,
-    )
-    if factored:
-        triton_guard.launch(
-            _col_stats_kernel, (sum(col_units),),
-            meta, col_table, col_sums, eps1, BR=ROWS_PER_PROGRAM, BC=COLS_PER_PROGRAM, NCOLS=META_COLS, **kwargs,
-        )
-    triton_guard.launch(
-        _finalize_kernel, (sum(matrices),),
-        meta, matrix_table, row_sums, param_sq, col_sums, row_factor, col_factor, lrs,
-        h.step_size, eps2, h.beta2t, h.one_minus_beta2t, SCALE=bool(group["scale_parameter"]),
-        CHUNK=REDUCE_CHUNK, NCOLS=META_COLS, **kwargs,
-    )
-    triton_guard.launch(
-        _update_sq_kernel, (num_tiles,),
-        meta, tiles_table, row_factor, col_factor, partials, h.beta2t, h.one_minus_beta2t, eps1, BLOCKS=TILE_BLOCKS,
-        NCOLS=META_COLS, **kwargs,
-    )
-    triton_guard.launch(
-        _clip_kernel, (len(table),),
-        meta, partials, clip_denominators, h.inv_clip_threshold, CHUNK=REDUCE_CHUNK,
-        BLOCKS=TILE_BLOCKS, NCOLS=META_COLS, **kwargs,
-    )
+    run("row-stats", (sum(row_units),), meta, row_table, row_sums, param_sq, eps1)
+    if kinds[True]:
+        run("col-stats", (sum(col_units),), meta, cache.units(col_units, 1, device, kinds[True]), col_sums, eps1)
+    for factored, chosen in kinds.items():
+        if chosen:
+            units = [matrices[i] for i in chosen]
+            run("finalize", (sum(units),), meta, cache.units(units, 1, device, chosen), row_sums, param_sq, col_sums,
+                row_factor, col_factor, lrs, h.step_size, eps2, h.beta2t, h.one_minus_beta2t, factored=factored)
+    for factored, chosen in kinds.items():
+        if chosen:
+            units = [blocks[i] for i in chosen]
+            grid = (sum(triton.cdiv(b, TILE_BLOCKS) for b in units),)
+            run("update", grid, meta, cache.units(units, TILE_BLOCKS, device, chosen), row_factor, col_factor,
+                partials, h.beta2t, h.one_minus_beta2t, eps1, factored=factored)
+    run("clip", (len(table),), meta, partials, clip_denominators, h.inv_clip_threshold)
     ordinals, sr_key = stochastic if stochastic is not None else (meta, meta)
-    triton_guard.launch(
-        _apply_kernel, (num_tiles,),
-        meta, tiles_table, row_factor, col_factor, clip_denominators, lrs, eps1, h.negative_decay,
-        dynamic_map(True, device), encoder_table(True, device), h.beta1, h.one_minus_beta1, ordinals, sr_key,
-        HAS_M=group["beta1"] is not None, HAS_DECAY=group["weight_decay"] != 0, BLOCKS=TILE_BLOCKS, NCOLS=META_COLS,
-        SR=stochastic is not None, **kwargs,
-    )
-
+    for factored, chosen in kinds.items():
+        if chosen:
+            units = [blocks[i] for i in chosen]
+            grid = (sum(triton.cdiv(b, TILE_BLOCKS) for b in units),)
+            run("apply", grid, meta, cache.units(units, TILE_BLOCKS, device, chosen), row_factor, col_factor,
+                clip_denominators, lrs, eps1, h.negative_decay, shared_map8(True, device),
+                encoder8_tables(True, device), h.beta1, h.one_minus_beta1, ordinals, sr_key, factored=factored)

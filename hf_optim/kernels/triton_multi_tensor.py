@@ -6,7 +6,9 @@ A launch gets two small device tables instead of one tensor per argument:
   fp32 output, up to three state rows (fp32 values or uint8 codes) and their absmax rows, its element count,
   the dtype codes of parameter and gradient, the format code of each state row, and its first tile.
 - ``tiles`` (int32, ``(tiles, 2)``): per program the tensor it works on and its first 256-element block, so a
-  program never straddles two tensors and a quantization block is always whole inside one program.
+  program never straddles two tensors and a quantization block is always whole inside one program. A launch has
+  two: the whole tiles of every tensor (run by a kernel compiled without masks) and each tensor's last, partial
+  tile (a masked kernel); ``FIRST_TILE`` numbers each tensor's tiles, whole then partial, for per-tile outputs.
 
 Both tables are built on the host from values the host already knows (addresses, sizes, dtypes), so building
 them never synchronizes with the device. ``meta`` is rebuilt only when an address changes (e.g. new gradient
@@ -20,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from hf_optim.kernels.blockwise import num_blocks
+from hf_optim.kernels.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.state_store import StateSpec, slot_format
-from hf_optim.kernels.triton_blockwise import dtype_code
+from hf_optim.kernels.triton_tile import dtype_code
 
 PARAM, GRAD, OUT, NUMEL, PARAM_DTYPE, GRAD_DTYPE = range(6)
 VALUES = 6  # 6, 7, 8: state rows (fp32 values or uint8 codes)
@@ -73,10 +76,13 @@ def meta_rows(items, specs, tile_blocks: int, out_addresses=None) -> list[list[i
     return table
 
 
-def tile_table(numels: tuple[int, ...], tile_blocks: int) -> torch.Tensor:
-    """Flat int32 (tensor index, first block) pairs covering every tensor in tiles of ``tile_blocks`` blocks
-    (built with tensor ops: a 1B-parameter model has over a million tiles)."""
-    return unit_table([num_blocks(n) for n in numels], tile_blocks)
+def split_tile_tables(numels: tuple[int, ...], tile_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whole tiles, partial tiles): flat int32 (tensor index, first block) pairs of every tensor's tiles of
+    ``tile_blocks`` blocks that lie wholly inside it, and of each tensor's last tile when it is partial."""
+    per_tile = tile_blocks * BLOCK_SIZE
+    whole = unit_table([(n // per_tile) * tile_blocks for n in numels], tile_blocks)
+    partial = [(index, (n // per_tile) * tile_blocks) for index, n in enumerate(numels) if n % per_tile]
+    return whole, torch.tensor(partial, dtype=torch.int32).flatten()
 
 
 def unit_table(units: list[int], per_program: int, tensors: list[int] | None = None) -> torch.Tensor:
@@ -106,14 +112,26 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class Launch:
-    """Device tables of one multi-tensor launch."""
+    """Device tables of one multi-tensor launch (a kernel over the whole tiles, another over the partial ones)."""
 
     meta: torch.Tensor
-    tiles: torch.Tensor
-    num_tiles: int
+    whole_tiles: torch.Tensor
+    num_whole: int
+    partial_tiles: torch.Tensor
+    num_partial: int
     first_tiles: list[int]
+    tile_blocks: int
     aligned: bool
     """Whether every parameter, gradient, output and state-row address is 16-byte aligned (vector accesses)."""
+
+    @property
+    def num_tiles(self) -> int:
+        return self.num_whole + self.num_partial
+
+    def tables(self):
+        """``(whole, tiles table, number of tiles)`` for each non-empty kind of tile."""
+        return [(whole, table, count) for whole, table, count in
+                ((True, self.whole_tiles, self.num_whole), (False, self.partial_tiles, self.num_partial)) if count]
 
 
 class PlanCache:
@@ -128,14 +146,15 @@ class PlanCache:
         numels = tuple(row[NUMEL] for row in table)
         tiles_key = (numels, tile_blocks, device)
         if tiles_key not in self._tiles:
-            flat = tile_table(numels, tile_blocks)
-            self._tiles[tiles_key] = (to_device(flat, torch.int32, device), flat.numel() // 2)
-        tiles, num_tiles = self._tiles[tiles_key]
+            whole, partial = split_tile_tables(numels, tile_blocks)
+            self._tiles[tiles_key] = (to_device(whole, torch.int32, device), whole.numel() // 2,
+                                      to_device(partial, torch.int32, device), partial.numel() // 2)
         cached = self._meta.get(key)
         if cached is None or cached[0] != table:
             cached = (table, to_device(table, torch.int64, device))
             self._meta[key] = cached
-        return Launch(cached[1], tiles, num_tiles, [row[FIRST_TILE] for row in table], all_aligned(table))
+        return Launch(cached[1], *self._tiles[tiles_key], [row[FIRST_TILE] for row in table], tile_blocks,
+                      all_aligned(table))
 
     def units(self, units: list[int], per_program: int, device: torch.device, tensors: list[int] | None = None):
         """The device :func:`unit_table` of ``units``, built and sent once per distinct set of arguments."""

@@ -23,10 +23,15 @@ import triton.language as tl
 
 @triton.jit
 def lerp(start, end, weight):
-    """Twin of ``hf_optim.kernels.exact_math.lerp``: torch's formula, one rounding per operation."""
+    """Twin of ``hf_optim.kernels.exact_math.lerp``: torch's formula, one rounding per operation. ``weight`` is a
+    scalar, so which end the formula starts from is one decision for the whole tile: a uniform branch, not both
+    formulas per element and a select."""
     diff = end - start
-    small = tl.abs(weight) < 0.5
-    return tl.where(small, start + weight * diff, end + (weight - 1.0) * diff)
+    if tl.abs(weight) < 0.5:
+        result = start + weight * diff
+    else:
+        result = end + (weight - 1.0) * diff
+    return result
 
 
 @triton.jit

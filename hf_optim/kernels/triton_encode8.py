@@ -1,0 +1,133 @@
+"""Exact 8-bit blockwise quantization helpers for Triton kernels: no 48 KiB table, no per-element division.
+
+Same codes as :mod:`hf_optim.kernels.dynamic_map`'s reference encoder (the nearest map value of ``rn(s / absmax)``,
+exact ties to the code nearer zero, bitsandbytes' sign fix) for every finite input; the method is described in
+:mod:`hf_optim.kernels.encode8` (which also holds the table and the PyTorch twin) and proved by
+``benchmarks/encoder8_proof.py``. Per element: three 8-byte gathers from one 10 KiB table (a pair of lines keyed by
+the value's sign and exponent, then the guessed code pair's midpoint), two multiplies, four fmas and a few integer
+operations, about 19 SASS instructions on sm_90 against about 27 for ``div_rn`` and the table encoder; per block:
+about 8 instructions, one of them ``MUFU.RSQ`` (``benchmarks/encoder8_sass.py`` measures both).
+
+How to call. ``tables`` is an int32 pointer to ``encode8.encoder8_tables(signed, device)`` (one per map: it
+carries the signedness, so no SIGNED argument); ``qmap`` the map's fp32 pointer (``dynamic_map``); codes are uint8.
+
+- ``codes, absmax = quantize8_tile(values, mask, tables)``: a ``(BLOCKS, 256)`` fp32 tile, one block per row; lanes
+  outside ``mask`` count as 0 (``None``: a whole tile); absmax propagates NaN, as ``torch.amax``.
+- Any other tile shape, e.g. the fused kernels' ``(BLOCKS, 2, ROWS, W)``: compute the per-block absmax as usual,
+  then ``scale, norm, reciprocal = quantize8_params(absmax)`` on the ``(BLOCKS,)`` vector and
+  ``codes = quantize8(values, scale_b, norm_b, reciprocal_b, tables)`` with the three broadcast to the tile
+  (``x[:, None, None, None]``). Broadcast after ``quantize8_params``, so that its work is done once per block.
+- ``codes = encode8(normalized, tables)``: values already divided by their absmax (exact for every fp32 in [-1, 1]).
+- ``dequantize8(codes, absmax_b, qmap)``: ``qmap[code] * absmax`` (absmax broadcast to the codes' shape), and
+  ``dequantize8_tile(codes_ptr, absmax_ptr, qmap, blocks, offs, mask, block_mask)`` for a ``(BLOCKS, 256)`` tile.
+  (Already minimal: a byte extract, the address, one gather from the 1 KiB map, one multiply.)
+
+Inputs that are not finite: a block whose absmax is NaN divides by 1, as the reference does; an infinite absmax
+gives its finite values the codes of +-0, as the reference's ``s / inf``. Only a value whose quotient is NaN
+(``+-inf / inf``, or a NaN or infinite value in a NaN block) gets an unspecified code; such blocks dequantize to
+NaN or inf whatever the codes, and no input can index outside the table.
+
+The reciprocal is ``rsqrt(norm) ** 2`` (``rsqrt.approx``: a compile check that forbids ``sqrt.approx`` by
+substring must allow ``rsqrt.approx``); the encoder tolerates any reciprocal within 2**-17 relative error.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hf_optim.kernels import encode8 as e8
+
+ENTRY_MASK: tl.constexpr = tl.constexpr(e8.ENTRY_MASK)
+ENTRIES_AT: tl.constexpr = tl.constexpr(e8.ENTRIES_AT)
+SCALE_BIAS: tl.constexpr = tl.constexpr(e8.SCALE_BIAS)
+MIN_SCALE_BITS: tl.constexpr = tl.constexpr(e8.MIN_SCALE_BITS)
+
+
+@triton.jit
+def _words(tables, byte_offset):
+    """The two int32 words at ``byte_offset`` (an int32 tensor, multiple of 8) of the table: one 8-byte load.
+    (A 16-byte row would need a tensor with an extra axis, which costs a layout conversion through shared
+    memory in the fused kernels' tile layout: two 8-byte loads are cheaper.)"""
+    pair = tl.load((tables.to(tl.pointer_type(tl.uint8)) + byte_offset).to(tl.pointer_type(tl.int64)))
+    return (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True), (pair >> 32).to(tl.int32).to(
+        tl.float32, bitcast=True)
+
+
+@triton.jit
+def settle8(guess, scaled, norm, tables):
+    """uint8 codes of ``scaled / norm``, where ``guess`` approximates that quotient (relative error below
+    2**-17 + 2**-23) and ``scaled``, ``norm`` are a value and its block's divisor multiplied by the same power of
+    two (:func:`quantize8_params`). Guess: two lines from the guess's sign and exponent, their minimum's bits give
+    the code pair's byte offset; settle: the pair's upper code where the fma below has its sign bit set."""
+    key = (guess.to(tl.uint32, bitcast=True) >> 23).to(tl.int32) * 16
+    slope1, intercept1 = _words(tables, key)
+    slope2, intercept2 = _words(tables, key + 8)
+    position = tl.minimum(tl.fma(guess, slope1, intercept1), tl.fma(guess, slope2, intercept2))
+    offset = position.to(tl.int32, bitcast=True) & ENTRY_MASK
+    mu, hu = _words(tables, offset + ENTRIES_AT)
+    # -(scaled - norm * (mu + hu)), exact in sign; its sign bit is 1 where the pair settles on its upper code
+    below = tl.fma(norm, hu, tl.fma(norm, mu, -scaled))
+    return ((offset >> 3) + (below.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)).to(tl.uint8)
+
+
+@triton.jit
+def encode8(normalized, tables):
+    """uint8 codes of fp32 ``normalized`` values (exact for every value in [-1, 1])."""
+    return settle8(normalized, normalized, 1.0, tables)
+
+
+@triton.jit
+def quantize8_params(absmax):
+    """``(scale, norm, reciprocal)`` of blocks with this absmax (any shape; compute them per block, then
+    broadcast). The reference divides by ``d = absmax if absmax > 0 else 1``; ``scale = 2**(126 - exponent(d))``,
+    at least 2**-126, so ``norm = d * scale`` is in [0.5, 1) (a subnormal d: [2**-23, 0.5); d from 2**126 up:
+    [1, 4); an infinite absmax: inf), and ``reciprocal`` approximates ``1 / norm`` (about 2**-21; 0 for inf)."""
+    divisor = tl.where(absmax > 0.0, absmax, 1.0)
+    scale = tl.maximum(SCALE_BIAS - (divisor.to(tl.int32, bitcast=True) & 0x7F800000), MIN_SCALE_BITS)
+    scale = scale.to(tl.float32, bitcast=True)
+    norm = divisor * scale
+    root = tl.rsqrt(norm)  # one special-function instruction; the guess needs only ~20 correct bits
+    return scale, norm, root * root
+
+
+@triton.jit
+def quantize8(values, scale, norm, reciprocal, tables):
+    """uint8 codes of fp32 ``values`` against their blocks' :func:`quantize8_params` (broadcast to the values'
+    shape)."""
+    scaled = values * scale
+    return settle8(scaled * reciprocal, scaled, norm, tables)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def quantize8_tile(values, mask, tables):
+    """``(codes, absmax)`` of fp32 ``values`` ``(BLOCKS, 256)``, one quantization block per row; lanes outside
+    ``mask`` (None: none) count as 0."""
+    if mask is not None:
+        values = tl.where(mask, values, 0.0)
+    absmax = tl.reduce(tl.abs(values), 1, _max_nan)
+    scale, norm, reciprocal = quantize8_params(absmax)
+    return quantize8(values, scale[:, None], norm[:, None], reciprocal[:, None], tables), absmax
+
+
+@triton.jit
+def dequantize8(codes, absmax, qmap):
+    """fp32 ``qmap[code] * absmax`` for uint8 ``codes`` (absmax broadcast to the codes' shape)."""
+    return tl.load(qmap + codes.to(tl.int32)) * absmax
+
+
+@triton.jit
+def dequantize8_tile(codes_ptr, absmax_ptr, qmap, blocks, offs, mask, block_mask):
+    """fp32 values of the 8-bit codes at ``codes_ptr + offs`` (``(BLOCKS, 256)``) with their blocks' absmax."""
+    if mask is None:
+        codes = tl.load(codes_ptr + offs)
+        absmax = tl.load(absmax_ptr + blocks)
+    else:
+        codes = tl.load(codes_ptr + offs, mask=mask, other=0)
+        absmax = tl.load(absmax_ptr + blocks, mask=block_mask, other=0.0)
+    return dequantize8(codes, absmax[:, None], qmap)
