@@ -64,10 +64,11 @@ CASES = {
                        "command line: training.learning_rate: expected float, got str 'fast'"),
     "negative learning rate": (["validate", "quickstart", "training.learning_rate=-1"], {},
                                "command line: training.learning_rate: hf_optim.PagedAdamW8bit refuses "
-                               "learning_rate=-1: Invalid lr: -1.0"),
+                               "learning_rate=-1: Invalid learning rate: -1 (lr); expected a value in [0.0, inf)"),
     "optimizer beta out of range": (["validate", "quickstart", "training.adam_beta1=1.5"], {},
                                     "command line: training.adam_beta1: hf_optim.PagedAdamW8bit refuses "
-                                    "adam_beta1=1.5: Invalid beta1: 1.5"),
+                                    "adam_beta1=1.5: Invalid beta parameter at index 0: 1.5 (beta1); "
+                                    "expected a value in [0.0, 1.0)"),
     "unknown optimizer name": (["validate", "quickstart", "training.optim=lamb8bit"], {},
                                "command line: training.optim: unknown optimizer 'lamb8bit'; did you mean 'lamb_8bit'"),
     "target_modules as a string": (["validate", "target_string.yaml"], {},
