@@ -20,30 +20,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.triton_tile import INTERPRETED
-
 
 @triton.jit
 def lerp(start, end, weight):
     """Twin of ``hf_optim.kernels.exact_math.lerp``: torch's formula, one rounding per operation. ``weight`` is a
-    scalar, so which end the formula starts from is one decision for the whole tile. Compiled, the decision picks
-    the base with one bitwise select per element (``LOP3``): the compiler turns a branch on it into a select anyway
-    (sm_80: a move and a predicated move per element), and a branch it may not flatten costs registers."""
+    scalar, so which end the formula starts from is one decision for the whole tile: a uniform branch, not both
+    formulas per element and a select."""
     diff = end - start
-    if INTERPRETED:
-        if tl.abs(weight) < 0.5:
-            result = start + weight * diff
-        else:
-            result = end + (weight - 1.0) * diff
+    if tl.abs(weight) < 0.5:
+        result = start + weight * diff
     else:
-        # base = end where every bit of choose_end is set, else start (lop3's table 0xD8: c ? b : a); exactly the
-        # arms above, whose multiplier is weight or weight - 1.0
-        near_start = tl.abs(weight) < 0.5
-        choose_end = tl.where(near_start, 0, -1)
-        base = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xD8;", "=r,r,r,r",
-                                         [start, end, choose_end + tl.zeros(start.shape, tl.int32)],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-        result = base + tl.where(near_start, weight, weight - 1.0) * diff
+        result = end + (weight - 1.0) * diff
     return result
 
 
