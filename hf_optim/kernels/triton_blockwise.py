@@ -22,8 +22,8 @@ from hf_optim.kernels.blockwise import num_blocks
 from hf_optim.kernels.encode8 import encoder8_tables
 from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8
 from hf_optim.kernels.triton_blockwise4 import load_state4, store_state4
+from hf_optim.kernels.triton_encode8 import dequantize8, quantize8_params
 from hf_optim.kernels.triton_encode8 import quantize8 as quantize8_codes
-from hf_optim.kernels.triton_encode8 import quantize8_params
 from hf_optim.kernels.triton_tile import (
     block_max,
     launch_options,
@@ -49,12 +49,13 @@ def store_per_block(ptr, blocks, rows, values, block_mask):
     tile's rows (one lane per thread, lane ``i`` of a block addressing ``ptr[block + i]``, all but the first masked
     off), so the compiler gives it the tile's own layout and the values stay where the block reduction left them;
     a ``(BLOCKS,)``-shaped store would get a layout of its own and a round trip through shared memory."""
-    lane = rows % (2 * rows.shape[2])
+    # rows are non-negative and a block has a power-of-two number of them: a mask, not a signed remainder
+    tl.static_assert((rows.shape[2] & (rows.shape[2] - 1)) == 0, "rows per half must be a power of two")
+    lane = rows & (2 * rows.shape[2] - 1)
     first = lane == 0
     if block_mask is not None:
         first = first & block_mask[:, None, None]
-    tl.store(ptr + blocks[:, None, None] + lane, values[:, None, None] + tl.zeros(rows.shape, values.dtype),
-             mask=first)
+    tl.store(ptr + blocks[:, None, None] + lane, tl.broadcast_to(values[:, None, None], rows.shape), mask=first)
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def load_state8(codes_ptr, absmax_ptr, qmap_ptr, blocks, offs, mask, block_mask)
     """fp32 values ``qmap[code] * absmax[block]`` of an 8-bit row."""
     codes = masked_load(codes_ptr + offs, mask, 0)
     absmax = masked_load(absmax_ptr + blocks, block_mask, 0.0)
-    return tl.load(qmap_ptr + codes.to(tl.int32)) * per_block(absmax)
+    return dequantize8(codes, per_block(absmax), qmap_ptr)
 
 
 @triton.jit

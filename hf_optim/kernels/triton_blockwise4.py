@@ -191,7 +191,7 @@ def store_state4(address, scale_ptr, halves, rows, offs, values, mask, n, SIGNED
     _store_words(address, rows, words, mask, n, offs.shape[3], ALIGNED)
     # written by each half's first thread, from where the reduction left the scales (see
     # triton_blockwise.store_per_block)
-    lane = rows % rows.shape[2]
+    lane = rows & (rows.shape[2] - 1)  # rows are non-negative; a power-of-two count per half
     first = lane == 0
     if mask is not None:
         first = first & (halves * 128 < n)[:, :, None]
