@@ -6,6 +6,8 @@
 
 Shape sets (``--sets``, separated by commas; a set is a preset name or shapes joined by ``+``, e.g. ``64x80+5000``):
 
+- ``quickstart-lora``: the 28 LoRA adapters (r=32) of the quickstart recipe's tiny model (77,824 elements; the
+  1024-element ones are below ``min_8bit_size``, so an 8-bit optimizer keeps two state layouts);
 - ``4096x4096``: one 16.8M-element tensor (the easiest case: one big contiguous update);
 - ``llama-3.2-1b-lora``: the 224 LoRA adapters (r=16, q/k/v/o/gate/up/down of 16 layers; A is r x in, B is
   out x r), 11.27M elements: what the LoRA recipes step;
@@ -23,8 +25,11 @@ bandwidth peak on GPUs. hf_optim's backend (``triton`` on CUDA when triton is in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -51,7 +56,11 @@ def llama_lora_shapes(cfg: dict, rank: int = 16) -> list[tuple[int, ...]]:
     return [shape for fan_in, fan_out in linears for shape in ((rank, fan_in), (fan_out, rank))] * cfg["layers"]
 
 
+QUICKSTART_MODEL = dict(hidden=64, intermediate=192, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=512)
+"""``hf_optim.tiny.tiny_llama``'s numbers: the quickstart recipe's model."""
+
 PRESETS = {
+    "quickstart-lora": lambda: llama_lora_shapes(QUICKSTART_MODEL, rank=32),
     "4096x4096": lambda: [(4096, 4096)],
     "llama-3.2-1b-lora": lambda: llama_lora_shapes(LLAMA_3_2_1B),
     "llama-3.2-1b": lambda: llama_shapes(LLAMA_3_2_1B),
@@ -142,6 +151,84 @@ def time_steps(make: Callable, params: list[torch.Tensor], steps: int, warmup: i
         sync()
         times.append(time.perf_counter() - start)
     return first, statistics.median(times), step_peak_extra_bytes(opt) if memory else None
+
+
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """``count`` processes spinning on the CPU (a pure-Python loop each, at this process's priority, as dataloader
+    workers or a second job would be) for the duration of the block; they are killed on the way out."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        if spinners:
+            time.sleep(1.0)  # past their interpreter start-up: spinning
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait()
+
+
+def time_busy(opt, params: list[torch.Tensor], steps: int, levels: list[int], rounds: int) -> dict[int, tuple]:
+    """{busy processes: (median wall seconds per step, CPU seconds of this process per step)} for an optimizer that
+    has already stepped (compiled and warm); the levels take turns, ``rounds`` times, ``steps`` steps each."""
+    walls: dict[int, list[float]] = {level: [] for level in levels}
+    cpus: dict[int, list[float]] = {level: [] for level in levels}
+    for _ in range(rounds):
+        for level in levels:
+            with busy_processes(level):
+                opt.step()  # the first step under the new load is not timed
+                for _ in range(steps):
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    opt.step()
+                    walls[level].append(time.perf_counter() - wall)
+                    cpus[level].append(time.process_time() - cpu)
+    return {level: (statistics.median(walls[level]), statistics.median(cpus[level])) for level in levels}
+
+
+BUSY_ROWS = ("torch AdamW fused", "hf_optim AdamW8bit", "bitsandbytes AdamW8bit", "hf_optim AdamW32bit")
+"""The rows ``--busy`` measures unless ``--only`` says otherwise."""
+
+
+def measure_busy(shapes, dtype, device: str, args, levels: list[int]) -> dict[str, dict[int, tuple]]:
+    """{row name: {busy processes: (median wall s, CPU s per step)}} for the ``--busy`` table."""
+    results = {}
+    for name, make in contenders(not args.no_bnb, device):
+        if not (any(s in name for s in args.only.split(",")) if args.only else name in BUSY_ROWS):
+            continue
+        gen = torch.Generator(device=device).manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype, generator=gen)) for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=gen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = make(params)
+            for _ in range(1 + args.warmup):  # compiled and warm before any load starts
+                opt.step()
+            results[name] = time_busy(opt, params, args.steps, levels, args.rounds)
+        cells = "  ".join(f"busy {level}: {wall * 1e3:.1f} ms" for level, (wall, _) in results[name].items())
+        print(f"  {name:<28} {cells}", flush=True)
+        del opt, params
+    return results
+
+
+def print_busy_table(table: dict[str, dict], sets: list[str], levels: list[int]) -> None:
+    """One row per (set, optimizer): wall ms per step and CPU ns per element at each load, and busy / idle."""
+    header = " | ".join(f"busy {level}: ms | CPU ns/el" + (" | x idle" if level != levels[0] else "")
+                        for level in levels)
+    print(f"\n| set | optimizer | {header} |")
+    print("|---|---|" + "---:|---:|" + "---:|---:|---:|" * (len(levels) - 1))
+    for spec in sets:
+        numel = sum(torch.Size(s).numel() for s in shape_set(spec))
+        for name, by_level in table[spec].items():
+            base = by_level[levels[0]][0]
+            cells = []
+            for level in levels:
+                wall, cpu = by_level[level]
+                cells += [f"{wall * 1e3:.1f}", f"{cpu / numel * 1e9:.2f}"]
+                if level != levels[0]:
+                    cells.append(f"{wall / base:.2f}")
+            print(f"| {spec} | {name} | " + " | ".join(cells) + " |")
 
 
 def bnb_class(bnb, name: str) -> Callable:
@@ -235,6 +322,13 @@ def main() -> None:
                         help="instead of timing, measure how far a step's peak RSS rises above the RSS before it "
                              "(CPU, Linux; it makes glibc map and unmap every allocation of 64 KiB or more, which "
                              "slows allocating steps: run it apart from the timing run)")
+    parser.add_argument("--busy", default="",
+                        help="comma-separated numbers of spinning processes to time the steps under, e.g. 0,2,4,8 "
+                             "(the script starts and stops them; the optimizers compile and warm up before): prints "
+                             "wall ms per step, CPU ns per element and the slowdown against the first level "
+                             f"(rows: {', '.join(BUSY_ROWS)} unless --only)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with --busy: how many times the load levels take turns (steps each time)")
     parser.add_argument("--peak-gbs", type=float, default=0.0,
                         help="memory bandwidth peak in GB/s for the %% column (default: looked up by GPU name)")
     args = parser.parse_args()
@@ -250,6 +344,17 @@ def main() -> None:
           f"threads={torch.get_num_threads()} hf_optim backend={backend} steps={args.steps} warmup={args.warmup}")
 
     sets = [s for s in args.sets.split(",") if s]
+    if args.busy:
+        levels = [int(level) for level in args.busy.split(",")]
+        print(f"load average before: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+        busy_table = {}
+        for spec in sets:
+            shapes = shape_set(spec)
+            print(f"{spec}: {len(shapes)} tensors, {sum(torch.Size(s).numel() for s in shapes):,} elements", flush=True)
+            busy_table[spec] = measure_busy(shapes, dtype, args.device, args, levels)
+        print_busy_table(busy_table, sets, levels)
+        print(f"load average after: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+        return
     table: dict[str, dict[str, tuple]] = {}
     for spec in sets:
         shapes = shape_set(spec)
