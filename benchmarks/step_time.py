@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 import hf_optim
+from hf_optim.kernels import cpu_compile, cpu_threads
 
 LLAMA_3_2_1B = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, head_dim=64, vocab=128256)
 
@@ -141,6 +142,7 @@ def time_steps(make: Callable, params: list[torch.Tensor], steps: int, warmup: i
     opt.step()
     sync()
     first = time.perf_counter() - start
+    cpu_compile.wait()  # HF_OPTIM_COMPILE=auto: small sets' first steps run eagerly while compiling; time compiled
     for _ in range(warmup):
         opt.step()
     times = []
@@ -169,15 +171,17 @@ def busy_processes(count: int):
             spinner.wait()
 
 
-def time_busy(opt, params: list[torch.Tensor], steps: int, levels: list[int], rounds: int) -> dict[int, tuple]:
+def time_busy(opt, steps: int, levels: list[int], rounds: int, settle: int) -> dict[int, tuple]:
     """{busy processes: (median wall seconds per step, CPU seconds of this process per step)} for an optimizer that
-    has already stepped (compiled and warm); the levels take turns, ``rounds`` times, ``steps`` steps each."""
+    has already stepped (compiled and warm); the levels take turns, ``rounds`` times: ``settle`` untimed steps
+    under the new load (the thread-count choice adapts), then ``steps`` timed ones."""
     walls: dict[int, list[float]] = {level: [] for level in levels}
     cpus: dict[int, list[float]] = {level: [] for level in levels}
     for _ in range(rounds):
         for level in levels:
             with busy_processes(level):
-                opt.step()  # the first step under the new load is not timed
+                for _ in range(settle):
+                    opt.step()
                 for _ in range(steps):
                     wall, cpu = time.perf_counter(), time.process_time()
                     opt.step()
@@ -203,9 +207,15 @@ def measure_busy(shapes, dtype, device: str, args, levels: list[int]) -> dict[st
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             opt = make(params)
-            for _ in range(1 + args.warmup):  # compiled and warm before any load starts
+            opt.step()
+            cpu_compile.wait()
+            for _ in range(args.warmup):  # compiled and warm before any load starts
                 opt.step()
-            results[name] = time_busy(opt, params, args.steps, levels, args.rounds)
+            with busy_processes(max(levels)):  # under the heaviest load the thread-count choice may compile its
+                for _ in range(2 + cpu_threads.WARMUP):  # one-thread variant: before the timing
+                    opt.step()
+                cpu_compile.wait()
+            results[name] = time_busy(opt, args.steps, levels, args.rounds, args.settle)
         cells = "  ".join(f"busy {level}: {wall * 1e3:.1f} ms" for level, (wall, _) in results[name].items())
         print(f"  {name:<28} {cells}", flush=True)
         del opt, params
@@ -329,12 +339,20 @@ def main() -> None:
                              f"(rows: {', '.join(BUSY_ROWS)} unless --only)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="with --busy: how many times the load levels take turns (steps each time)")
+    parser.add_argument("--settle", type=int, default=3,
+                        help="with --busy: untimed steps after each change of load (hf_optim's thread-count choice "
+                             "adapts to the load within a few steps)")
+    parser.add_argument("--fixed-threads", action="store_true",
+                        help="run hf_optim's compiled CPU kernels with torch's thread count always (no one-thread "
+                             "choice under load): the behaviour before it, for comparison")
     parser.add_argument("--peak-gbs", type=float, default=0.0,
                         help="memory bandwidth peak in GB/s for the %% column (default: looked up by GPU name)")
     args = parser.parse_args()
 
     if args.memory:
         track_large_allocations()
+    if args.fixed_threads:
+        cpu_compile.threads_for = lambda kernel: None
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     param_bytes = torch.empty((), dtype=dtype).element_size()
     backend = hf_optim.AdamW8bit([torch.zeros(1, device=args.device)]).backend

@@ -292,6 +292,10 @@ def step_tensor(
     for layout in layouts:
         raws.append(tensors[index : index + layout.width])
         index += layout.width
+    if whole >= 2 * BLOCK_SIZE and param.device.type == "cpu" and compile_enabled():
+        kernel = cpu_compile.Kernel(rule, tuple(layouts), tuple(raw[0].shape[0] for raw in raws), out is not None,
+                                    param.dtype, grad.dtype, stream is not None and out is None)
+        cpu_compile.prepare(kernel, hyper_t, stream.key if kernel.stochastic else None, whole)
     for start in [*range(0, whole, CHUNK), *([whole] if whole < n else [])]:
         block_form = start < whole
         stop = min(start + CHUNK, whole) if block_form else n
