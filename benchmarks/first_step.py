@@ -57,6 +57,15 @@ def child(args) -> None:
         return ran
 
     multi_tensor.run_update = counting
+    for setting in filter(None, args.inductor.split(",")):  # experiments: inductor settings for every compilation
+        name, value = setting.split("=")
+        import torch._inductor.config
+
+        target = torch._inductor.config
+        *path, last = name.split(".")
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, last, json.loads(value))
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shape_set(args.sets)]
     for p in params:
@@ -81,7 +90,7 @@ def child(args) -> None:
                           graphs=counters["stats"]["unique_graphs"])), flush=True)
 
 
-def run_child(spec: str, optimizer: str, mode: str, steps: int, root: Path) -> dict:
+def run_child(spec: str, optimizer: str, mode: str, steps: int, root: Path, inductor: str = "") -> dict:
     """Run :func:`child` in a fresh process on the caches under ``root``; adds the process tree's CPU seconds."""
     for sub in ("tmp", "inductor", "triton"):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -92,7 +101,7 @@ def run_child(spec: str, optimizer: str, mode: str, steps: int, root: Path) -> d
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     before = usage.ru_utime + usage.ru_stime
     done = subprocess.run([sys.executable, __file__, "--child", "--sets", spec, "--optimizers", optimizer,
-                           "--steps", str(steps)], env=env, capture_output=True, text=True)
+                           "--steps", str(steps), "--inductor", inductor], env=env, capture_output=True, text=True)
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode:
         raise RuntimeError(f"{optimizer} on {spec} ({mode}) failed:\n{done.stderr[-3000:]}")
@@ -107,6 +116,9 @@ def main() -> None:
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--modes", default="auto", help="comma-separated HF_OPTIM_COMPILE values: auto, 1, 0")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--inductor", default="",
+                        help="experiments: comma-separated inductor settings NAME=JSON_VALUE for the measured "
+                             "processes, e.g. cpp_cache_precompile_headers=false")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -120,8 +132,8 @@ def main() -> None:
         for optimizer in args.optimizers.split(","):
             for mode in args.modes.split(","):
                 with tempfile.TemporaryDirectory(prefix="hf_optim_first_step_") as root:
-                    cold = run_child(spec, optimizer, mode, args.steps, Path(root))
-                    warm = run_child(spec, optimizer, mode, args.steps, Path(root))
+                    cold = run_child(spec, optimizer, mode, args.steps, Path(root), args.inductor)
+                    warm = run_child(spec, optimizer, mode, args.steps, Path(root), args.inductor)
                 load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else ""
                 cells = [f"{cold['first']:.2f}", f"{cold['total']:.2f}", str(cold["eager"]), f"{cold['ready']:.1f}",
                          f"{cold['cpu']:.1f}", str(cold["graphs"]), f"{warm['first']:.2f}", f"{warm['total']:.2f}",

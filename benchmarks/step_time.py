@@ -190,14 +190,31 @@ def time_busy(opt, steps: int, levels: list[int], rounds: int, settle: int) -> d
     return {level: (statistics.median(walls[level]), statistics.median(cpus[level])) for level in levels}
 
 
-BUSY_ROWS = ("torch AdamW fused", "hf_optim AdamW8bit", "bitsandbytes AdamW8bit", "hf_optim AdamW32bit")
+class TorchThreads:
+    """An hf_optim optimizer whose compiled CPU kernels always run with torch's thread count: the behaviour before
+    the thread-count choice (``hf_optim.kernels.cpu_threads``), for comparison."""
+
+    def __init__(self, opt) -> None:
+        self.opt = opt
+
+    def step(self) -> None:
+        choose = cpu_compile.threads_for
+        cpu_compile.threads_for = lambda kernel: None
+        try:
+            self.opt.step()
+        finally:
+            cpu_compile.threads_for = choose
+
+
+BUSY_ROWS = ("torch AdamW fused", "hf_optim AdamW8bit", "hf_optim AdamW8bit (torch's threads)",
+             "bitsandbytes AdamW8bit", "hf_optim AdamW32bit", "hf_optim AdamW32bit (torch's threads)")
 """The rows ``--busy`` measures unless ``--only`` says otherwise."""
 
 
 def measure_busy(shapes, dtype, device: str, args, levels: list[int]) -> dict[str, dict[int, tuple]]:
     """{row name: {busy processes: (median wall s, CPU s per step)}} for the ``--busy`` table."""
     results = {}
-    for name, make in contenders(not args.no_bnb, device):
+    for name, make in contenders(not args.no_bnb, device, busy=True):
         if not (any(s in name for s in args.only.split(",")) if args.only else name in BUSY_ROWS):
             continue
         gen = torch.Generator(device=device).manual_seed(0)
@@ -249,8 +266,9 @@ def bnb_class(bnb, name: str) -> Callable:
     return getattr(bnb.optim, name)
 
 
-def contenders(include_bnb: bool, device: str) -> list[tuple[str, Callable]]:
-    """(row name, optimizer factory); bitsandbytes' rows use its CUDA kernels on a CUDA device."""
+def contenders(include_bnb: bool, device: str, busy: bool = False) -> list[tuple[str, Callable]]:
+    """(row name, optimizer factory); bitsandbytes' rows use its CUDA kernels on a CUDA device; ``busy``: also the
+    rows of hf_optim optimizers that keep torch's thread count under load."""
     rows: list[tuple[str, Callable]] = [
         ("torch AdamW fused", lambda p: torch.optim.AdamW(p, fused=True)),
         ("torch AdamW foreach", lambda p: torch.optim.AdamW(p, foreach=True)),
@@ -264,6 +282,10 @@ def contenders(include_bnb: bool, device: str) -> list[tuple[str, Callable]]:
             rows.append((f"bitsandbytes {name}", bnb_class(bnb, name)))
     for name in ("AdamW4bit", "AdEMAMix4bit", "Lion4bit"):  # no bitsandbytes namesake (torchao's: not installed)
         rows.append((f"hf_optim {name}", getattr(hf_optim, name)))
+    if busy:  # the rows without the thread-count choice
+        for name in ("AdamW8bit", "AdamW32bit"):
+            cls = getattr(hf_optim, name)
+            rows.append((f"hf_optim {name} (torch's threads)", lambda p, cls=cls: TorchThreads(cls(p))))
     # Adafactor as the Trainer's optim="adafactor" builds it; the reference is transformers' own class.
     adafactor = dict(lr=1e-3, relative_step=False, scale_parameter=False, warmup_init=False)
     rows.append(("hf_optim Adafactor", lambda p: hf_optim.Adafactor(p, **adafactor)))
@@ -342,17 +364,12 @@ def main() -> None:
     parser.add_argument("--settle", type=int, default=3,
                         help="with --busy: untimed steps after each change of load (hf_optim's thread-count choice "
                              "adapts to the load within a few steps)")
-    parser.add_argument("--fixed-threads", action="store_true",
-                        help="run hf_optim's compiled CPU kernels with torch's thread count always (no one-thread "
-                             "choice under load): the behaviour before it, for comparison")
     parser.add_argument("--peak-gbs", type=float, default=0.0,
                         help="memory bandwidth peak in GB/s for the %% column (default: looked up by GPU name)")
     args = parser.parse_args()
 
     if args.memory:
         track_large_allocations()
-    if args.fixed_threads:
-        cpu_compile.threads_for = lambda kernel: None
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     param_bytes = torch.empty((), dtype=dtype).element_size()
     backend = hf_optim.AdamW8bit([torch.zeros(1, device=args.device)]).backend

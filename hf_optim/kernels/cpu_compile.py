@@ -28,8 +28,19 @@ shape of the tensor it views, and would compile again for the first chunk of a b
 rather than gathered, and so on. The OpenMP thread count is part of a graph's guards too: the one-thread variant that
 :mod:`hf_optim.kernels.cpu_threads` may ask for is a second graph, compiled the same way when it is asked for.
 
-Compile options: ``compile_threads=1``: the one generated kernel needs no pool of compile workers, and starting the
-pool (processes that import torch) costs more CPU than compiling the kernel on a small machine.
+Compile options (:data:`INDUCTOR_OPTIONS`), measured as CPU seconds of the whole process tree for the quickstart's
+AdamW8bit on a cold cache (``benchmarks/first_step.py``): 34 s with inductor's defaults, 22 s with these:
+
+- ``cpp.vec_isa_ok=True``: inductor trusts the CPU's flags (``/proc/cpuinfo``) for its vector instruction sets
+  instead of compiling and loading a test program per instruction set, which cost 11 CPU seconds the first time a
+  cache directory is used and 3 in every later process. An old compiler that lacks those instructions then fails
+  the kernel's own compilation (a warning; the kernel runs eagerly). The result is cached per process by inductor,
+  so a later ``torch.compile`` of the user's in the same process skips the test programs too.
+- ``cpp_cache_precompile_headers=False``: inductor would precompile torch's headers once per user and machine (a
+  150 MB file in the temporary directory, 10 CPU seconds) to save about a second per later kernel; an optimizer has
+  one to four kernels.
+- ``compile_threads=1``: one generated kernel per graph gains nothing from a pool of compile workers (the same CPU
+  time measured with 2), and no worker processes are started.
 
 Log lines (logger ``hf_optim``): one INFO line when a compilation starts (which kernel, where it is cached), one when
 it has taken more than a second, and a WARNING when it fails (that kernel then keeps running eagerly).
@@ -70,7 +81,7 @@ docs/benchmarks.md), so a large step would take longer than the compilation, and
 compiler for the cores and for Python's GIL: on Llama-3.2-1B's LoRA set (11.3M elements) one eager AdamW8bit step
 outlasted the whole compilation. A 1M-element eager step takes well under a second on an idle 2-core machine."""
 
-INDUCTOR_OPTIONS = {"compile_threads": 1}
+INDUCTOR_OPTIONS = {"compile_threads": 1, "cpp_cache_precompile_headers": False, "cpp.vec_isa_ok": True}
 """Inductor settings for these compilations only (see the module docstring)."""
 
 

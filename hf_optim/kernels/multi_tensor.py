@@ -7,9 +7,10 @@ elements:
 
 1. the parameters and gradients of the chunk are gathered into flat scratch buffers (one ``torch.cat``, zeros
    between tensors), or used in place when a single tensor covers the whole chunk;
-2. :func:`hf_optim.kernels.elementwise.update` runs on the chunk, compiled by inductor (dynamic shapes: every
-   chunk length shares one compilation; hyperparameters are 0-d tensors, so new learning rates or bias
-   corrections never recompile) or eagerly with ``HF_OPTIM_COMPILE=0``;
+2. :func:`hf_optim.kernels.elementwise.update` runs on the chunk, compiled by inductor once its compilation is
+   ready, eagerly before that or with ``HF_OPTIM_COMPILE=0`` (:mod:`hf_optim.kernels.cpu_compile`: when it compiles,
+   one graph for every chunk length; hyperparameters are 0-d tensors, so new learning rates or bias corrections
+   never recompile), with the OpenMP thread count :mod:`hf_optim.kernels.cpu_threads` measured to be faster;
 3. the new parameters go back with one ``torch._foreach_copy_``.
 
 The rule sees exactly the values the per-tensor path gives it, and every operation in it is elementwise or
