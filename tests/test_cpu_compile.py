@@ -208,6 +208,14 @@ def test_slowdown_without_a_high_load_average_asks_for_one_thread_and_a_quieter_
     assert picks[-1] == 2
 
 
+def test_when_the_other_processes_stop_all_threads_come_back_within_a_few_runs():
+    choice = cpu_threads.ThreadChoice(2, busy=lambda: True)
+    busy = run(choice, lambda count: True, {2: 30.0, 1: 3.0}, 300)  # tries of 2 threads are rare by now
+    assert busy[-1] == 1 and choice.interval > 4 * cpu_threads.FIRST_PROBE
+    quiet = run(choice, lambda count: True, {2: 1.0, 1: 1.3}, 3 * cpu_threads.FIRST_PROBE)
+    assert quiet[-2 * cpu_threads.FIRST_PROBE:].count(2) > 1.5 * cpu_threads.FIRST_PROBE
+
+
 def test_thread_choice_is_not_made_with_a_single_thread():
     choice = cpu_threads.ThreadChoice(1, busy=lambda: True)
     assert set(run(choice, lambda count: True, {1: 1.0}, 10)) == {1}

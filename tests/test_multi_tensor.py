@@ -157,9 +157,9 @@ def test_switch_from_eager_to_compiled_mid_run_changes_no_bit(cls, kwargs, monke
     release = threading.Event()
     compile_now = cpu_compile._compile
 
-    def held_back(*args):
+    def held_back(*args, **kwargs):
         release.wait()
-        compile_now(*args)
+        compile_now(*args, **kwargs)
 
     ran = []
     run_update = multi_tensor.run_update

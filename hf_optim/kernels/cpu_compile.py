@@ -227,9 +227,14 @@ def _mark_block_dims(probe: tuple, other: tuple) -> None:
             torch._dynamo.maybe_mark_dynamic(tensor, dims)
 
 
-def _compile(kernel: Kernel, entry: _Entry, threads: int, where: str) -> None:
+def _compile(kernel: Kernel, entry: _Entry, threads: int, background: bool) -> None:
     """Compile ``kernel``'s graph for ``threads`` OpenMP threads by running it once on probe inputs."""
-    what = kernel.describe() + (", 1 thread (the machine is busy)" if threads == 1 and entry.ready else "")
+    variant = threads == 1 and bool(entry.ready)  # the one-thread variant of a compiled kernel (cpu_threads)
+    what = kernel.describe() + (", 1 thread (the machine is busy)" if variant else "")
+    where = ""
+    if background:
+        meanwhile = f"the {max(entry.ready)}-thread kernel" if variant else "eagerly"
+        where = f" in the background; the steps run {meanwhile} until it is ready"
     logger.info("compiling the optimizer's CPU kernel for %s%s (once, cached in %s)", what, where, cache_location())
     start = time.perf_counter()
     try:
@@ -256,7 +261,7 @@ def _work() -> None:
     while True:
         kernel, entry, threads = _jobs.get()
         try:
-            _compile(kernel, entry, threads, " in the background; the steps run eagerly until it is ready")
+            _compile(kernel, entry, threads, background=True)
         except BaseException:  # the interpreter is shutting down: nothing left to compile for
             return
 
@@ -266,7 +271,7 @@ def _start(kernel: Kernel, entry: _Entry, threads: int) -> None:
     global _worker
     entry.pending.add(threads)
     if compile_mode() == "1":
-        _compile(kernel, entry, threads, "")
+        _compile(kernel, entry, threads, background=False)
         return
     with _lock:
         if _worker is None:

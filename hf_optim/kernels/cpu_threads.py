@@ -12,8 +12,10 @@ threads are about 1.3x faster than 1. Neither is right everywhere, so each kerne
   thread count is part of a graph's guards) when the machine looks busy: the 1-minute load average is at least the
   number of cores this process may use, or its own time per element has grown to :data:`SLOWDOWN` times its best;
 - with both variants compiled it runs the one that measured faster and tries the other again now and then, after
-  :data:`FIRST_PROBE` runs, twice as long after each try that confirms the choice (at most :data:`LAST_PROBE`), so
-  a machine that becomes idle again (or busy) is noticed and a wrong try costs little.
+  :data:`FIRST_PROBE` runs, twice as long after each try that confirms the choice (at most :data:`LAST_PROBE`),
+  and soon again when the chosen variant's own time per element says the load changed (all threads 1.5x slower:
+  busier; one thread 2x faster: quieter), so a change of load is noticed within a few steps while tries of all
+  threads under load, which cost up to 10 one-thread runs each, stay rare.
 
 The thread count changes only the speed: the compiled kernels parallelize over blocks and every reduction is within
 one 256-element block, so one thread and many compute the same bits (``tests/test_multi_tensor.py``). It is set
@@ -36,7 +38,9 @@ import torch
 
 SLOWDOWN = 1.5
 """Time per element over the best measured with torch's thread count that makes the one-thread variant worth
-compiling."""
+compiling, and over its figure at the last try of one thread that makes another try worth it."""
+QUIETER = 2.0
+"""Speed-up of the one-thread variant since the last try of all threads that makes another try worth it."""
 WARMUP = 3
 """Measured runs with torch's thread count before the machine is judged."""
 FIRST_PROBE, LAST_PROBE = 8, 256
@@ -126,6 +130,7 @@ class ThreadChoice:
         self.chosen = many
         self.runs_since_probe = 0
         self.interval = FIRST_PROBE
+        self.reference = math.inf  # the chosen variant's time per element when the other was last measured
 
     def pick(self, ready: Callable[[int], bool]) -> int:
         """The thread count for the next run; ``ready(count)`` says whether that variant is compiled."""
@@ -159,7 +164,16 @@ class ThreadChoice:
                 self.chosen, self.interval = count, FIRST_PROBE
             else:
                 self.interval = min(2 * self.interval, LAST_PROBE)
+            self.reference = self.cost[self.chosen]
+            return
+        self.runs_since_probe += 1
+        # Since the other variant was measured the machine got busier (all threads slowed down: one thread may be
+        # faster now) or quieter (one thread sped up: all threads may be faster again), or the choice got slower
+        # than the other's figure: try the other one next, at short intervals again. Trying all threads under
+        # load is expensive (10x a one-thread run), so a small change of the one-thread time does not trigger it.
+        if count == self.many:
+            changed = self.cost[count] > SLOWDOWN * self.reference
         else:
-            self.runs_since_probe += 1
-            if best != count:  # the choice got slower than the other's last figure: try the other next
-                self.runs_since_probe = max(self.runs_since_probe, self.interval)
+            changed = self.cost[count] < self.reference / QUIETER
+        if changed or best != count:
+            self.runs_since_probe, self.interval = FIRST_PROBE, FIRST_PROBE
