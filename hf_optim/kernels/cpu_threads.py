@@ -46,7 +46,8 @@ WARMUP = 3
 FIRST_PROBE, LAST_PROBE = 8, 256
 """Runs between two tries of the variant not chosen: the first interval, and the most it doubles to."""
 SMOOTHING = 0.5
-"""Weight of a new measurement in each variant's running time per element."""
+"""Weight of a new measurement in the chosen variant's running time per element (a try of the other replaces its
+figure)."""
 
 
 @functools.cache
@@ -149,7 +150,9 @@ class ThreadChoice:
             return
         sample = seconds / elements
         previous = self.cost.get(count)
-        self.cost[count] = sample if previous is None else SMOOTHING * sample + (1 - SMOOTHING) * previous
+        # A try of the variant not chosen replaces its figure, which is from the last try and stale by now.
+        fresh = previous is None or count != self.chosen
+        self.cost[count] = sample if fresh else SMOOTHING * sample + (1 - SMOOTHING) * previous
         if count == self.many:
             self.runs_many += 1
             self.best_many = min(self.best_many, sample)
