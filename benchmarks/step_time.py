@@ -38,7 +38,11 @@ from pathlib import Path
 import torch
 
 import hf_optim
-from hf_optim.kernels import cpu_compile, cpu_threads
+
+try:
+    from hf_optim.kernels import cpu_compile, cpu_threads
+except ImportError:  # hf_optim before issue 23 (benchmarks/first_step.py compares with it): nothing to wait for
+    cpu_compile = cpu_threads = None
 
 LLAMA_3_2_1B = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, head_dim=64, vocab=128256)
 
@@ -142,7 +146,8 @@ def time_steps(make: Callable, params: list[torch.Tensor], steps: int, warmup: i
     opt.step()
     sync()
     first = time.perf_counter() - start
-    cpu_compile.wait()  # HF_OPTIM_COMPILE=auto: small sets' first steps run eagerly while compiling; time compiled
+    if cpu_compile is not None:  # HF_OPTIM_COMPILE=auto: a small set's first steps run eagerly while compiling
+        cpu_compile.wait()
     for _ in range(warmup):
         opt.step()
     times = []

@@ -5,6 +5,7 @@ compiler); the real compiler is exercised by the slow tests here and in test_mul
 """
 
 import logging
+import os
 import threading
 
 import pytest
@@ -144,6 +145,23 @@ def test_a_failed_compilation_warns_once_and_keeps_running_eagerly(stand_in, log
     warnings = [message for level, message in log_lines if level == logging.WARNING]
     assert len(warnings) == 2 and len(fake.compilations) == 2  # once per kernel, not per step
     assert "failed (RuntimeError: C++ compile error)" in warnings[0] and "runs eagerly" in warnings[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_process_has_no_compiler_thread_and_nothing_pending(stand_in, monkeypatch):
+    release = threading.Event()
+    monkeypatch.setattr(cpu_compile, "_twin", StandIn(release).twin)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    steps(hf_optim.AdamW8bit, 1)  # its compilations are held back: pending
+    assert any(entry.pending for entry in cpu_compile._entries.values())
+    pid = os.fork()
+    if pid == 0:  # the child: exit at once, with the answer as its status
+        clean = cpu_compile._worker is None and not any(entry.pending for entry in cpu_compile._entries.values())
+        os._exit(0 if clean else 1)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    assert cpu_compile.wait(timeout=60)
+    assert os.WEXITSTATUS(status) == 0
 
 
 def test_invalid_compile_mode_is_refused_with_the_valid_values(monkeypatch):

@@ -181,6 +181,19 @@ _jobs: queue.SimpleQueue = queue.SimpleQueue()
 _worker: threading.Thread | None = None
 
 
+def _after_fork_in_child() -> None:
+    """A forked process (a dataloader worker, say) has no background compiler thread: it starts its own if it ever
+    needs one, and what the parent was compiling is not pending in it."""
+    global _worker, _jobs, _lock
+    _worker, _jobs, _lock = None, queue.SimpleQueue(), threading.Lock()
+    for entry in _entries.values():
+        entry.pending.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _entry(kernel: Kernel) -> _Entry:
     with _lock:
         found = _entries.get(kernel)
