@@ -6,7 +6,9 @@ compiler); the real compiler is exercised by the slow tests here and in test_mul
 
 import logging
 import os
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -168,8 +170,58 @@ def test_invalid_compile_mode_is_refused_with_the_valid_values(monkeypatch):
     monkeypatch.setenv("HF_OPTIM_COMPILE", "yes")
     with pytest.raises(ValueError, match=r"HF_OPTIM_COMPILE='yes' is not valid; valid values are 'auto'.*'1'.*'0'"):
         cpu_compile.compile_mode()
-    monkeypatch.setenv("HF_OPTIM_COMPILE", "")
-    assert cpu_compile.compile_mode() == "auto"
+    for value, mode in (("", "auto"), (" AUTO ", "auto"), ("1", "1"), ("0", "0")):
+        monkeypatch.setenv("HF_OPTIM_COMPILE", value)
+        assert cpu_compile.compile_mode() == mode
+
+
+def test_invalid_compile_mode_raises_at_the_step_before_any_parameter_or_state_changes(stand_in, monkeypatch):
+    params = make_params(SHAPES, seed=0)
+    before = [p.detach().clone() for p in params]
+    opt = hf_optim.AdamW8bit(params)
+    set_grads(params, 0)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "true")
+    with pytest.raises(ValueError, match=r"HF_OPTIM_COMPILE='true' is not valid") as raised:
+        opt.step()
+    assert len(str(raised.value).splitlines()) == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, params)) and not opt.state
+
+
+def test_compile_mode_0_never_compiles(stand_in, monkeypatch):
+    expected, _ = reference(hf_optim.AdEMAMix8bit, 3, monkeypatch)  # HF_OPTIM_COMPILE=0 with the real compiler
+    fake = StandIn()
+    monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "0")
+    params, _ = steps(hf_optim.AdEMAMix8bit, 3)
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    assert fake.compilations == [] and fake.calls == 0 and not cpu_compile._entries
+
+
+def test_background_compile_shortens_the_switch_interval_meanwhile_and_restores_it(stand_in, monkeypatch):
+    before = sys.getswitchinterval()
+    release = threading.Event()
+    seen = []
+    fake = StandIn(release)
+
+    def twin(rule):
+        compiled = fake.twin(rule)
+
+        def watched(*args):
+            seen.append(sys.getswitchinterval())
+            return compiled(*args)
+
+        return watched
+
+    monkeypatch.setattr(cpu_compile, "_twin", twin)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    steps(hf_optim.Lion8bit, 1)
+    release.set()
+    assert cpu_compile.wait(timeout=60)
+    assert seen and all(interval <= cpu_compile.SWITCH_INTERVAL for interval in seen[:len(fake.compilations)])
+    deadline = time.monotonic() + 10  # the worker restores it right after its last job's bookkeeping
+    while sys.getswitchinterval() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sys.getswitchinterval() == before
 
 
 def test_canonical_alias_shares_memory_starts_at_offset_zero_and_is_not_a_view():

@@ -51,6 +51,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import types
@@ -269,14 +270,31 @@ def _compile(kernel: Kernel, entry: _Entry, threads: int, background: bool) -> N
         entry.pending.discard(threads)
 
 
+SWITCH_INTERVAL = 0.0005
+"""Python's thread switch interval (seconds) while a compilation runs in the background (the default is 0.005)."""
+
+
 def _work() -> None:
-    """The background compiler: one job at a time, for the life of the process."""
+    """The background compiler: one job at a time, for the life of the process.
+
+    While it compiles, Python's thread switch interval is :data:`SWITCH_INTERVAL`: dynamo and inductor are Python
+    code that holds the GIL, and an eager step is hundreds of short torch calls that each need it back; with the
+    default interval (5 ms) every one of them waited up to 5 ms, and a quickstart step that takes 60 ms took
+    seconds while a kernel compiled."""
+    interval = None  # the switch interval to restore when the queue is empty
     while True:
         kernel, entry, threads = _jobs.get()
+        if interval is None:
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(interval, SWITCH_INTERVAL))
         try:
             _compile(kernel, entry, threads, background=True)
         except BaseException:  # the interpreter is shutting down: nothing left to compile for
             return
+        finally:
+            if _jobs.empty():
+                sys.setswitchinterval(interval)
+                interval = None
 
 
 def _start(kernel: Kernel, entry: _Entry, threads: int) -> None:
