@@ -216,16 +216,22 @@ BUSY_ROWS = ("torch AdamW fused", "hf_optim AdamW8bit", "hf_optim AdamW8bit (tor
 """The rows ``--busy`` measures unless ``--only`` says otherwise."""
 
 
+def fresh_params(shapes, dtype, device: str) -> list[torch.nn.Parameter]:
+    """Parameters of ``shapes`` with gradients, the same random values for every contender (seed 0)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype, generator=gen)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=gen)
+    return params
+
+
 def measure_busy(shapes, dtype, device: str, args, levels: list[int]) -> dict[str, dict[int, tuple]]:
     """{row name: {busy processes: (median wall s, CPU s per step)}} for the ``--busy`` table."""
     results = {}
     for name, make in contenders(not args.no_bnb, device, busy=True):
         if not (any(s in name for s in args.only.split(",")) if args.only else name in BUSY_ROWS):
             continue
-        gen = torch.Generator(device=device).manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype, generator=gen)) for s in shapes]
-        for p in params:
-            p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=gen)
+        params = fresh_params(shapes, dtype, device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             opt = make(params)
@@ -312,10 +318,7 @@ def measure(shapes, dtype, device: str, args) -> dict[str, tuple]:
     for name, make in contenders(not args.no_bnb, device):
         if args.only and not any(s in name for s in args.only.split(",")):
             continue
-        gen = torch.Generator(device=device).manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype, generator=gen)) for s in shapes]
-        for p in params:
-            p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=gen)
+        params = fresh_params(shapes, dtype, device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
