@@ -197,10 +197,10 @@ def test_compile_mode_0_never_compiles(stand_in, monkeypatch):
     assert fake.compilations == [] and fake.calls == 0 and not cpu_compile._entries
 
 
-def test_background_compile_shortens_the_switch_interval_meanwhile_and_restores_it(stand_in, monkeypatch):
+def test_background_compiler_has_a_lower_priority_and_a_short_switch_interval_meanwhile(stand_in, monkeypatch):
     before = sys.getswitchinterval()
     release = threading.Event()
-    seen = []
+    seen, niceness = [], []
     fake = StandIn(release)
 
     def twin(rule):
@@ -208,6 +208,8 @@ def test_background_compile_shortens_the_switch_interval_meanwhile_and_restores_
 
         def watched(*args):
             seen.append(sys.getswitchinterval())
+            if sys.platform.startswith("linux"):
+                niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             return compiled(*args)
 
         return watched
@@ -218,6 +220,9 @@ def test_background_compile_shortens_the_switch_interval_meanwhile_and_restores_
     release.set()
     assert cpu_compile.wait(timeout=60)
     assert seen and all(interval <= cpu_compile.SWITCH_INTERVAL for interval in seen[:len(fake.compilations)])
+    if sys.platform.startswith("linux"):  # the compiler thread only: the training's thread keeps its priority
+        main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert niceness[0] == min(19, main + cpu_compile.NICENESS) and niceness[0] > main or main == 19
     deadline = time.monotonic() + 10  # the worker restores it right after its last job's bookkeeping
     while sys.getswitchinterval() != before and time.monotonic() < deadline:
         time.sleep(0.01)
