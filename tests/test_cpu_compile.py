@@ -339,3 +339,47 @@ def test_per_tensor_path_uses_the_same_policy(stand_in, monkeypatch):
     params, _ = steps(hf_optim.AdamW8bit, 2)
     assert all(torch.equal(a, b) for a, b in zip(expected, params))
     assert fake.calls > 0
+
+
+def test_background_compile_does_not_rewind_the_training_threads_random_numbers(stand_in, monkeypatch):
+    """Dynamo saves the CPU random state before tracing and restores it after (convert_frame.preserve_global_state);
+    the stand-in does the same, in the compiler thread, while the training thread draws (its dropout masks)."""
+    import inspect
+
+    from torch._dynamo import convert_frame
+    assert "torch.random.set_rng_state(" in inspect.getsource(convert_frame)  # what the guard intercepts
+    traced, drawn = threading.Event(), threading.Event()
+    fake = StandIn()
+
+    def twin(rule):
+        compiled = fake.twin(rule)
+
+        def like_dynamo(*args):
+            if compiled.compiling:
+                saved = torch.random.get_rng_state()
+                traced.set()
+                drawn.wait(60)
+                torch.random.set_rng_state(saved)
+            return compiled(*args)
+
+        return like_dynamo
+
+    monkeypatch.setattr(cpu_compile, "_twin", twin)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    params = make_params(SHAPES, seed=0)
+    opt = hf_optim.Lion8bit(params)
+    set_grads(params, 0)
+    torch.manual_seed(1)
+    expected = torch.rand(8)
+    torch.manual_seed(1)
+    opt.step()
+    assert traced.wait(60)
+    first = torch.rand(4)  # drawn while the compiler thread traces
+    drawn.set()
+    assert cpu_compile.wait(timeout=60)
+    assert torch.equal(torch.cat([first, torch.rand(4)]), expected)
+    torch.random.set_rng_state(torch.random.get_rng_state())  # outside the compiler thread it still works
+    state = torch.random.get_rng_state()
+    torch.rand(3)
+    torch.random.set_rng_state(state)
+    assert torch.equal(torch.random.get_rng_state(), state)

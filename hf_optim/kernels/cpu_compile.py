@@ -16,8 +16,9 @@ test programs, and the first of a machine precompiles torch's headers. ``HF_OPTI
 Why switching in mid-run changes no result: eager and compiled updates compute the same bits (the rules use
 single-rounding operations only, see :mod:`hf_optim.kernels.exact_math`; inductor compiles without contraction; every
 reduction is within one 256-element block), and ``tests/test_multi_tensor.py`` compares them bit for bit, a run that
-switches after its first steps included. So the step at which a run switches depends on the machine's speed, its
-results do not.
+switches after its first steps included; and the background compiler does not rewind the training thread's random
+numbers, as dynamo would (:func:`_keep_other_threads_rng`). So the step at which a run switches depends on the
+machine's speed, its results do not.
 
 One graph per kernel: a kernel (:class:`Kernel`: rule, slot layouts, output mode, parameter and gradient dtypes,
 stochastic rounding) is compiled once, on probe inputs of :data:`PROBE_BLOCKS` blocks whose block dimension is marked
@@ -48,6 +49,7 @@ it has taken more than a second, and a WARNING when it fails (that kernel then k
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -293,6 +295,33 @@ def _lower_priority() -> None:
         pass
 
 
+_compiling = threading.local()
+"""``_compiling.here`` is True in the background compiler thread while it compiles."""
+
+
+def _keep_other_threads_rng() -> None:
+    """Stop dynamo from rewinding the training's random numbers from the background compiler thread.
+
+    Dynamo saves the process's CPU random state before it traces a function and sets it back afterwards
+    (``preserve_global_state`` in ``torch/_dynamo/convert_frame.py``, through ``torch.random.set_rng_state``). From a
+    background thread that rewinds the generator the training thread has drawn from meanwhile (dropout masks,
+    data shuffling): measured on the quickstart, the run whose compilation overlapped its first steps drew the same
+    dropout masks twice and its losses left the eager run's from step 5 on. The rule traced here draws no random
+    numbers (stochastic rounding takes its key as a tensor), so in that thread, while it compiles, the restore is
+    skipped; every other caller of ``torch.random.set_rng_state`` is unaffected."""
+    original = torch.random.set_rng_state
+    if getattr(original, "keeps_other_threads_rng", False):
+        return
+
+    @functools.wraps(original)
+    def set_rng_state(new_state: torch.Tensor) -> None:
+        if not getattr(_compiling, "here", False):
+            original(new_state)
+
+    set_rng_state.keeps_other_threads_rng = True
+    torch.random.set_rng_state = set_rng_state
+
+
 def _work() -> None:
     """The background compiler: one job at a time, for the life of the process.
 
@@ -307,11 +336,13 @@ def _work() -> None:
         if interval is None:
             interval = sys.getswitchinterval()
             sys.setswitchinterval(min(interval, SWITCH_INTERVAL))
+        _compiling.here = True
         try:
             _compile(kernel, entry, threads, background=True)
         except BaseException:  # the interpreter is shutting down: nothing left to compile for
             return
         finally:
+            _compiling.here = False
             if _jobs.empty():
                 sys.setswitchinterval(interval)
                 interval = None
@@ -326,6 +357,7 @@ def _start(kernel: Kernel, entry: _Entry, threads: int) -> None:
         return
     with _lock:
         if _worker is None:
+            _keep_other_threads_rng()
             # A daemon thread: a run that ends before its compilation does not wait for it.
             _worker = threading.Thread(target=_work, name="hf_optim-compile", daemon=True)
             _worker.start()
