@@ -32,7 +32,13 @@ ALLOWED = [
     r"done: optimizer hf_optim\.PagedAdamW8bit, train loss \(run mean\) \d+\.\d+",
     r"optimizer state: [\d.]+ MiB \(float32 [\d.]+, uint8 [\d.]+\)",
     r"run directory: .*\(recipe\.yaml, metrics\.jsonl, summary\.json, loss\.png, memory\.png, dashboard\.png\)",
+    # the optimizer's CPU kernel: compiling it (in the background, once per cache), and how long it took when it
+    # took more than a second and finished before the run; a busy machine adds its one-thread variant
+    r"\[hf_optim\] compiling the optimizer's CPU kernel for adamw_rule, 8-bit \+ 8-bit state, .*"
+    r" \(once, cached in .*\)",
+    r"\[hf_optim\] compiled the optimizer's CPU kernel for adamw_rule, .* in [\d.]+ s",
 ]
+COMPILE_LINES = 2
 
 
 def printed_lines(text: str) -> list[str]:
@@ -54,8 +60,11 @@ def test_quickstart_prints_only_its_own_lines_one_bar_and_the_summary(tmp_path):
     bars = [line for line in lines if re.fullmatch(ALLOWED[4], line)]
     assert bars and bars[-1].startswith("100%") and f"{STEPS}/{STEPS}" in bars[-1]
     assert "loss=" in bars[-1]  # the bar shows the loss instead of a printed dict per step
-    for pattern in ALLOWED[:4] + ALLOWED[5:]:  # each of hf_optim's lines and the summary once
+    for pattern in ALLOWED[:4] + ALLOWED[5:-COMPILE_LINES]:  # each of hf_optim's lines and the summary once
         assert sum(bool(re.fullmatch(pattern, line)) for line in lines) == 1, pattern
+    # the first step says what it compiles and where it is cached, before the run's summary
+    compiling = [i for i, line in enumerate(lines) if re.fullmatch(ALLOWED[-COMPILE_LINES], line)]
+    assert compiling and compiling[0] < lines.index(next(line for line in lines if line.startswith("done:")))
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "ok"
     adapter = json.loads((run_dir / "adapter_config.json").read_text())
     assert Path(adapter["base_model_name_or_path"]).parent == tmp_path / "cache"  # where peft found its config

@@ -243,15 +243,26 @@ def _mark_block_dims(probe: tuple, other: tuple) -> None:
             torch._dynamo.maybe_mark_dynamic(tensor, dims)
 
 
-def _compile(kernel: Kernel, entry: _Entry, threads: int, background: bool) -> None:
-    """Compile ``kernel``'s graph for ``threads`` OpenMP threads by running it once on probe inputs."""
+def _what(kernel: Kernel, entry: _Entry, threads: int) -> str:
+    """The kernel a compilation is for, as the log lines name it."""
     variant = threads == 1 and bool(entry.ready)  # the one-thread variant of a compiled kernel (cpu_threads)
-    what = kernel.describe() + (", 1 thread (the machine is busy)" if variant else "")
+    return kernel.describe() + (", 1 thread (the machine is busy)" if variant else "")
+
+
+def _announce(kernel: Kernel, entry: _Entry, threads: int, background: bool) -> None:
+    """The log line that says a compilation starts, from the thread that asks for it (a short run may end before
+    the background compiler gets to run)."""
     where = ""
     if background:
-        meanwhile = f"the {max(entry.ready)}-thread kernel" if variant else "eagerly"
+        meanwhile = f"the {max(entry.ready)}-thread kernel" if threads == 1 and entry.ready else "eagerly"
         where = f" in the background; the steps run {meanwhile} until it is ready"
-    logger.info("compiling the optimizer's CPU kernel for %s%s (once, cached in %s)", what, where, cache_location())
+    logger.info("compiling the optimizer's CPU kernel for %s%s (once, cached in %s)", _what(kernel, entry, threads),
+                where, cache_location())
+
+
+def _compile(kernel: Kernel, entry: _Entry, threads: int) -> None:
+    """Compile ``kernel``'s graph for ``threads`` OpenMP threads by running it once on probe inputs."""
+    what = _what(kernel, entry, threads)
     start = time.perf_counter()
     try:
         probe = entry.probe(PROBE_BLOCKS)
@@ -338,7 +349,7 @@ def _work() -> None:
             sys.setswitchinterval(min(interval, SWITCH_INTERVAL))
         _compiling.here = True
         try:
-            _compile(kernel, entry, threads, background=True)
+            _compile(kernel, entry, threads)
         except BaseException:  # the interpreter is shutting down: nothing left to compile for
             return
         finally:
@@ -352,8 +363,10 @@ def _start(kernel: Kernel, entry: _Entry, threads: int) -> None:
     """Compile ``kernel`` for ``threads`` threads now (``HF_OPTIM_COMPILE=1``) or in the background."""
     global _worker
     entry.pending.add(threads)
-    if compile_mode() == "1":
-        _compile(kernel, entry, threads, background=False)
+    background = compile_mode() != "1"
+    _announce(kernel, entry, threads, background)
+    if not background:
+        _compile(kernel, entry, threads)
         return
     with _lock:
         if _worker is None:
