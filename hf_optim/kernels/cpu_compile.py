@@ -18,7 +18,9 @@ single-rounding operations only, see :mod:`hf_optim.kernels.exact_math`; inducto
 reduction is within one 256-element block), and ``tests/test_multi_tensor.py`` compares them bit for bit, a run that
 switches after its first steps included; and the background compiler does not rewind the training thread's random
 numbers, as dynamo would (:func:`_keep_other_threads_rng`). So the step at which a run switches depends on the
-machine's speed, its results do not.
+machine's speed, the optimizer's results do not. (A whole quickstart run whose compilation overlapped tens of steps
+was still seen to drift from the eager run at rounding level, in the model's forward or backward: cause open,
+docs/benchmarks.md.)
 
 One graph per kernel: a kernel (:class:`Kernel`: rule, slot layouts, output mode, parameter and gradient dtypes,
 stochastic rounding) is compiled once, on probe inputs of :data:`PROBE_BLOCKS` blocks whose block dimension is marked
