@@ -51,15 +51,17 @@ it has taken more than a second, and a WARNING when it fails (that kernel then k
 
 from __future__ import annotations
 
-import atexit
-import functools
+import contextlib
 import logging
 import os
-import queue
+import pickle
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -178,23 +180,24 @@ class _Entry:
     pending: set[int] = field(default_factory=set)
     failed: str | None = None
     probe: Callable[[int], tuple] | None = None  # blocks -> probe arguments (after `update`'s rule and layouts)
+    hyper: tuple = ()  # the probe inputs' scalars and rounding key (copies), for a background process's job
+    key: torch.Tensor | None = None
+    warmups: dict[int, Warmup] = field(default_factory=dict)  # thread count -> its background process
     threads: cpu_threads.ThreadChoice | None = None
 
 
 _lock = threading.Lock()
 _entries: dict[Kernel, _Entry] = {}
-_jobs: queue.SimpleQueue = queue.SimpleQueue()
-_worker: threading.Thread | None = None
-_exit_hook: list[bool] = []  # registered once per process (a forked child inherits it)
 
 
 def _after_fork_in_child() -> None:
-    """A forked process (a dataloader worker, say) has no background compiler thread: it starts its own if it ever
-    needs one, and what the parent was compiling is not pending in it."""
-    global _worker, _jobs, _lock
-    _worker, _jobs, _lock = None, queue.SimpleQueue(), threading.Lock()
+    """A forked process (a dataloader worker, say) has nothing pending: the background processes are its
+    parent's (it neither waits for them nor reaps them); it starts its own if it ever needs one."""
+    global _lock
+    _lock = threading.Lock()
     for entry in _entries.values():
         entry.pending.clear()
+        entry.warmups = {}
 
 
 if hasattr(os, "register_at_fork"):
@@ -209,12 +212,17 @@ def _entry(kernel: Kernel) -> _Entry:
         return found
 
 
+def _set_probe(kernel: Kernel, entry: _Entry, hyper: tuple, key: torch.Tensor | None) -> None:
+    """Give ``entry`` its probe inputs: copies of the rule's scalars ``hyper`` and of the rounding ``key``."""
+    entry.hyper = type(hyper)(*(value.detach().clone() for value in hyper))
+    entry.key = None if key is None else key.detach().clone()
+    entry.probe = _probe_factory(kernel, entry.hyper, entry.key)
+
+
 def _probe_factory(kernel: Kernel, hyper: tuple, key: torch.Tensor | None) -> Callable[[int], tuple]:
     """A function of a block count that makes probe arguments for ``kernel``: zeroed parameters, gradients, output
     and flat state buffers (three chunks long, the chunk in the middle, as the real buffers are longer than a
-    chunk), the formats' shared maps and tables, copies of ``hyper`` and of the rounding ``key``."""
-    hyper = type(hyper)(*(value.detach().clone() for value in hyper))
-    key = None if key is None else key.detach().clone()
+    chunk), the formats' shared maps and tables, ``hyper`` and the rounding ``key``."""
     device = torch.device("cpu")
 
     def make(blocks: int) -> tuple:
@@ -254,12 +262,11 @@ def _what(kernel: Kernel, entry: _Entry, threads: int) -> str:
 
 
 def _announce(kernel: Kernel, entry: _Entry, threads: int, background: bool) -> None:
-    """The log line that says a compilation starts, from the thread that asks for it (a short run may end before
-    the background compiler gets to run)."""
+    """The log line that says a compilation starts."""
     where = ""
     if background:
         meanwhile = f"the {max(entry.ready)}-thread kernel" if threads == 1 and entry.ready else "eagerly"
-        where = f" in the background; the steps run {meanwhile} until it is ready"
+        where = f" in a background process; the steps run {meanwhile} until it is ready"
     logger.info("compiling the optimizer's CPU kernel for %s%s (once, cached in %s)", _what(kernel, entry, threads),
                 where, cache_location())
 
@@ -287,125 +294,141 @@ def _compile(kernel: Kernel, entry: _Entry, threads: int) -> None:
         entry.pending.discard(threads)
 
 
-SWITCH_INTERVAL = 0.0005
-"""Python's thread switch interval (seconds) while a compilation runs in the background (the default is 0.005)."""
+def _run_probe(kernel: Kernel, entry: _Entry, threads: int) -> None:
+    """Run ``entry``'s compiled function once on probe inputs of :data:`PROBE_BLOCKS` blocks, block dimensions
+    marked dynamic, with ``threads`` OpenMP threads: this compiles its graph (or loads it from inductor's cache).
+    The background process (:mod:`hf_optim.kernels.cpu_compile_worker`) runs the same, so the cache key is the
+    same."""
+    probe = entry.probe(PROBE_BLOCKS)
+    _mark_block_dims(probe, entry.probe(PROBE_BLOCKS + 1))
+    with cpu_threads.threads(threads), torch.no_grad():
+        entry.compiled(kernel.rule, kernel.layouts, *probe)
 
 
-NICENESS = 10
-"""How much lower than the process's the background compiler thread's scheduling priority is (Linux: ``nice`` is
-per thread, and the C++ compiler it starts inherits it)."""
+@dataclass
+class Warmup:
+    """A background process that compiles a kernel into inductor's cache (:func:`start_warmup`)."""
+
+    process: subprocess.Popen
+    errors: typing.IO[bytes]
+    """Its stderr: an unnamed temporary file, read when it failed."""
+    job: str
+    """The file its job is pickled in (it removes it once read)."""
+    started: float = field(default_factory=time.perf_counter)
+
+    def poll(self) -> int | None:
+        """Its exit status, or None while it runs (reaps it once it has exited)."""
+        return self.process.poll()
+
+    def wait(self) -> int:
+        return self.process.wait()
+
+    def error(self) -> str:
+        """The last line it wrote to stderr (the worker writes its error's first line last)."""
+        self.errors.seek(0)
+        lines = [line.strip() for line in self.errors.read().decode(errors="replace").splitlines() if line.strip()]
+        return (lines[-1] if lines else "")[:300]
+
+    def close(self, kill: bool = False) -> None:
+        """Kill it first if ``kill`` and it still runs; reap it and drop its files."""
+        if kill and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.errors.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.job)
 
 
-def _lower_priority() -> None:
-    """Make the calling thread (the background compiler) yield the cores to the training's threads: on a busy
-    machine an eager step waits for the CPU at each of its hundreds of GIL hand-offs, and a compiler running at the
-    same priority stretched each step of a 3-step quickstart run to seconds. Linux only (elsewhere a thread id is
-    not a process id ``setpriority`` accepts)."""
-    if not sys.platform.startswith("linux"):
-        return
+def start_warmup(kernel: Kernel, hyper: tuple, key: torch.Tensor | None, threads: int) -> Warmup:
+    """Start a process that compiles ``kernel``'s graph for ``threads`` threads into inductor's cache and exits
+    (:mod:`hf_optim.kernels.cpu_compile_worker`): same environment, so the same ``TORCHINDUCTOR_CACHE_DIR``. The
+    job (kernel, the probe inputs' scalars and rounding key, thread count) goes in a pickled temporary file."""
+    with tempfile.NamedTemporaryFile("wb", prefix="hf_optim_compile_", suffix=".pkl", delete=False) as job:
+        pickle.dump((kernel, hyper, key, threads), job)
+    errors = tempfile.TemporaryFile()
     try:
-        thread = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + NICENESS))
-    except OSError:  # not permitted (a sandbox): compile at the same priority
-        pass
+        # No inherited stdin/stdout: a caller that reads this process's output to its end does not wait for it.
+        process = subprocess.Popen([sys.executable, "-m", "hf_optim.kernels.cpu_compile_worker", job.name],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors)
+    except BaseException:
+        errors.close()
+        os.unlink(job.name)
+        raise
+    return Warmup(process, errors, job.name)
 
 
-_compiling = threading.local()
-"""``_compiling.here`` is True in the background compiler thread while it compiles."""
+def _fail(kernel: Kernel, entry: _Entry, threads: int, error: str) -> None:
+    """A compilation failed (``error``: its exception's type and first line): warn once; the kernel runs eagerly."""
+    entry.failed = error
+    logger.warning("compiling the optimizer's CPU kernel for %s failed (%s); it runs eagerly (same results, "
+                   "slower; HF_OPTIM_COMPILE=0 skips compiling)", _what(kernel, entry, threads), error)
 
 
-def _keep_other_threads_rng() -> None:
-    """Stop dynamo from rewinding the training's random numbers from the background compiler thread.
-
-    Dynamo saves the process's CPU random state before it traces a function and sets it back afterwards
-    (``preserve_global_state`` in ``torch/_dynamo/convert_frame.py``, through ``torch.random.set_rng_state``). From a
-    background thread that rewinds the generator the training thread has drawn from meanwhile (dropout masks,
-    data shuffling): measured on the quickstart, the run whose compilation overlapped its first steps drew the same
-    dropout masks twice and its losses left the eager run's from step 5 on. The rule traced here draws no random
-    numbers (stochastic rounding takes its key as a tensor), so in that thread, while it compiles, the restore is
-    skipped; every other caller of ``torch.random.set_rng_state`` is unaffected."""
-    original = torch.random.set_rng_state
-    if getattr(original, "keeps_other_threads_rng", False):
-        return
-
-    @functools.wraps(original)
-    def set_rng_state(new_state: torch.Tensor) -> None:
-        if not getattr(_compiling, "here", False):
-            original(new_state)
-
-    set_rng_state.keeps_other_threads_rng = True
-    torch.random.set_rng_state = set_rng_state
-
-
-def _work() -> None:
-    """The background compiler: one job at a time, for the life of the process.
-
-    While it compiles, Python's thread switch interval is :data:`SWITCH_INTERVAL`: dynamo and inductor are Python
-    code that holds the GIL, and an eager step is hundreds of short torch calls that each need it back; with the
-    default interval (5 ms) every one of them waited up to 5 ms, and a quickstart step that takes 60 ms took
-    seconds while a kernel compiled."""
-    interval = None  # the switch interval to restore when the queue is empty
-    _lower_priority()
-    while True:
-        kernel, entry, threads = _jobs.get()
-        if interval is None:
-            interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(interval, SWITCH_INTERVAL))
-        _compiling.here = True
-        try:
-            _compile(kernel, entry, threads)
-        except BaseException:  # the interpreter is shutting down: nothing left to compile for
-            return
-        finally:
-            _compiling.here = False
-            if _jobs.empty():
-                sys.setswitchinterval(interval)
-                interval = None
-
-
-def _finish_at_exit() -> None:
-    """At interpreter exit: drop the compilations not yet started and wait for the one running. A process that
-    exited while the background thread was inside inductor aborted ("terminate called without an active
-    exception", exit status -6, measured on a 3-step quickstart run); the finished kernel is cached for the next
-    run."""
-    while True:
-        try:
-            _, entry, threads = _jobs.get_nowait()
-        except queue.Empty:
-            break
+def _compile(kernel: Kernel, entry: _Entry, threads: int, background: float | None = None) -> None:
+    """Compile ``kernel``'s graph for ``threads`` OpenMP threads by running it once on probe inputs; ``background``:
+    the seconds a background process took to compile it into the cache (this then loads it from there)."""
+    what = _what(kernel, entry, threads)
+    start = time.perf_counter()
+    try:
+        _run_probe(kernel, entry, threads)
+    except Exception as error:  # a missing or failing C++ compiler: the kernel keeps running eagerly
+        first_line = (str(error).strip().splitlines() or [""])[0][:300]
+        _fail(kernel, entry, threads, f"{type(error).__name__}: {first_line}")
+    else:
+        entry.ready.add(threads)
+        elapsed = time.perf_counter() - start
+        if background is not None:
+            logger.info("compiled the optimizer's CPU kernel for %s in %.1f s (in a background process; loaded "
+                        "from the cache in %.1f s)", what, background, elapsed)
+        elif elapsed > 1.0:
+            logger.info("compiled the optimizer's CPU kernel for %s in %.1f s", what, elapsed)
+    finally:
         entry.pending.discard(threads)
-    if any(entry.pending for entry in list(_entries.values())):
-        logger.info("finishing the optimizer's CPU kernel compilation before exiting (cached in %s for the next run)",
-                    cache_location())
-        wait()
+
+
+def _finish(kernel: Kernel, entry: _Entry, threads: int, block: bool) -> None:
+    """If the background process compiling ``kernel`` for ``threads`` threads has exited (``block``: wait for it),
+    load its result: compile in this thread from the warm cache, or warn with its error."""
+    warmup = entry.warmups.get(threads)
+    if warmup is None:
+        return
+    status = warmup.wait() if block else warmup.poll()
+    if status is None:
+        return
+    del entry.warmups[threads]
+    seconds = time.perf_counter() - warmup.started
+    error = "" if status == 0 else warmup.error()
+    warmup.close()
+    if status == 0:
+        _compile(kernel, entry, threads, background=seconds)
+        return
+    entry.pending.discard(threads)
+    _fail(kernel, entry, threads, error or f"the compiler process exited with status {status}")
 
 
 def _start(kernel: Kernel, entry: _Entry, threads: int) -> None:
-    """Compile ``kernel`` for ``threads`` threads now (``HF_OPTIM_COMPILE=1``) or in the background."""
-    global _worker
+    """Compile ``kernel`` for ``threads`` threads now (``HF_OPTIM_COMPILE=1``) or start a background process that
+    compiles it into inductor's cache."""
     entry.pending.add(threads)
     background = compile_mode() != "1"
     _announce(kernel, entry, threads, background)
     if not background:
         _compile(kernel, entry, threads)
         return
-    with _lock:
-        if _worker is None:
-            _keep_other_threads_rng()
-            if not _exit_hook:
-                atexit.register(_finish_at_exit)
-                _exit_hook.append(True)
-            # A daemon thread: a run that ends before its compilation does not wait for it.
-            _worker = threading.Thread(target=_work, name="hf_optim-compile", daemon=True)
-            _worker.start()
-    _jobs.put((kernel, entry, threads))
+    try:
+        entry.warmups[threads] = start_warmup(kernel, entry.hyper, entry.key, threads)
+    except (OSError, pickle.PicklingError, TypeError, AttributeError) as error:  # cannot start it: run eagerly
+        entry.pending.discard(threads)
+        _fail(kernel, entry, threads, f"{type(error).__name__}: {str(error).strip()[:300]}")
 
 
 def _available(kernel: Kernel, entry: _Entry, threads: int) -> bool:
     """Whether ``kernel``'s graph for ``threads`` threads can run now; starts its compilation if it has not."""
     if threads in entry.ready:
         return True
-    if entry.failed is None and threads not in entry.pending and entry.probe is not None:
+    if threads in entry.pending:
+        _finish(kernel, entry, threads, block=False)
+    elif entry.failed is None and entry.probe is not None:
         _start(kernel, entry, threads)
     return threads in entry.ready
 
@@ -416,12 +439,11 @@ def prepare(kernel: Kernel, hyper: tuple, key: torch.Tensor | None, elements: in
     still compiling and the run exceeds :data:`EAGER_WHILE_COMPILING` elements, wait for it."""
     entry = _entries.get(kernel) or _entry(kernel)
     if entry.probe is None:
-        entry.probe = _probe_factory(kernel, hyper, key)
+        _set_probe(kernel, entry, hyper, key)
     threads = torch.get_num_threads()
     if _available(kernel, entry, threads) or elements <= EAGER_WHILE_COMPILING:
         return
-    while threads in entry.pending:
-        time.sleep(0.005)
+    _finish(kernel, entry, threads, block=True)
 
 
 def run_compiled(rule, layouts, param, grad, out, tensors, hyper, stochastic=None, kernel: Kernel | None = None
@@ -432,7 +454,7 @@ def run_compiled(rule, layouts, param, grad, out, tensors, hyper, stochastic=Non
     kernel = kernel or kernel_of(rule, layouts, param, grad, out, tensors, stochastic)
     entry = _entries.get(kernel) or _entry(kernel)
     if entry.probe is None:
-        entry.probe = _probe_factory(kernel, hyper, None if stochastic is None else stochastic[1])
+        _set_probe(kernel, entry, hyper, None if stochastic is None else stochastic[1])
     if not _available(kernel, entry, torch.get_num_threads()):
         return False
     stochastic = None if stochastic is None else (canonical(stochastic[0]), canonical(stochastic[1]))
@@ -463,17 +485,25 @@ def record(kernel: Kernel, threads: int, seconds: float, elements: int) -> None:
 
 
 def wait(timeout: float | None = None) -> bool:
-    """Wait until no compilation is pending (tests, benchmarks); False if ``timeout`` seconds passed first."""
+    """Wait until no compilation is pending (tests, benchmarks): each background process's kernel is then loaded
+    in this thread; False if ``timeout`` seconds passed first."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    while any(entry.pending for entry in list(_entries.values())):
+    while True:
+        for kernel, entry in list(_entries.items()):
+            for threads in list(entry.warmups):
+                _finish(kernel, entry, threads, block=False)
+        if not any(entry.pending for entry in list(_entries.values())):
+            return True
         if deadline is not None and time.monotonic() > deadline:
             return False
         time.sleep(0.01)
-    return True
 
 
 def forget() -> None:
-    """Drop every compiled kernel and thread choice of this process (tests); waits for pending compilations."""
-    wait()
+    """Drop every compiled kernel and thread choice of this process (tests); kills and reaps the background
+    processes still compiling."""
     with _lock:
+        for entry in _entries.values():
+            for warmup in entry.warmups.values():
+                warmup.close(kill=True)
         _entries.clear()
