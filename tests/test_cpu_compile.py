@@ -1,12 +1,13 @@
 """When the CPU kernels compile (hf_optim.kernels.cpu_compile) and with how many threads they run (cpu_threads).
 
-The fast tests replace inductor by a stand-in that runs the eager update (the policy is what is tested, not the
-compiler); the real compiler is exercised by the slow tests here and in test_multi_tensor.py.
+The fast tests replace inductor by a stand-in that runs the eager update and the background compiler process by a
+handle the test finishes (the policy is what is tested, not the compiler); the real compiler and a real background
+process are exercised by the slow tests here and in test_multi_tensor.py.
 """
 
 import logging
 import os
-import sys
+import pickle
 import threading
 import time
 
@@ -46,9 +47,54 @@ class StandIn:
         return compiled
 
 
+class FakeWarmup:
+    """Stands for a background compiler process: running until the test sets ``status``."""
+
+    def __init__(self, status=None):
+        self.status, self.started, self.killed, self.closed = status, time.perf_counter(), False, False
+
+    def poll(self):
+        return self.status
+
+    def wait(self):
+        if self.status is None:
+            self.status = 0  # as if it finished now
+        return self.status
+
+    def error(self):
+        return "CppCompileError: C++ compile error"
+
+    def close(self, kill=False):
+        self.killed |= kill and self.status is None
+        self.closed = True
+
+
+class Warmups:
+    """Replaces ``cpu_compile.start_warmup``: records each start (the job round-tripped through pickle, as the real
+    one writes it) and returns a :class:`FakeWarmup` that exits with ``status``."""
+
+    def __init__(self, status=None):
+        self.status, self.jobs, self.handles = status, [], []
+
+    def __call__(self, kernel, hyper, key, threads):
+        job = pickle.loads(pickle.dumps((kernel, hyper, key, threads)))
+        assert job[0] == kernel and job[3] == threads
+        assert all(torch.equal(a, b) for a, b in zip(job[1], hyper)) and type(job[1]) is type(hyper)
+        assert (key is None and job[2] is None) or torch.equal(job[2], key)
+        self.jobs.append(job)
+        self.handles.append(FakeWarmup(self.status))
+        return self.handles[-1]
+
+    def finish(self, status=0):
+        for handle in self.handles:
+            handle.status = status
+
+
 @pytest.fixture
 def stand_in(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    # no one-thread variant when the machine is busy (the thread-count choice is tested below, on made-up timings)
+    monkeypatch.setattr(cpu_threads, "adjustable", lambda: False)
     monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
     monkeypatch.setattr(multi_tensor, "IN_PLACE_MIN", 4096)
     cpu_compile.forget()
@@ -87,54 +133,104 @@ def reference(cls, count, monkeypatch, **kwargs):
         return steps(cls, count, **kwargs)
 
 
-def test_background_compile_logs_once_runs_eagerly_meanwhile_and_equals_eager(stand_in, log_lines, monkeypatch,
-                                                                              tmp_path):
-    expected, _ = reference(hf_optim.AdamW8bit, 4, monkeypatch)
-    release = threading.Event()
-    fake = StandIn(release)
+def test_background_process_starts_once_per_kernel_eager_until_it_exits_then_compiled_and_equal_to_eager(
+        stand_in, log_lines, monkeypatch, tmp_path):
+    expected, _ = reference(hf_optim.AdamW8bit, 5, monkeypatch)
+    fake, warmups = StandIn(), Warmups()
     monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
     monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    compiled_after = {}
 
     def after_step(step):
-        if step == 1:
-            assert fake.calls == 0  # two steps so far, both eager: the compilation is held back
-            release.set()
-            assert cpu_compile.wait(timeout=60)
+        compiled_after[step] = (len(fake.compilations), fake.calls)
+        if step == 2:
+            warmups.finish(0)  # the background processes exit: the next step loads their kernels
 
-    params, _ = steps(hf_optim.AdamW8bit, 4, after_step)
+    params, _ = steps(hf_optim.AdamW8bit, 5, after_step)
     assert all(torch.equal(a, b) for a, b in zip(expected, params))
-    assert fake.calls > 0  # steps 3 and 4 ran the compiled kernel
-    # two kernels: 8-bit state (>= 4096 elements) and fp32 state (the smaller tensors); one line each, once
+    # two kernels: 8-bit state (>= 4096 elements) and fp32 state (the smaller tensors); one process each, once
+    assert len(warmups.jobs) == 2 and {job[0].layouts[0].format.bits for job in warmups.jobs} == {8, 32}
+    assert compiled_after[2] == (0, 0)  # three steps while the processes ran: nothing compiled in-process, eager
+    assert compiled_after[3][0] == 2 and compiled_after[3][1] > 0  # the next step compiled (cache hit) and ran them
+    assert all(handle.closed and not handle.killed for handle in warmups.handles)  # reaped
     starts = [message for _, message in log_lines if message.startswith("compiling the optimizer's CPU kernel")]
-    assert len(starts) == 2 and len(fake.compilations) == 2
-    assert "adamw_rule, 8-bit + 8-bit state, float32 parameters in the background" in starts[0] + starts[1]
+    assert len(starts) == 2
+    assert "adamw_rule, 8-bit + 8-bit state, float32 parameters in a background process" in starts[0] + starts[1]
     assert all(f"(once, cached in {tmp_path})" in line for line in starts)
-    # more steps and a second optimizer of the same kind compile nothing more
+    loaded = [message for _, message in log_lines if "(in a background process; loaded from the cache in" in message]
+    assert len(loaded) == 2
+    # more steps and a second optimizer of the same kind start and compile nothing more
     steps(hf_optim.AdamW8bit, 2)
-    assert len(fake.compilations) == 2
+    assert len(fake.compilations) == 2 and len(warmups.jobs) == 2
+
+
+def test_every_kind_of_kernels_job_pickles(stand_in, monkeypatch):
+    """What a background process gets: kernels with 4-bit and stacked state, an output, bf16 parameters with
+    stochastic rounding; the round trip is checked by :class:`Warmups`."""
+    warmups = Warmups()
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    for cls, kwargs in ((hf_optim.AdEMAMix4bit, {}), (hf_optim.LAMB8bit, {}), (hf_optim.Adafactor,
+                                                                              {"relative_step": False})):
+        steps(cls, 1, **kwargs)
+    params = [p.detach().to(torch.bfloat16).requires_grad_() for p in make_params(SHAPES, seed=0)]
+    opt = hf_optim.AdamW8bit(params, lr=1e-2, bf16_stochastic_round=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert any(job[0].stochastic and job[2] is not None for job in warmups.jobs)
+    assert len({job[0] for job in warmups.jobs}) == len(warmups.jobs) >= 5
+
+
+def test_background_process_failure_warns_once_per_kernel_with_its_error_and_runs_eagerly(stand_in, log_lines,
+                                                                                          monkeypatch):
+    expected, _ = reference(hf_optim.Lion8bit, 4, monkeypatch)
+    fake, warmups = StandIn(), Warmups(status=1)
+    monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    params, _ = steps(hf_optim.Lion8bit, 4)
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    warnings = [message for level, message in log_lines if level == logging.WARNING]
+    assert len(warnings) == 2 and len(warmups.jobs) == 2 and fake.compilations == []
+    assert "failed (CppCompileError: C++ compile error); it runs eagerly" in warnings[0]
+
+
+def test_forget_kills_and_reaps_the_background_processes_still_running(stand_in, monkeypatch):
+    warmups = Warmups()
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    steps(hf_optim.Lion8bit, 1)
+    cpu_compile.forget()
+    assert warmups.handles and all(handle.killed and handle.closed for handle in warmups.handles)
 
 
 def test_compile_mode_1_compiles_before_the_first_step(stand_in, monkeypatch):
-    fake = StandIn()
+    fake, warmups = StandIn(), Warmups()
     monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
     monkeypatch.setenv("HF_OPTIM_COMPILE", "1")
     ran = []
     run_update = multi_tensor.run_update
     monkeypatch.setattr(multi_tensor, "run_update", lambda *a, **k: ran.append(run_update(*a, **k)) or ran[-1])
     steps(hf_optim.Lion8bit, 1)
     assert len(fake.compilations) == 2 and ran.count(True) > ran.count(False)  # the first step ran compiled
+    assert warmups.jobs == []  # in this process, no background one
 
 
 def test_a_large_step_waits_for_the_compilation_instead_of_running_eagerly(stand_in, monkeypatch):
     monkeypatch.setattr(cpu_compile, "EAGER_WHILE_COMPILING", 4096)  # the 9000-element tensor's run exceeds it
-    fake = StandIn()
+    fake, warmups = StandIn(), Warmups()
     monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
     monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
     params = make_params([(9000,), (5000,)], seed=0)
     opt = hf_optim.AdamW8bit(params)
     set_grads(params, 0)
     opt.step()
     assert len(fake.compilations) == 1 and fake.calls > 0  # waited, then ran compiled in the first step
+    assert warmups.handles[0].status == 0  # for the background process (FakeWarmup.wait)
 
 
 def test_a_failed_compilation_warns_once_and_keeps_running_eagerly(stand_in, log_lines, monkeypatch):
@@ -150,18 +246,19 @@ def test_a_failed_compilation_warns_once_and_keeps_running_eagerly(stand_in, log
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
-def test_a_forked_process_has_no_compiler_thread_and_nothing_pending(stand_in, monkeypatch):
-    release = threading.Event()
-    monkeypatch.setattr(cpu_compile, "_twin", StandIn(release).twin)
+def test_a_forked_process_has_nothing_pending(stand_in, monkeypatch):
+    warmups = Warmups()
+    monkeypatch.setattr(cpu_compile, "_twin", StandIn().twin)
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
     monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
-    steps(hf_optim.AdamW8bit, 1)  # its compilations are held back: pending
+    steps(hf_optim.AdamW8bit, 1)  # its background processes run: pending
     assert any(entry.pending for entry in cpu_compile._entries.values())
     pid = os.fork()
     if pid == 0:  # the child: exit at once, with the answer as its status
-        clean = cpu_compile._worker is None and not any(entry.pending for entry in cpu_compile._entries.values())
-        os._exit(0 if clean else 1)
+        entries = cpu_compile._entries.values()
+        os._exit(0 if not any(entry.pending or entry.warmups for entry in entries) else 1)
     _, status = os.waitpid(pid, 0)
-    release.set()
+    warmups.finish(0)
     assert cpu_compile.wait(timeout=60)
     assert os.WEXITSTATUS(status) == 0
 
@@ -195,38 +292,6 @@ def test_compile_mode_0_never_compiles(stand_in, monkeypatch):
     params, _ = steps(hf_optim.AdEMAMix8bit, 3)
     assert all(torch.equal(a, b) for a, b in zip(expected, params))
     assert fake.compilations == [] and fake.calls == 0 and not cpu_compile._entries
-
-
-def test_background_compiler_has_a_lower_priority_and_a_short_switch_interval_meanwhile(stand_in, monkeypatch):
-    before = sys.getswitchinterval()
-    release = threading.Event()
-    seen, niceness = [], []
-    fake = StandIn(release)
-
-    def twin(rule):
-        compiled = fake.twin(rule)
-
-        def watched(*args):
-            seen.append(sys.getswitchinterval())
-            if sys.platform.startswith("linux"):
-                niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-            return compiled(*args)
-
-        return watched
-
-    monkeypatch.setattr(cpu_compile, "_twin", twin)
-    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
-    steps(hf_optim.Lion8bit, 1)
-    release.set()
-    assert cpu_compile.wait(timeout=60)
-    assert seen and all(interval <= cpu_compile.SWITCH_INTERVAL for interval in seen[:len(fake.compilations)])
-    if sys.platform.startswith("linux"):  # the compiler thread only: the training's thread keeps its priority
-        main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        assert niceness[0] == min(19, main + cpu_compile.NICENESS) and niceness[0] > main or main == 19
-    deadline = time.monotonic() + 10  # the worker restores it right after its last job's bookkeeping
-    while sys.getswitchinterval() != before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sys.getswitchinterval() == before
 
 
 def test_canonical_alias_shares_memory_starts_at_offset_zero_and_is_not_a_view():
@@ -341,45 +406,31 @@ def test_per_tensor_path_uses_the_same_policy(stand_in, monkeypatch):
     assert fake.calls > 0
 
 
-def test_background_compile_does_not_rewind_the_training_threads_random_numbers(stand_in, monkeypatch):
-    """Dynamo saves the CPU random state before tracing and restores it after (convert_frame.preserve_global_state);
-    the stand-in does the same, in the compiler thread, while the training thread draws (its dropout masks)."""
-    import inspect
+@pytest.mark.slow
+def test_a_real_background_process_warms_the_cache_and_this_process_then_loads_it(monkeypatch, tmp_path):
+    """A real ``python -m hf_optim.kernels.cpu_compile_worker``: the compilation here afterwards is a cache hit
+    (inductor's counters), and the results equal the eager run's bit for bit."""
+    from torch._dynamo.utils import counters
 
-    from torch._dynamo import convert_frame
-    assert "torch.random.set_rng_state(" in inspect.getsource(convert_frame)  # what the guard intercepts
-    traced, drawn = threading.Event(), threading.Event()
-    fake = StandIn()
-
-    def twin(rule):
-        compiled = fake.twin(rule)
-
-        def like_dynamo(*args):
-            if compiled.compiling:
-                saved = torch.random.get_rng_state()
-                traced.set()
-                drawn.wait(60)
-                torch.random.set_rng_state(saved)
-            return compiled(*args)
-
-        return like_dynamo
-
-    monkeypatch.setattr(cpu_compile, "_twin", twin)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: only the background process fills it
+    monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
+    cpu_compile.forget()
+    expected, _ = reference(hf_optim.Lion8bit, 3, monkeypatch)
+    handles = []
+    start_warmup = cpu_compile.start_warmup
+    monkeypatch.setattr(cpu_compile, "start_warmup", lambda *job: handles.append(start_warmup(*job)) or handles[-1])
     monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
-    params = make_params(SHAPES, seed=0)
-    opt = hf_optim.Lion8bit(params)
-    set_grads(params, 0)
-    torch.manual_seed(1)
-    expected = torch.rand(8)
-    torch.manual_seed(1)
-    opt.step()
-    assert traced.wait(60)
-    first = torch.rand(4)  # drawn while the compiler thread traces
-    drawn.set()
-    assert cpu_compile.wait(timeout=60)
-    assert torch.equal(torch.cat([first, torch.rand(4)]), expected)
-    torch.random.set_rng_state(torch.random.get_rng_state())  # outside the compiler thread it still works
-    state = torch.random.get_rng_state()
-    torch.rand(3)
-    torch.random.set_rng_state(state)
-    assert torch.equal(torch.random.get_rng_state(), state)
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+    def after_step(step):
+        if step == 0:
+            assert len(handles) == 2  # 8-bit state and, for the small tensors, 32-bit
+            assert all(handle.wait() == 0 for handle in handles), [handle.error() for handle in handles]
+
+    params, _ = steps(hf_optim.Lion8bit, 3, after_step)
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    assert [len(entry.ready) for entry in cpu_compile._entries.values()] == [1, 1]
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits + 2
+    assert counters["inductor"]["fxgraph_cache_miss"] == misses
+    assert not any(os.path.exists(handle.job) for handle in handles)  # the worker removed its job file
+    cpu_compile.forget()

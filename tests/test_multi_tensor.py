@@ -147,23 +147,32 @@ SWITCH_CASES = [case for case in CASES if case[0] in (hf_optim.AdamW8bit, hf_opt
 @pytest.mark.slow
 @pytest.mark.parametrize("cls,kwargs", SWITCH_CASES, ids=[cls.__name__ for cls, _ in SWITCH_CASES])
 def test_switch_from_eager_to_compiled_mid_run_changes_no_bit(cls, kwargs, monkeypatch):
-    """HF_OPTIM_COMPILE=auto: the first two steps run eagerly while the kernels compile in the background (held
-    back until then), the last two compiled; the result equals the per-tensor eager reference bit for bit."""
+    """HF_OPTIM_COMPILE=auto: the first two steps run eagerly while the kernels' background processes run (held
+    back until then; this process then compiles them), the last two compiled; the result equals the per-tensor
+    eager reference bit for bit."""
     with monkeypatch.context() as reference_setup:
         per_tensor_path(reference_setup)
         reference_setup.setenv("HF_OPTIM_COMPILE", "0")
         reference = train(cls, kwargs)
     cpu_compile.forget()
     release = threading.Event()
-    compile_now = cpu_compile._compile
 
-    def held_back(*args, **kwargs):
-        release.wait()
-        compile_now(*args, **kwargs)
+    class HeldBack:  # stands for the background process, which exits when released; this process then compiles
+        started = 0.0
+
+        def poll(self):
+            return 0 if release.is_set() else None
+
+        def wait(self):
+            release.wait()
+            return 0
+
+        def close(self, kill=False):
+            pass
 
     ran = []
     run_update = multi_tensor.run_update
-    monkeypatch.setattr(cpu_compile, "_compile", held_back)
+    monkeypatch.setattr(cpu_compile, "start_warmup", lambda *job: HeldBack())
     monkeypatch.setattr(multi_tensor, "run_update", lambda *a, **k: ran.append(run_update(*a, **k)) or ran[-1])
     monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
 
