@@ -6,21 +6,36 @@ seconds to minutes the first time (docs/benchmarks.md, the first-step table): dy
 C++ and gcc builds it; the first compilation of a process also probes the CPU's vector instructions by compiling
 test programs, and the first of a machine precompiles torch's headers. ``HF_OPTIM_COMPILE`` says when to pay:
 
-- ``auto`` (the default, also when unset or empty): in the background. The first chunk of a kernel starts its
-  compilation in a background thread and runs eagerly, and so does every chunk of that kernel until the compiled
-  kernel is ready; from then on the steps use it. A short run never waits for a compiler; a long one runs compiled
-  after the first seconds (a few steps on a large model, more on a small one, whose eager steps are short).
+- ``auto`` (the default, also when unset or empty): in the background. The first chunk of a kernel starts a
+  background process (:mod:`hf_optim.kernels.cpu_compile_worker`, at a lower priority) that compiles the kernel into
+  inductor's on-disk cache and exits, and runs eagerly, as does every chunk of that kernel until that process has
+  exited; the next step then compiles the kernel in the training thread from the warm cache (a cache hit: 1-3 s
+  instead of tens) and from then on the steps use it. A short run never waits for a compiler; a long one runs
+  compiled after the first seconds (a few steps on a large model, more on a small one, whose eager steps are short).
 - ``1``: before the first step that needs it, which waits for the compilation.
 - ``0``: never; every step runs eagerly (no C++ compiler needed).
 
 Why switching in mid-run changes no result: eager and compiled updates compute the same bits (the rules use
 single-rounding operations only, see :mod:`hf_optim.kernels.exact_math`; inductor compiles without contraction; every
 reduction is within one 256-element block), and ``tests/test_multi_tensor.py`` compares them bit for bit, a run that
-switches after its first steps included; and the background compiler does not rewind the training thread's random
-numbers, as dynamo would (:func:`_keep_other_threads_rng`). So the step at which a run switches depends on the
-machine's speed, the optimizer's results do not. (A whole quickstart run whose compilation overlapped tens of steps
-was still seen to drift from the eager run at rounding level, in the model's forward or backward: cause open,
-docs/benchmarks.md.)
+switches after its first steps included. So the step at which a run switches depends on the machine's speed, the
+optimizer's results do not, and neither do the model's.
+
+Why a process and not a thread of the training process: a compilation that runs in a thread beside the training
+changes the training thread's results. Measured on the quickstart (8 steps): with an unrelated function compiled by
+``torch.compile`` in a background thread and the optimizer eager throughout, the losses left the eager run's from
+step 5 on (5.854667663 against 5.854668617), so the model's forward or backward computed differently while dynamo
+and inductor ran beside it (dynamo also sets the process's random state back after tracing, which rewinds the
+generator another thread draws from); which other process-wide state they touch was not pinned down. In a separate
+process they touch none of the training's: the quickstart with ``auto`` prints the eager run's losses, bit for bit,
+with the switch to the compiled kernel mid-run too. The compilation in the training thread itself is one cache
+hit between two steps, as ``HF_OPTIM_COMPILE=1``'s is before the first.
+
+The background process compiles exactly what the training process compiles afterwards (:func:`_run_probe`: the same
+compiled function and code object name, probe inputs, dynamic marks, options and thread count), so the key of
+inductor's cache is the same. A run that ends while its background process still compiles does not wait for it:
+the process finishes writing the cache for the next run and exits on its own (it is not the training's child any
+more, so nothing is left unreaped); :func:`forget` kills and reaps the ones still running.
 
 One graph per kernel: a kernel (:class:`Kernel`: rule, slot layouts, output mode, parameter and gradient dtypes,
 stochastic rounding) is compiled once, on probe inputs of :data:`PROBE_BLOCKS` blocks whose block dimension is marked
@@ -46,7 +61,8 @@ AdamW8bit on a cold cache (``benchmarks/first_step.py``): 34 s with inductor's d
   time measured with 2), and no worker processes are started.
 
 Log lines (logger ``hf_optim``): one INFO line when a compilation starts (which kernel, where it is cached), one when
-it has taken more than a second, and a WARNING when it fails (that kernel then keeps running eagerly).
+it has taken more than a second (in the background: how long the background process took and the cache hit here),
+and a WARNING when it fails (that kernel then keeps running eagerly), with the background process's error line.
 """
 
 from __future__ import annotations
