@@ -287,29 +287,6 @@ def _announce(kernel: Kernel, entry: _Entry, threads: int, background: bool) -> 
                 where, cache_location())
 
 
-def _compile(kernel: Kernel, entry: _Entry, threads: int) -> None:
-    """Compile ``kernel``'s graph for ``threads`` OpenMP threads by running it once on probe inputs."""
-    what = _what(kernel, entry, threads)
-    start = time.perf_counter()
-    try:
-        probe = entry.probe(PROBE_BLOCKS)
-        _mark_block_dims(probe, entry.probe(PROBE_BLOCKS + 1))
-        with cpu_threads.threads(threads), torch.no_grad():
-            entry.compiled(kernel.rule, kernel.layouts, *probe)
-    except Exception as error:  # a missing or failing C++ compiler: the kernel keeps running eagerly
-        first_line = (str(error).strip().splitlines() or [""])[0][:300]
-        entry.failed = f"{type(error).__name__}: {first_line}"
-        logger.warning("compiling the optimizer's CPU kernel for %s failed (%s); it runs eagerly (same results, "
-                       "slower; HF_OPTIM_COMPILE=0 skips compiling)", what, entry.failed)
-    else:
-        entry.ready.add(threads)
-        elapsed = time.perf_counter() - start
-        if elapsed > 1.0:
-            logger.info("compiled the optimizer's CPU kernel for %s in %.1f s", what, elapsed)
-    finally:
-        entry.pending.discard(threads)
-
-
 def _run_probe(kernel: Kernel, entry: _Entry, threads: int) -> None:
     """Run ``entry``'s compiled function once on probe inputs of :data:`PROBE_BLOCKS` blocks, block dimensions
     marked dynamic, with ``threads`` OpenMP threads: this compiles its graph (or loads it from inductor's cache).
