@@ -6,6 +6,8 @@
 
 Shape sets (``--sets``, separated by commas; a set is a preset name or shapes joined by ``+``, e.g. ``64x80+5000``):
 
+- ``quickstart-lora``: the 28 LoRA adapters (r=32) of the quickstart recipe's tiny model (77,824 elements; the
+  1024-element ones are below ``min_8bit_size``, so an 8-bit optimizer keeps two state layouts);
 - ``4096x4096``: one 16.8M-element tensor (the easiest case: one big contiguous update);
 - ``llama-3.2-1b-lora``: the 224 LoRA adapters (r=16, q/k/v/o/gate/up/down of 16 layers; A is r x in, B is
   out x r), 11.27M elements: what the LoRA recipes step;
@@ -23,8 +25,11 @@ bandwidth peak on GPUs. hf_optim's backend (``triton`` on CUDA when triton is in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -33,6 +38,11 @@ from pathlib import Path
 import torch
 
 import hf_optim
+
+try:
+    from hf_optim.kernels import cpu_compile, cpu_threads
+except ImportError:  # hf_optim before issue 23 (benchmarks/first_step.py compares with it): nothing to wait for
+    cpu_compile = cpu_threads = None
 
 LLAMA_3_2_1B = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, head_dim=64, vocab=128256)
 
@@ -51,7 +61,11 @@ def llama_lora_shapes(cfg: dict, rank: int = 16) -> list[tuple[int, ...]]:
     return [shape for fan_in, fan_out in linears for shape in ((rank, fan_in), (fan_out, rank))] * cfg["layers"]
 
 
+QUICKSTART_MODEL = dict(hidden=64, intermediate=192, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=512)
+"""``hf_optim.tiny.tiny_llama``'s numbers: the quickstart recipe's model."""
+
 PRESETS = {
+    "quickstart-lora": lambda: llama_lora_shapes(QUICKSTART_MODEL, rank=32),
     "4096x4096": lambda: [(4096, 4096)],
     "llama-3.2-1b-lora": lambda: llama_lora_shapes(LLAMA_3_2_1B),
     "llama-3.2-1b": lambda: llama_shapes(LLAMA_3_2_1B),
@@ -132,6 +146,8 @@ def time_steps(make: Callable, params: list[torch.Tensor], steps: int, warmup: i
     opt.step()
     sync()
     first = time.perf_counter() - start
+    if cpu_compile is not None:  # HF_OPTIM_COMPILE=auto: a small set's first steps run eagerly while compiling
+        cpu_compile.wait()
     for _ in range(warmup):
         opt.step()
     times = []
@@ -144,6 +160,115 @@ def time_steps(make: Callable, params: list[torch.Tensor], steps: int, warmup: i
     return first, statistics.median(times), step_peak_extra_bytes(opt) if memory else None
 
 
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """``count`` processes spinning on the CPU (a pure-Python loop each, at this process's priority, as dataloader
+    workers or a second job would be) for the duration of the block; they are killed on the way out."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        if spinners:
+            time.sleep(1.0)  # past their interpreter start-up: spinning
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait()
+
+
+def time_busy(opt, steps: int, levels: list[int], rounds: int, settle: int) -> dict[int, tuple]:
+    """{busy processes: (median wall seconds per step, CPU seconds of this process per step)} for an optimizer that
+    has already stepped (compiled and warm); the levels take turns, ``rounds`` times: ``settle`` untimed steps
+    under the new load (the thread-count choice adapts), then ``steps`` timed ones."""
+    walls: dict[int, list[float]] = {level: [] for level in levels}
+    cpus: dict[int, list[float]] = {level: [] for level in levels}
+    for _ in range(rounds):
+        for level in levels:
+            with busy_processes(level):
+                for _ in range(settle):
+                    opt.step()
+                for _ in range(steps):
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    opt.step()
+                    walls[level].append(time.perf_counter() - wall)
+                    cpus[level].append(time.process_time() - cpu)
+    return {level: (statistics.median(walls[level]), statistics.median(cpus[level])) for level in levels}
+
+
+class TorchThreads:
+    """An hf_optim optimizer whose compiled CPU kernels always run with torch's thread count: the behaviour before
+    the thread-count choice (``hf_optim.kernels.cpu_threads``), for comparison."""
+
+    def __init__(self, opt) -> None:
+        self.opt = opt
+
+    def step(self) -> None:
+        choose = cpu_compile.threads_for
+        cpu_compile.threads_for = lambda kernel: None
+        try:
+            self.opt.step()
+        finally:
+            cpu_compile.threads_for = choose
+
+
+BUSY_ROWS = ("torch AdamW fused", "hf_optim AdamW8bit", "hf_optim AdamW8bit (torch's threads)",
+             "bitsandbytes AdamW8bit", "hf_optim AdamW32bit", "hf_optim AdamW32bit (torch's threads)")
+"""The rows ``--busy`` measures unless ``--only`` says otherwise."""
+
+
+def fresh_params(shapes, dtype, device: str) -> list[torch.nn.Parameter]:
+    """Parameters of ``shapes`` with gradients, the same random values for every contender (seed 0)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype, generator=gen)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=gen)
+    return params
+
+
+def measure_busy(shapes, dtype, device: str, args, levels: list[int]) -> dict[str, dict[int, tuple]]:
+    """{row name: {busy processes: (median wall s, CPU s per step)}} for the ``--busy`` table."""
+    results = {}
+    for name, make in contenders(not args.no_bnb, device, busy=True):
+        if not (any(s in name for s in args.only.split(",")) if args.only else name in BUSY_ROWS):
+            continue
+        params = fresh_params(shapes, dtype, device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = make(params)
+            opt.step()
+            cpu_compile.wait()
+            for _ in range(args.warmup):  # compiled and warm before any load starts
+                opt.step()
+            with busy_processes(max(levels)):  # under the heaviest load the thread-count choice may compile its
+                for _ in range(2 + cpu_threads.WARMUP):  # one-thread variant: before the timing
+                    opt.step()
+                cpu_compile.wait()
+            results[name] = time_busy(opt, args.steps, levels, args.rounds, args.settle)
+        cells = "  ".join(f"busy {level}: {wall * 1e3:.1f} ms" for level, (wall, _) in results[name].items())
+        print(f"  {name:<28} {cells}", flush=True)
+        del opt, params
+    return results
+
+
+def print_busy_table(table: dict[str, dict], sets: list[str], levels: list[int]) -> None:
+    """One row per (set, optimizer): wall ms per step and CPU ns per element at each load, and busy / idle."""
+    header = " | ".join(f"busy {level}: ms | CPU ns/el" + (" | x idle" if level != levels[0] else "")
+                        for level in levels)
+    print(f"\n| set | optimizer | {header} |")
+    print("|---|---|" + "---:|---:|" + "---:|---:|---:|" * (len(levels) - 1))
+    for spec in sets:
+        numel = sum(torch.Size(s).numel() for s in shape_set(spec))
+        for name, by_level in table[spec].items():
+            base = by_level[levels[0]][0]
+            cells = []
+            for level in levels:
+                wall, cpu = by_level[level]
+                cells += [f"{wall * 1e3:.1f}", f"{cpu / numel * 1e9:.2f}"]
+                if level != levels[0]:
+                    cells.append(f"{wall / base:.2f}")
+            print(f"| {spec} | {name} | " + " | ".join(cells) + " |")
+
+
 def bnb_class(bnb, name: str) -> Callable:
     """bitsandbytes' class for ``name``; its ``AdEMAMix32bit`` crashes on CPU (it inherits the generic two-state
     base), so the 32-bit AdEMAMix row uses ``AdEMAMix(optim_bits=32)``, the same algorithm through its own base."""
@@ -152,8 +277,9 @@ def bnb_class(bnb, name: str) -> Callable:
     return getattr(bnb.optim, name)
 
 
-def contenders(include_bnb: bool, device: str) -> list[tuple[str, Callable]]:
-    """(row name, optimizer factory); bitsandbytes' rows use its CUDA kernels on a CUDA device."""
+def contenders(include_bnb: bool, device: str, busy: bool = False) -> list[tuple[str, Callable]]:
+    """(row name, optimizer factory); bitsandbytes' rows use its CUDA kernels on a CUDA device; ``busy``: also the
+    rows of hf_optim optimizers that keep torch's thread count under load."""
     rows: list[tuple[str, Callable]] = [
         ("torch AdamW fused", lambda p: torch.optim.AdamW(p, fused=True)),
         ("torch AdamW foreach", lambda p: torch.optim.AdamW(p, foreach=True)),
@@ -167,6 +293,10 @@ def contenders(include_bnb: bool, device: str) -> list[tuple[str, Callable]]:
             rows.append((f"bitsandbytes {name}", bnb_class(bnb, name)))
     for name in ("AdamW4bit", "AdEMAMix4bit", "Lion4bit"):  # no bitsandbytes namesake (torchao's: not installed)
         rows.append((f"hf_optim {name}", getattr(hf_optim, name)))
+    if busy:  # the rows without the thread-count choice
+        for name in ("AdamW8bit", "AdamW32bit"):
+            cls = getattr(hf_optim, name)
+            rows.append((f"hf_optim {name} (torch's threads)", lambda p, cls=cls: TorchThreads(cls(p))))
     # Adafactor as the Trainer's optim="adafactor" builds it; the reference is transformers' own class.
     adafactor = dict(lr=1e-3, relative_step=False, scale_parameter=False, warmup_init=False)
     rows.append(("hf_optim Adafactor", lambda p: hf_optim.Adafactor(p, **adafactor)))
@@ -188,10 +318,7 @@ def measure(shapes, dtype, device: str, args) -> dict[str, tuple]:
     for name, make in contenders(not args.no_bnb, device):
         if args.only and not any(s in name for s in args.only.split(",")):
             continue
-        gen = torch.Generator(device=device).manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype, generator=gen)) for s in shapes]
-        for p in params:
-            p.grad = torch.randn(p.shape, device=device, dtype=dtype, generator=gen)
+        params = fresh_params(shapes, dtype, device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
@@ -235,6 +362,16 @@ def main() -> None:
                         help="instead of timing, measure how far a step's peak RSS rises above the RSS before it "
                              "(CPU, Linux; it makes glibc map and unmap every allocation of 64 KiB or more, which "
                              "slows allocating steps: run it apart from the timing run)")
+    parser.add_argument("--busy", default="",
+                        help="comma-separated numbers of spinning processes to time the steps under, e.g. 0,2,4,8 "
+                             "(the script starts and stops them; the optimizers compile and warm up before): prints "
+                             "wall ms per step, CPU ns per element and the slowdown against the first level "
+                             f"(rows: {', '.join(BUSY_ROWS)} unless --only)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with --busy: how many times the load levels take turns (steps each time)")
+    parser.add_argument("--settle", type=int, default=3,
+                        help="with --busy: untimed steps after each change of load (hf_optim's thread-count choice "
+                             "adapts to the load within a few steps)")
     parser.add_argument("--peak-gbs", type=float, default=0.0,
                         help="memory bandwidth peak in GB/s for the %% column (default: looked up by GPU name)")
     args = parser.parse_args()
@@ -250,6 +387,17 @@ def main() -> None:
           f"threads={torch.get_num_threads()} hf_optim backend={backend} steps={args.steps} warmup={args.warmup}")
 
     sets = [s for s in args.sets.split(",") if s]
+    if args.busy:
+        levels = [int(level) for level in args.busy.split(",")]
+        print(f"load average before: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+        busy_table = {}
+        for spec in sets:
+            shapes = shape_set(spec)
+            print(f"{spec}: {len(shapes)} tensors, {sum(torch.Size(s).numel() for s in shapes):,} elements", flush=True)
+            busy_table[spec] = measure_busy(shapes, dtype, args.device, args, levels)
+        print_busy_table(busy_table, sets, levels)
+        print(f"load average after: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+        return
     table: dict[str, dict[str, tuple]] = {}
     for spec in sets:
         shapes = shape_set(spec)

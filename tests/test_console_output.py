@@ -32,7 +32,14 @@ ALLOWED = [
     r"done: optimizer hf_optim\.PagedAdamW8bit, train loss \(run mean\) \d+\.\d+",
     r"optimizer state: [\d.]+ MiB \(float32 [\d.]+, uint8 [\d.]+\)",
     r"run directory: .*\(recipe\.yaml, metrics\.jsonl, summary\.json, loss\.png, memory\.png, dashboard\.png\)",
+    # the optimizer's CPU kernel: compiling it (in a background process, once per cache), and how long it took
+    # (a busy machine adds the one-thread variant)
+    r"\[hf_optim\] compiling the optimizer's CPU kernel for adamw_rule, 8-bit \+ 8-bit state, .*"
+    r" \(once, cached in .*\)",
+    r"\[hf_optim\] compiled the optimizer's CPU kernel for adamw_rule, .* in [\d.]+ s"
+    r"( \(in a background process; loaded from the cache in [\d.]+ s\))?",
 ]
+COMPILE_LINES = 2
 
 
 def printed_lines(text: str) -> list[str]:
@@ -45,6 +52,7 @@ def test_quickstart_prints_only_its_own_lines_one_bar_and_the_summary(tmp_path):
     result = subprocess.run([sys.executable, "-m", "hf_optim.cli", "train", "quickstart", f"training.max_steps={STEPS}",
                              f"training.output_dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120",
+                                              "HF_OPTIM_COMPILE": "auto",  # a user's default (tests run with 0)
                                               # an empty cache, as on a fresh machine: the tiny model is written
                                               "HF_OPTIM_CACHE": str(tmp_path / "cache")})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -54,8 +62,10 @@ def test_quickstart_prints_only_its_own_lines_one_bar_and_the_summary(tmp_path):
     bars = [line for line in lines if re.fullmatch(ALLOWED[3], line)]
     assert bars and bars[-1].startswith("100%") and f"{STEPS}/{STEPS}" in bars[-1]
     assert "loss=" in bars[-1]  # the bar shows the loss instead of a printed dict per step
-    for pattern in ALLOWED[:3] + ALLOWED[4:]:  # each of hf_optim's lines and the summary once
+    for pattern in ALLOWED[:3] + ALLOWED[4:-COMPILE_LINES]:  # each of hf_optim's lines and the summary once
         assert sum(bool(re.fullmatch(pattern, line)) for line in lines) == 1, pattern
+    # the first step says what it compiles and where it is cached
+    assert any(re.fullmatch(ALLOWED[-COMPILE_LINES], line) for line in lines)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "ok"
     adapter = json.loads((run_dir / "adapter_config.json").read_text())
     assert Path(adapter["base_model_name_or_path"]).parent == tmp_path / "cache"  # where peft found its config

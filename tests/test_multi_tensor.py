@@ -1,13 +1,15 @@
 """The multi-tensor PyTorch path (flat state, one call per chunk) against the per-tensor eager rule, bit for bit."""
 
 import io
+import threading
 
 import pytest
 import torch
 from helpers import make_params, set_grads
+from torch._dynamo.utils import counters
 
 import hf_optim
-from hf_optim.kernels import multi_tensor
+from hf_optim.kernels import cpu_compile, cpu_threads, multi_tensor
 from hf_optim.optim.base import HfOptimizer
 
 # Sizes below and above min_8bit_size (so 8-bit and 32-bit state share a group), not multiples of 256, empty,
@@ -47,9 +49,10 @@ def mixed_params():
     return [torch.nn.Parameter(p.detach().to(torch.bfloat16)) if i % 2 else p for i, p in enumerate(params)]
 
 
-def train(cls, kwargs, steps=4):
+def train(cls, kwargs, steps=4, after_step=lambda step: None):
     """Steps with a gradient missing once (its step counter lags behind), a param group added after two steps,
-    and the state dict saved, loaded into a new optimizer and training resumed after three."""
+    and the state dict saved, loaded into a new optimizer and training resumed after three; ``after_step(step)``
+    runs after each step."""
     params = mixed_params()
     late = make_params([(70, 70), (100,)], seed=1)
     opt = cls(params, **kwargs)
@@ -65,6 +68,7 @@ def train(cls, kwargs, steps=4):
             opt = cls([{"params": params}, {"params": late}], **kwargs)
             opt.load_state_dict(saved)
         opt.step()
+        after_step(step)
     return params + late, opt
 
 
@@ -136,11 +140,67 @@ def test_state_dict_format_and_weights_only_round_trip():
                 q][key]
 
 
+SWITCH_CASES = [case for case in CASES if case[0] in (hf_optim.AdamW8bit, hf_optim.AdEMAMix8bit, hf_optim.LAMB8bit,
+                                                      hf_optim.AdamW4bit)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls,kwargs", SWITCH_CASES, ids=[cls.__name__ for cls, _ in SWITCH_CASES])
+def test_switch_from_eager_to_compiled_mid_run_changes_no_bit(cls, kwargs, monkeypatch):
+    """HF_OPTIM_COMPILE=auto: the first two steps run eagerly while the kernels' background processes run (held
+    back until then; this process then compiles them), the last two compiled; the result equals the per-tensor
+    eager reference bit for bit."""
+    with monkeypatch.context() as reference_setup:
+        per_tensor_path(reference_setup)
+        reference_setup.setenv("HF_OPTIM_COMPILE", "0")
+        reference = train(cls, kwargs)
+    cpu_compile.forget()
+    release = threading.Event()
+
+    class HeldBack:  # stands for the background process, which exits when released; this process then compiles
+        started = 0.0
+
+        def poll(self):
+            return 0 if release.is_set() else None
+
+        def wait(self):
+            release.wait()
+            return 0
+
+        def close(self, kill=False):
+            pass
+
+    ran = []
+    run_update = multi_tensor.run_update
+    monkeypatch.setattr(cpu_compile, "start_warmup", lambda *job: HeldBack())
+    monkeypatch.setattr(multi_tensor, "run_update", lambda *a, **k: ran.append(run_update(*a, **k)) or ran[-1])
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+
+    def after_step(step):
+        ran.append(f"after step {step}")
+        if step == 1:
+            release.set()
+            assert cpu_compile.wait(timeout=900)
+
+    graphs = counters["stats"]["unique_graphs"]
+    candidate = train(cls, kwargs, after_step=after_step)
+    assert_same(reference, candidate)
+    switch = ran.index("after step 1")
+    before, after = ([r for r in part if isinstance(r, bool)] for part in (ran[:switch], ran[switch:]))
+    assert before and not any(before)  # eager while the kernels were compiling
+    assert after.count(True) > after.count(False)  # compiled after (one-block chunks still run eagerly)
+    # one graph per kernel (and thread count): every chunk length and offset, in place or gathered, shares it
+    compiled = sum(len(entry.ready) for entry in cpu_compile._entries.values())
+    assert compiled and counters["stats"]["unique_graphs"] - graphs == compiled
+
+
 @pytest.mark.slow
 def test_no_recompilation_across_steps_with_changing_lr(monkeypatch):
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("HF_OPTIM_COMPILE", "1")
+    # one thread count: on a busy machine the thread choice would add the one-thread variant, a graph of its own
+    monkeypatch.setattr(cpu_threads, "adjustable", lambda: False)
     params = make_params(SHAPES)
     opt = hf_optim.AdamW8bit(params, lr=1e-2)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_optim.kernels.blockwise import num_blocks
+from hf_optim.kernels.cpu_compile import canonical
 from hf_optim.kernels.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.formats import SlotLayout
 from hf_optim.kernels.state_store import StateSpec, slot_shape
@@ -105,11 +106,13 @@ class FlatState:
 
     def chunk(self, start: int, stop: int) -> list[torch.Tensor]:
         """The raw slot tensors of flat elements ``[start, stop)`` (whole blocks), in the order and the block
-        form ``(rows, blocks, 256)`` that ``elementwise.update`` takes."""
+        form ``(rows, blocks, 256)`` that ``elementwise.update`` takes; on the CPU as aliases that are not views
+        (``cpu_compile.canonical``: what the compiled kernels take), made once."""
         cached = self._chunks.get((start, stop))
         if cached is None:
+            alias = canonical if self.device.type == "cpu" else (lambda tensor: tensor)
             cached = self._chunks[start, stop] = [
-                tensor
+                alias(tensor)
                 for slot, layout in enumerate(self.layouts)
                 for tensor in layout.format.kernel_chunk(self.buffers[slot], start, stop, layout.signed, self.device)
             ]

@@ -7,9 +7,10 @@ elements:
 
 1. the parameters and gradients of the chunk are gathered into flat scratch buffers (one ``torch.cat``, zeros
    between tensors), or used in place when a single tensor covers the whole chunk;
-2. :func:`hf_optim.kernels.elementwise.update` runs on the chunk, compiled by inductor (dynamic shapes: every
-   chunk length shares one compilation; hyperparameters are 0-d tensors, so new learning rates or bias
-   corrections never recompile) or eagerly with ``HF_OPTIM_COMPILE=0``;
+2. :func:`hf_optim.kernels.elementwise.update` runs on the chunk, compiled by inductor once its compilation is
+   ready, eagerly before that or with ``HF_OPTIM_COMPILE=0`` (:mod:`hf_optim.kernels.cpu_compile`: when it compiles,
+   one graph for every chunk length; hyperparameters are 0-d tensors, so new learning rates or bias corrections
+   never recompile), with the OpenMP thread count :mod:`hf_optim.kernels.cpu_threads` measured to be faster;
 3. the new parameters go back with one ``torch._foreach_copy_``.
 
 The rule sees exactly the values the per-tensor path gives it, and every operation in it is elementwise or
@@ -19,14 +20,15 @@ itself: the scratch buffers (``CHUNK`` elements of the parameter and gradient dt
 
 from __future__ import annotations
 
-import os
+import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hf_optim.kernels import compile_guard, elementwise, rounding
+from hf_optim.kernels import compile_guard, cpu_compile, cpu_threads, elementwise, rounding
+from hf_optim.kernels.cpu_compile import COMPILE_ENV, compile_enabled  # noqa: F401 (this module's API before)
 from hf_optim.kernels.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.flat_state import FlatState
 from hf_optim.kernels.formats import SlotLayout
@@ -39,19 +41,14 @@ unmaps them on every call, and on a VM each fresh page costs a fault: the step t
 IN_PLACE_MIN = 1 << 16
 """Tensors of at least this many elements are updated in place, chunk by chunk; smaller ones are gathered."""
 
-COMPILE_ENV = "HF_OPTIM_COMPILE"
-
-
-def compile_enabled() -> bool:
-    """Whether updates are compiled by inductor (set ``HF_OPTIM_COMPILE=0`` for the eager path)."""
-    return os.environ.get(COMPILE_ENV, "1") != "0"
 
 
 _compiled: dict[tuple, Callable] = {}
 
 
 def compiled_update(rule: Callable, layouts: Sequence[SlotLayout], has_out: bool, dtypes: tuple) -> Callable:
-    """:func:`elementwise.update` compiled for one rule, slot layouts, output mode and parameter/gradient dtypes.
+    """:func:`elementwise.update` compiled for one rule, slot layouts, output mode and parameter/gradient dtypes, for
+    GPU chunks (CPU chunks compile through :mod:`hf_optim.kernels.cpu_compile`).
 
     Each combination gets a code object of its own: dynamo keeps its compiled graphs per code object and stops
     compiling one after ``recompile_limit`` (8) variants, a limit every rule and precision would share otherwise.
@@ -68,20 +65,36 @@ def compiled_update(rule: Callable, layouts: Sequence[SlotLayout], has_out: bool
     return compiled
 
 
-def run_update(rule, layouts, param, grad, out, tensors, hyper, stochastic=None) -> None:
-    """:func:`elementwise.update` on one chunk: compiled on CPU and CUDA (unless disabled, compiling failed on that
-    device, see :mod:`compile_guard`, or the chunk is a single element, which dynamo would specialize), eager
-    otherwise."""
-    if compile_enabled() and param.numel() > 1 and compile_guard.compiles_on(param.device):
+def run_update(rule, layouts, param, grad, out, tensors, hyper, stochastic=None,
+               kernel: cpu_compile.Kernel | None = None
+               ) -> bool:
+    """:func:`elementwise.update` on one chunk, compiled when it can be, eagerly otherwise; returns whether the
+    compiled kernel ran.
+
+    - CPU: compiled when the chunk is in block form of at least 2 blocks and its compiled kernel is ready
+      (:mod:`hf_optim.kernels.cpu_compile`, which starts compiling it otherwise, as ``HF_OPTIM_COMPILE`` says).
+      ``kernel``: the chunk's :class:`~hf_optim.kernels.cpu_compile.Kernel`, when the caller knows it.
+    - CUDA (the PyTorch path there: Triton missing or a kernel configuration that fell back): compiled in this
+      process unless ``HF_OPTIM_COMPILE=0``, compiling failed on that device (:mod:`compile_guard`) or the chunk is
+      a single element, which dynamo would specialize.
+    """
+    if not compile_enabled():
+        pass
+    elif param.device.type == "cpu":
+        if (param.dim() == 2 and param.shape[0] > 1
+                and cpu_compile.run_compiled(rule, layouts, param, grad, out, tensors, hyper, stochastic, kernel)):
+            return True
+    elif param.numel() > 1 and compile_guard.compiles_on(param.device):
         # stochastic rounding is a variant of its own (a code object of its own, see compiled_update)
         variant = (param.dtype, grad.dtype) + (("bf16 stochastic rounding",) if stochastic is not None else ())
         compiled = compiled_update(rule, layouts, out is not None, variant)
         try:
             compiled(rule, tuple(layouts), param, grad, out, tensors, hyper, stochastic)
-            return
+            return True
         except compile_guard.compile_errors() as error:  # raised before the compiled code ran: nothing written
             compile_guard.compile_failed(param.device, error)
     elementwise.update(rule, layouts, param, grad, out, tensors, hyper, stochastic)
+    return False
 
 
 def hyper_tensors(hyper: tuple) -> tuple:
@@ -204,13 +217,21 @@ class Scratch:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._prefixes: dict[tuple, torch.Tensor] = {}
 
     def buffer(self, role: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the ``role`` buffer (grown as needed), on the CPU as an alias that is not
+        a view (``cpu_compile.canonical``: what the compiled kernels take), made once per length."""
         key = (role, dtype, device)
         found = self._buffers.get(key)
         if found is None or found.numel() < numel:
-            found = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-        return found[:numel]
+            found = self._buffers[key] = torch.empty(max(numel, CHUNK), dtype=dtype, device=device)
+            self._prefixes = {k: v for k, v in self._prefixes.items() if k[0] != key}
+        prefix = self._prefixes.get((key, numel))
+        if prefix is None:
+            prefix = found[:numel]
+            prefix = self._prefixes[key, numel] = cpu_compile.canonical(prefix) if device.type == "cpu" else prefix
+        return prefix
 
     def zeros(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = ("zeros", dtype, device)
@@ -220,7 +241,8 @@ class Scratch:
 
 
 def gather(chunk: Chunk, flats: Sequence[torch.Tensor], out: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """Copy the chunk's pieces of the flat tensors ``flats`` (by member) into ``out``, zeros in between."""
+    """Copy the chunk's pieces of the flat tensors ``flats`` (by member) into ``out`` (the chunk's length), zeros in
+    between."""
     parts, at = [], 0
     for piece in chunk.pieces:
         if piece.at > at:
@@ -230,7 +252,7 @@ def gather(chunk: Chunk, flats: Sequence[torch.Tensor], out: torch.Tensor, zeros
     length = chunk.stop - chunk.start
     if length > at:
         parts.append(zeros[: length - at])
-    return torch.cat(parts, out=out[:length])
+    return torch.cat(parts, out=out)
 
 
 def scatter(chunk: Chunk, gathered: torch.Tensor, flats: Sequence[torch.Tensor]) -> None:
@@ -265,22 +287,34 @@ def step_run(
     g_dtype = next(iter(grads.values())).dtype
     hyper_t = hyper_tensors(hyper)
     p_zeros, g_zeros = scratch.zeros(p_dtype, device), scratch.zeros(g_dtype, device)
-    for chunk in chunks:
-        length = chunk.stop - chunk.start
-        whole = chunk.whole_member
-        if whole is not None:
-            piece = chunk.pieces[0]
-            p = params[whole][piece.start : piece.start + length]
-            g = grads[whole][piece.start : piece.start + length]
-        else:
-            p = gather(chunk, params, scratch.buffer("param", p_dtype, device, CHUNK), p_zeros)
-            g = gather(chunk, grads, scratch.buffer("grad", g_dtype, device, CHUNK), g_zeros)
-        o = None if out is None else out[chunk.start - out_offset : chunk.stop - out_offset].view(-1, BLOCK_SIZE)
-        stochastic = None if stream is None or out is not None else (stream.chunk_bases(chunk, device), stream.key)
-        run_update(rule, flat.layouts, p.view(-1, BLOCK_SIZE), g.view(-1, BLOCK_SIZE), o,
-                   flat.chunk(chunk.start, chunk.stop), hyper_t, stochastic)
-        if whole is None and out is None:
-            scatter(chunk, p, params)
+    kernel = threads = None
+    if device.type == "cpu" and compile_enabled():
+        kernel = cpu_compile.Kernel(rule, tuple(flat.layouts), tuple(spec.rows for spec in flat.specs),
+                                    out is not None, p_dtype, g_dtype, stream is not None and out is None)
+        cpu_compile.prepare(kernel, hyper_t, stream.key if kernel.stochastic else None,
+                            sum(chunk.stop - chunk.start for chunk in chunks))
+        threads = cpu_compile.threads_for(kernel)
+    start, compiled, elements = time.perf_counter(), True, 0
+    with cpu_threads.threads(threads):
+        for chunk in chunks:
+            length = chunk.stop - chunk.start
+            whole = chunk.whole_member
+            if whole is not None:
+                piece = chunk.pieces[0]
+                p = params[whole][piece.start : piece.start + length]
+                g = grads[whole][piece.start : piece.start + length]
+            else:
+                p = gather(chunk, params, scratch.buffer("param", p_dtype, device, length), p_zeros)
+                g = gather(chunk, grads, scratch.buffer("grad", g_dtype, device, length), g_zeros)
+            o = None if out is None else out[chunk.start - out_offset : chunk.stop - out_offset].view(-1, BLOCK_SIZE)
+            stochastic = None if stream is None or out is not None else (stream.chunk_bases(chunk, device), stream.key)
+            compiled &= run_update(rule, flat.layouts, p.view(-1, BLOCK_SIZE), g.view(-1, BLOCK_SIZE), o,
+                                   flat.chunk(chunk.start, chunk.stop), hyper_t, stochastic, kernel)
+            elements += length
+            if whole is None and out is None:
+                scatter(chunk, p, params)
+    if threads is not None and compiled:
+        cpu_compile.record(kernel, threads, time.perf_counter() - start, elements)
 
 
 def step_tensor(
@@ -303,6 +337,10 @@ def step_tensor(
     for layout in layouts:
         raws.append(tensors[index : index + layout.width])
         index += layout.width
+    if whole >= 2 * BLOCK_SIZE and param.device.type == "cpu" and compile_enabled():
+        kernel = cpu_compile.Kernel(rule, tuple(layouts), tuple(raw[0].shape[0] for raw in raws), out is not None,
+                                    param.dtype, grad.dtype, stream is not None and out is None)
+        cpu_compile.prepare(kernel, hyper_t, stream.key if kernel.stochastic else None, whole)
     for start in [*range(0, whole, CHUNK), *([whole] if whole < n else [])]:
         block_form = start < whole
         stop = min(start + CHUNK, whole) if block_form else n

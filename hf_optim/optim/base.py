@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from hf_optim.kernels import backend as kernel_backend
-from hf_optim.kernels import multi_tensor, rounding
+from hf_optim.kernels import cpu_compile, multi_tensor, rounding
 from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.flat_state import FlatState, FlatStates
 from hf_optim.kernels.formats import FORMATS, FP32, SlotLayout, StateFormat, format_for_bits, loaded_format
@@ -459,8 +459,9 @@ class HfOptimizer(torch.optim.Optimizer):
                     self._check_stochastic_param(param, f"parameter {index} of param group {group_index}")
                 entries.append((p, param, grad, overrides))
             plan.append((group_index, group, entries))
-        # HF_OPTIM_BACKEND is checked now, not when the first group is already updated: a bad value raises here, and
-        # a forced Triton backend that cannot run on some device raises for that device.
+        # HF_OPTIM_BACKEND and HF_OPTIM_COMPILE are checked now, not when the first group is already updated: a bad
+        # value raises here, and a forced Triton backend that cannot run on some device raises for that device.
+        cpu_compile.compile_mode()
         if kernel_backend.forced_backend() == "triton":
             for device in {param.device for _, _, entries in plan for _, param, _, _ in entries}:
                 kernel_backend.uses_triton(device)

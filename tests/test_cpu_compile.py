@@ -1,0 +1,436 @@
+"""When the CPU kernels compile (hf_optim.kernels.cpu_compile) and with how many threads they run (cpu_threads).
+
+The fast tests replace inductor by a stand-in that runs the eager update and the background compiler process by a
+handle the test finishes (the policy is what is tested, not the compiler); the real compiler and a real background
+process are exercised by the slow tests here and in test_multi_tensor.py.
+"""
+
+import logging
+import os
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+from helpers import make_params, set_grads
+
+import hf_optim
+from hf_optim.kernels import cpu_compile, cpu_threads, elementwise, multi_tensor
+from hf_optim.optim.base import HfOptimizer
+
+SHAPES = [(64, 80), (5000,), (300,), (9000,), (16, 200)]
+
+
+class StandIn:
+    """Replaces ``torch.compile`` of the kernels: the 'compiled' kernel is the eager update, counted; its first
+    call (the compilation, on probe inputs) waits for ``release`` when one is given."""
+
+    def __init__(self, release: threading.Event | None = None, fail: bool = False):
+        self.release, self.fail = release, fail
+        self.compilations, self.calls = [], 0
+
+    def twin(self, rule):
+        def compiled(*args):
+            if compiled.compiling:
+                compiled.compiling = False
+                self.compilations.append(rule)
+                if self.release is not None:
+                    self.release.wait()
+                if self.fail:
+                    raise RuntimeError("C++ compile error\nsecond line")
+            else:
+                self.calls += 1
+            elementwise.update(*args)
+
+        compiled.compiling = True
+        return compiled
+
+
+class FakeWarmup:
+    """Stands for a background compiler process: running until the test sets ``status``."""
+
+    def __init__(self, status=None):
+        self.status, self.started, self.killed, self.closed = status, time.perf_counter(), False, False
+
+    def poll(self):
+        return self.status
+
+    def wait(self):
+        if self.status is None:
+            self.status = 0  # as if it finished now
+        return self.status
+
+    def error(self):
+        return "CppCompileError: C++ compile error"
+
+    def close(self, kill=False):
+        self.killed |= kill and self.status is None
+        self.closed = True
+
+
+class Warmups:
+    """Replaces ``cpu_compile.start_warmup``: records each start (the job round-tripped through pickle, as the real
+    one writes it) and returns a :class:`FakeWarmup` that exits with ``status``."""
+
+    def __init__(self, status=None):
+        self.status, self.jobs, self.handles = status, [], []
+
+    def __call__(self, kernel, hyper, key, threads):
+        job = pickle.loads(pickle.dumps((kernel, hyper, key, threads)))
+        assert job[0] == kernel and job[3] == threads
+        assert all(torch.equal(a, b) for a, b in zip(job[1], hyper)) and type(job[1]) is type(hyper)
+        assert (key is None and job[2] is None) or torch.equal(job[2], key)
+        self.jobs.append(job)
+        self.handles.append(FakeWarmup(self.status))
+        return self.handles[-1]
+
+    def finish(self, status=0):
+        for handle in self.handles:
+            handle.status = status
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    # no one-thread variant when the machine is busy (the thread-count choice is tested below, on made-up timings)
+    monkeypatch.setattr(cpu_threads, "adjustable", lambda: False)
+    monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
+    monkeypatch.setattr(multi_tensor, "IN_PLACE_MIN", 4096)
+    cpu_compile.forget()
+    yield
+    cpu_compile.forget()
+
+
+@pytest.fixture
+def log_lines():
+    """Messages of the ``hf_optim`` logger at INFO and above, from any thread."""
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append((record.levelno, record.getMessage()))
+    logger = logging.getLogger("hf_optim")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def steps(cls, count, after_step=lambda step: None, **kwargs):
+    params = make_params(SHAPES, seed=0)
+    opt = cls(params, lr=1e-2, **kwargs)
+    for step in range(count):
+        set_grads(params, step)
+        opt.step()
+        after_step(step)
+    return params, opt
+
+
+def reference(cls, count, monkeypatch, **kwargs):
+    with monkeypatch.context() as setup:
+        setup.setenv("HF_OPTIM_COMPILE", "0")
+        return steps(cls, count, **kwargs)
+
+
+def test_background_process_starts_once_per_kernel_eager_until_it_exits_then_compiled_and_equal_to_eager(
+        stand_in, log_lines, monkeypatch, tmp_path):
+    expected, _ = reference(hf_optim.AdamW8bit, 5, monkeypatch)
+    fake, warmups = StandIn(), Warmups()
+    monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    compiled_after = {}
+
+    def after_step(step):
+        compiled_after[step] = (len(fake.compilations), fake.calls)
+        if step == 2:
+            warmups.finish(0)  # the background processes exit: the next step loads their kernels
+
+    params, _ = steps(hf_optim.AdamW8bit, 5, after_step)
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    # two kernels: 8-bit state (>= 4096 elements) and fp32 state (the smaller tensors); one process each, once
+    assert len(warmups.jobs) == 2 and {job[0].layouts[0].format.bits for job in warmups.jobs} == {8, 32}
+    assert compiled_after[2] == (0, 0)  # three steps while the processes ran: nothing compiled in-process, eager
+    assert compiled_after[3][0] == 2 and compiled_after[3][1] > 0  # the next step compiled (cache hit) and ran them
+    assert all(handle.closed and not handle.killed for handle in warmups.handles)  # reaped
+    starts = [message for _, message in log_lines if message.startswith("compiling the optimizer's CPU kernel")]
+    assert len(starts) == 2
+    assert "adamw_rule, 8-bit + 8-bit state, float32 parameters in a background process" in starts[0] + starts[1]
+    assert all(f"(once, cached in {tmp_path})" in line for line in starts)
+    loaded = [message for _, message in log_lines if "(in a background process; loaded from the cache in" in message]
+    assert len(loaded) == 2
+    # more steps and a second optimizer of the same kind start and compile nothing more
+    steps(hf_optim.AdamW8bit, 2)
+    assert len(fake.compilations) == 2 and len(warmups.jobs) == 2
+
+
+def test_every_kind_of_kernels_job_pickles(stand_in, monkeypatch):
+    """What a background process gets: kernels with 4-bit and stacked state, an output, bf16 parameters with
+    stochastic rounding; the round trip is checked by :class:`Warmups`."""
+    warmups = Warmups()
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    for cls, kwargs in ((hf_optim.AdEMAMix4bit, {}), (hf_optim.LAMB8bit, {}), (hf_optim.Adafactor,
+                                                                              {"relative_step": False})):
+        steps(cls, 1, **kwargs)
+    params = [p.detach().to(torch.bfloat16).requires_grad_() for p in make_params(SHAPES, seed=0)]
+    opt = hf_optim.AdamW8bit(params, lr=1e-2, bf16_stochastic_round=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert any(job[0].stochastic and job[2] is not None for job in warmups.jobs)
+    assert len({job[0] for job in warmups.jobs}) == len(warmups.jobs) >= 5
+
+
+def test_background_process_failure_warns_once_per_kernel_with_its_error_and_runs_eagerly(stand_in, log_lines,
+                                                                                          monkeypatch):
+    expected, _ = reference(hf_optim.Lion8bit, 4, monkeypatch)
+    fake, warmups = StandIn(), Warmups(status=1)
+    monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    params, _ = steps(hf_optim.Lion8bit, 4)
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    warnings = [message for level, message in log_lines if level == logging.WARNING]
+    assert len(warnings) == 2 and len(warmups.jobs) == 2 and fake.compilations == []
+    assert "failed (CppCompileError: C++ compile error); it runs eagerly" in warnings[0]
+
+
+def test_forget_kills_and_reaps_the_background_processes_still_running(stand_in, monkeypatch):
+    warmups = Warmups()
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    steps(hf_optim.Lion8bit, 1)
+    cpu_compile.forget()
+    assert warmups.handles and all(handle.killed and handle.closed for handle in warmups.handles)
+
+
+def test_compile_mode_1_compiles_before_the_first_step(stand_in, monkeypatch):
+    fake, warmups = StandIn(), Warmups()
+    monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "1")
+    ran = []
+    run_update = multi_tensor.run_update
+    monkeypatch.setattr(multi_tensor, "run_update", lambda *a, **k: ran.append(run_update(*a, **k)) or ran[-1])
+    steps(hf_optim.Lion8bit, 1)
+    assert len(fake.compilations) == 2 and ran.count(True) > ran.count(False)  # the first step ran compiled
+    assert warmups.jobs == []  # in this process, no background one
+
+
+def test_a_large_step_waits_for_the_compilation_instead_of_running_eagerly(stand_in, monkeypatch):
+    monkeypatch.setattr(cpu_compile, "EAGER_WHILE_COMPILING", 4096)  # the 9000-element tensor's run exceeds it
+    fake, warmups = StandIn(), Warmups()
+    monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    params = make_params([(9000,), (5000,)], seed=0)
+    opt = hf_optim.AdamW8bit(params)
+    set_grads(params, 0)
+    opt.step()
+    assert len(fake.compilations) == 1 and fake.calls > 0  # waited, then ran compiled in the first step
+    assert warmups.handles[0].status == 0  # for the background process (FakeWarmup.wait)
+
+
+def test_a_failed_compilation_warns_once_and_keeps_running_eagerly(stand_in, log_lines, monkeypatch):
+    expected, _ = reference(hf_optim.RMSprop8bit, 3, monkeypatch)
+    fake = StandIn(fail=True)
+    monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "1")
+    params, _ = steps(hf_optim.RMSprop8bit, 3)
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    warnings = [message for level, message in log_lines if level == logging.WARNING]
+    assert len(warnings) == 2 and len(fake.compilations) == 2  # once per kernel, not per step
+    assert "failed (RuntimeError: C++ compile error)" in warnings[0] and "runs eagerly" in warnings[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_process_has_nothing_pending(stand_in, monkeypatch):
+    warmups = Warmups()
+    monkeypatch.setattr(cpu_compile, "_twin", StandIn().twin)
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    steps(hf_optim.AdamW8bit, 1)  # its background processes run: pending
+    assert any(entry.pending for entry in cpu_compile._entries.values())
+    pid = os.fork()
+    if pid == 0:  # the child: exit at once, with the answer as its status
+        entries = cpu_compile._entries.values()
+        os._exit(0 if not any(entry.pending or entry.warmups for entry in entries) else 1)
+    _, status = os.waitpid(pid, 0)
+    warmups.finish(0)
+    assert cpu_compile.wait(timeout=60)
+    assert os.WEXITSTATUS(status) == 0
+
+
+def test_invalid_compile_mode_is_refused_with_the_valid_values(monkeypatch):
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "yes")
+    with pytest.raises(ValueError, match=r"HF_OPTIM_COMPILE='yes' is not valid; valid values are 'auto'.*'1'.*'0'"):
+        cpu_compile.compile_mode()
+    for value, mode in (("", "auto"), (" AUTO ", "auto"), ("1", "1"), ("0", "0")):
+        monkeypatch.setenv("HF_OPTIM_COMPILE", value)
+        assert cpu_compile.compile_mode() == mode
+
+
+def test_invalid_compile_mode_raises_at_the_step_before_any_parameter_or_state_changes(stand_in, monkeypatch):
+    params = make_params(SHAPES, seed=0)
+    before = [p.detach().clone() for p in params]
+    opt = hf_optim.AdamW8bit(params)
+    set_grads(params, 0)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "true")
+    with pytest.raises(ValueError, match=r"HF_OPTIM_COMPILE='true' is not valid") as raised:
+        opt.step()
+    assert len(str(raised.value).splitlines()) == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, params)) and not opt.state
+
+
+def test_compile_mode_0_never_compiles(stand_in, monkeypatch):
+    expected, _ = reference(hf_optim.AdEMAMix8bit, 3, monkeypatch)  # HF_OPTIM_COMPILE=0 with the real compiler
+    fake = StandIn()
+    monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "0")
+    params, _ = steps(hf_optim.AdEMAMix8bit, 3)
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    assert fake.compilations == [] and fake.calls == 0 and not cpu_compile._entries
+
+
+def test_canonical_alias_shares_memory_starts_at_offset_zero_and_is_not_a_view():
+    buffer = torch.zeros(2, 4096)
+    view = buffer[1, 512:1024].view(-1, 256)
+    alias = cpu_compile.canonical(view)
+    assert alias.storage_offset() == 0 and alias._base is None and alias.stride() == view.stride()
+    alias.fill_(3.0)
+    assert buffer[1, 512:1024].eq(3.0).all() and buffer[1, 511] == 0 and buffer[1, 1024] == 0
+    plain = torch.zeros(4)
+    assert cpu_compile.canonical(plain) is plain
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The thread-count choice, on made-up timings
+
+
+def run(choice, ready, cost_per_count, runs):
+    picks = []
+    for _ in range(runs):
+        count = choice.pick(ready)
+        picks.append(count)
+        choice.record(count, cost_per_count[count] * 1000, 1000)
+    return picks
+
+
+def test_idle_machine_keeps_all_threads_and_never_asks_for_the_one_thread_variant():
+    choice = cpu_threads.ThreadChoice(2, busy=lambda: False)
+    picks = run(choice, lambda count: True, {2: 1.0, 1: 1.3}, 50)
+    assert set(picks) == {2} and not choice.wants_one
+
+
+def test_busy_machine_switches_to_one_thread_and_tries_all_threads_ever_more_rarely():
+    choice = cpu_threads.ThreadChoice(2, busy=lambda: True)
+    picks = run(choice, lambda count: True, {2: 10.0, 1: 1.0}, 600)
+    assert choice.wants_one and picks[:cpu_threads.WARMUP] == [2] * cpu_threads.WARMUP
+    assert picks[cpu_threads.WARMUP] == 1  # the first measurement of one thread, which wins
+    tries = [i for i, count in enumerate(picks) if count == 2 and i > cpu_threads.WARMUP]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= cpu_threads.LAST_PROBE  # growing intervals, capped
+    assert picks.count(1) > 0.97 * (len(picks) - cpu_threads.WARMUP)
+
+
+def test_slowdown_without_a_high_load_average_asks_for_one_thread_and_a_quieter_machine_returns_to_all():
+    choice = cpu_threads.ThreadChoice(2, busy=lambda: False)
+    ready = {1: False}
+    run(choice, lambda count: count == 2 or ready[1], {2: 1.0, 1: 1.3}, 5)
+    assert not choice.wants_one
+    run(choice, lambda count: count == 2 or ready[1], {2: 8.0, 1: 1.3}, 3)  # other processes start
+    assert choice.wants_one  # 8x its best: compile the one-thread variant (meanwhile keep running with 2)
+    ready[1] = True
+    assert run(choice, lambda count: True, {2: 8.0, 1: 1.3}, 20)[-1] == 1
+    picks = run(choice, lambda count: True, {2: 1.0, 1: 1.3}, 2 * cpu_threads.LAST_PROBE)  # they stop
+    assert picks[-1] == 2
+
+
+def test_when_the_other_processes_stop_all_threads_come_back_within_a_few_runs():
+    choice = cpu_threads.ThreadChoice(2, busy=lambda: True)
+    busy = run(choice, lambda count: True, {2: 30.0, 1: 3.0}, 300)  # tries of 2 threads are rare by now
+    assert busy[-1] == 1 and choice.interval > 4 * cpu_threads.FIRST_PROBE
+    quiet = run(choice, lambda count: True, {2: 1.0, 1: 1.3}, 3 * cpu_threads.FIRST_PROBE)
+    assert quiet[-2 * cpu_threads.FIRST_PROBE:].count(2) > 1.5 * cpu_threads.FIRST_PROBE
+
+
+def test_thread_choice_is_not_made_with_a_single_thread():
+    choice = cpu_threads.ThreadChoice(1, busy=lambda: True)
+    assert set(run(choice, lambda count: True, {1: 1.0}, 10)) == {1}
+
+
+def test_threads_context_sets_and_restores_the_calling_threads_count():
+    if not cpu_threads.adjustable():
+        pytest.skip("this torch has no OpenMP runtime: the thread count is left alone there (tested by design)")
+    before = torch.get_num_threads()
+    with cpu_threads.threads(1):
+        assert torch.get_num_threads() == 1
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        other.start()
+        other.join()
+        assert seen == [before]  # other threads keep theirs
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.slow
+def test_compiled_one_thread_and_all_threads_compute_the_same_bits(monkeypatch):
+    if not cpu_threads.adjustable() or torch.get_num_threads() == 1:
+        pytest.skip("needs an OpenMP runtime and more than one thread")
+    monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
+    monkeypatch.setattr(multi_tensor, "IN_PLACE_MIN", 4096)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "1")
+    cpu_compile.forget()
+    results = {}
+    for count in (torch.get_num_threads(), 1):
+        monkeypatch.setattr(cpu_compile, "threads_for", lambda kernel, count=count: count)
+        for cls in (hf_optim.AdamW8bit, hf_optim.AdEMAMix4bit):
+            results[count, cls] = steps(cls, 3)[0]
+    for cls in (hf_optim.AdamW8bit, hf_optim.AdEMAMix4bit):
+        assert all(torch.equal(a, b) for a, b in zip(results[torch.get_num_threads(), cls], results[1, cls]))
+    compiled = {count for entry in cpu_compile._entries.values() for count in entry.ready}
+    assert compiled == {1, torch.get_num_threads()}
+    cpu_compile.forget()
+
+
+def test_per_tensor_path_uses_the_same_policy(stand_in, monkeypatch):
+    monkeypatch.setattr(HfOptimizer, "_on_multi_tensor_path", lambda self, full, param: False)
+    expected, _ = reference(hf_optim.AdamW8bit, 2, monkeypatch)
+    fake = StandIn()
+    monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "1")
+    params, _ = steps(hf_optim.AdamW8bit, 2)
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    assert fake.calls > 0
+
+
+@pytest.mark.slow
+def test_a_real_background_process_warms_the_cache_and_this_process_then_loads_it(monkeypatch, tmp_path):
+    """A real ``python -m hf_optim.kernels.cpu_compile_worker``: the compilation here afterwards is a cache hit
+    (inductor's counters), and the results equal the eager run's bit for bit."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: only the background process fills it
+    monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
+    cpu_compile.forget()
+    expected, _ = reference(hf_optim.Lion8bit, 3, monkeypatch)
+    handles = []
+    start_warmup = cpu_compile.start_warmup
+    monkeypatch.setattr(cpu_compile, "start_warmup", lambda *job: handles.append(start_warmup(*job)) or handles[-1])
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+    def after_step(step):
+        if step == 0:
+            assert len(handles) == 2  # 8-bit state and, for the small tensors, 32-bit
+            assert all(handle.wait() == 0 for handle in handles), [handle.error() for handle in handles]
+
+    params, _ = steps(hf_optim.Lion8bit, 3, after_step)
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    assert [len(entry.ready) for entry in cpu_compile._entries.values()] == [1, 1]
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits + 2
+    assert counters["inductor"]["fxgraph_cache_miss"] == misses
+    assert not any(os.path.exists(handle.job) for handle in handles)  # the worker removed its job file
+    cpu_compile.forget()
