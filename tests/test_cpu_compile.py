@@ -433,4 +433,30 @@ def test_a_real_background_process_warms_the_cache_and_this_process_then_loads_i
     assert counters["inductor"]["fxgraph_cache_hit"] == hits + 2
     assert counters["inductor"]["fxgraph_cache_miss"] == misses
     assert not any(os.path.exists(handle.job) for handle in handles)  # the worker removed its job file
+    # and left its marker: a later process compiles these kernels from the cache at its first step
+    kernels = list(cpu_compile._entries)
+    assert all(cpu_compile.warm_marker(kernel, torch.get_num_threads()).exists() for kernel in kernels)
     cpu_compile.forget()
+
+
+def test_a_kernel_a_background_process_compiled_before_is_compiled_at_the_first_step_without_a_new_process(
+        stand_in, log_lines, monkeypatch):
+    """The warm marker a background process leaves: the next run neither starts a process nor runs eagerly."""
+    expected, _ = reference(hf_optim.AdamW8bit, 2, monkeypatch)
+    fake, warmups = StandIn(), Warmups()
+    monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    steps(hf_optim.AdamW8bit, 1)  # first run: starts the processes (the fakes never finish)
+    assert len(warmups.jobs) == 2
+    for kernel, _, _, threads in warmups.jobs:  # what the worker leaves when it succeeds
+        marker = cpu_compile.warm_marker(kernel, threads)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    cpu_compile.forget()
+    params, _ = steps(hf_optim.AdamW8bit, 2)
+    assert len(warmups.jobs) == 2  # no new process
+    assert len(fake.compilations) == 2 and fake.calls > 0  # compiled in-process at the first step, and ran
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    later = [message for _, message in log_lines if message.startswith("compiling the optimizer's CPU kernel")][2:]
+    assert len(later) == 2 and not any("in a background process" in line for line in later)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from hf_optim.kernels import backend as kernel_backend
-from hf_optim.kernels import compile_guard, triton_guard
+from hf_optim.kernels import compile_guard, cpu_compile, triton_guard
 from hf_optim.kernels.formats import loaded_format
 from hf_optim.optim import registry
 
@@ -87,7 +87,11 @@ def candidate(device: torch.device, interpret: bool = False) -> Candidate:
     """What ``device`` runs for a user in this environment; ``interpret``: Triton's interpreter on the CPU."""
     if interpret and device.type == "cpu":
         return Candidate("triton (interpreter)", {kernel_backend.ENV_VAR: "triton"})
-    return Candidate(kernel_backend.backend_name(device))
+    name = kernel_backend.backend_name(device)
+    if name == "torch-compile" and cpu_compile.compile_mode() == "auto":
+        # auto runs the first steps eagerly while a background process compiles: test the compiled kernels
+        return Candidate(name, {cpu_compile.COMPILE_ENV: "1"})
+    return Candidate(name)
 
 
 @dataclass

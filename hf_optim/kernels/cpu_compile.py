@@ -68,6 +68,7 @@ and a WARNING when it fails (that kernel then keeps running eagerly), with the b
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import pickle
@@ -80,6 +81,7 @@ import types
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
@@ -350,6 +352,26 @@ def start_warmup(kernel: Kernel, hyper: tuple, key: torch.Tensor | None, threads
     return Warmup(process, errors, job.name)
 
 
+def warm_marker(kernel: Kernel, threads: int) -> Path | None:
+    """The file a background process leaves in inductor's cache directory once it has compiled ``kernel`` for
+    ``threads`` threads there (None where that directory is not known). Its name digests what the cache key depends
+    on: the kernel (pickled: its rule by module and name, its layouts, dtypes), the thread count, the torch version,
+    the compile options and the source of the update and of the rule's module. A later process that finds it
+    compiles in the training thread at once (a cache hit, 1-3 s) instead of starting another background process
+    and running eagerly meanwhile; if the cache was cleared since, that compilation is a full one, as with
+    ``HF_OPTIM_COMPILE=1``."""
+    location = cache_location()
+    if not os.path.isabs(location):
+        return None
+    digest = hashlib.sha256()
+    digest.update(pickle.dumps((kernel, threads, torch.__version__, INDUCTOR_OPTIONS), protocol=4))
+    for module in {elementwise.__name__, getattr(kernel.rule, "__module__", None)}:
+        source = getattr(sys.modules.get(module or ""), "__file__", None)
+        if source and os.path.exists(source):
+            digest.update(Path(source).read_bytes())
+    return Path(location) / "hf_optim" / f"{digest.hexdigest()[:32]}.ready"
+
+
 def _fail(kernel: Kernel, entry: _Entry, threads: int, error: str) -> None:
     """A compilation failed (``error``: its exception's type and first line): warn once; the kernel runs eagerly."""
     entry.failed = error
@@ -403,7 +425,8 @@ def _start(kernel: Kernel, entry: _Entry, threads: int) -> None:
     """Compile ``kernel`` for ``threads`` threads now (``HF_OPTIM_COMPILE=1``) or start a background process that
     compiles it into inductor's cache."""
     entry.pending.add(threads)
-    background = compile_mode() != "1"
+    marker = warm_marker(kernel, threads) if compile_mode() == "auto" else None
+    background = compile_mode() != "1" and not (marker is not None and marker.exists())
     _announce(kernel, entry, threads, background)
     if not background:
         _compile(kernel, entry, threads)

@@ -4,7 +4,8 @@
 by :func:`hf_optim.kernels.cpu_compile.start_warmup` (removed here once read). The kernel is compiled exactly as the
 training process compiles it (:func:`cpu_compile._run_probe`: the same compiled function, probe inputs, dynamic
 marks, options and thread count), so that process's own compilation afterwards is a cache hit. Exit status 0 when
-compiled; 1 with the error's type and first line as the last line of stderr when not. It runs at a lower priority
+compiled (it then leaves :func:`cpu_compile.warm_marker`'s file, so later runs compile from the cache at their first
+step); 1 with the error's type and first line as the last line of stderr when not. It runs at a lower priority
 (``nice`` +10) than the training it works beside.
 """
 
@@ -32,6 +33,11 @@ def main(argv: list[str]) -> int:
         entry = cpu_compile._Entry(cpu_compile._twin(kernel.rule))
         entry.probe = cpu_compile._probe_factory(kernel, hyper, key)
         cpu_compile._run_probe(kernel, entry, threads)
+        marker = cpu_compile.warm_marker(kernel, threads)  # the next process compiles from the cache at once
+        if marker is not None:
+            with contextlib.suppress(OSError):
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
     except Exception as error:
         first_line = (str(error).strip().splitlines() or [""])[0][:300]
         print(f"{type(error).__name__}: {first_line}", file=sys.stderr, flush=True)
