@@ -286,10 +286,13 @@ def test_every_kernel_compiles_and_loads_before_any_launch(monkeypatch, warnings
     assert "RuntimeError: Triton Error [CUDA]: device kernel image is invalid" in warning.getMessage()
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda"])
 def test_failed_compile_of_the_multi_tensor_path_runs_it_eagerly(device, monkeypatch, warnings_logged):
-    """torch.compile failing on a device (no C++ compiler, a Triton that inductor cannot use): one warning, the
-    device runs the multi-tensor update eagerly, the same bits as the eager path."""
+    """torch.compile failing on a GPU (a Triton that inductor cannot use): one warning, the device runs the
+    multi-tensor update eagerly, the same bits as the eager path. (On the CPU a kernel compiles through
+    hf_optim.kernels.cpu_compile, whose failure runs that kernel eagerly after one warning:
+    tests/test_cpu_compile.py.)"""
     from torch._dynamo.exc import BackendCompilerFailed
 
     monkeypatch.setenv("HF_OPTIM_BACKEND", "torch")
