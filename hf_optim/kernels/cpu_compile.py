@@ -364,7 +364,10 @@ def warm_marker(kernel: Kernel, threads: int) -> Path | None:
     if not os.path.isabs(location):
         return None
     digest = hashlib.sha256()
-    digest.update(pickle.dumps((kernel, threads, torch.__version__, INDUCTOR_OPTIONS), protocol=4))
+    try:
+        digest.update(pickle.dumps((kernel, threads, torch.__version__, INDUCTOR_OPTIONS), protocol=4))
+    except (pickle.PicklingError, TypeError, AttributeError):  # not picklable: no background process either
+        return None
     for module in {elementwise.__name__, getattr(kernel.rule, "__module__", None)}:
         source = getattr(sys.modules.get(module or ""), "__file__", None)
         if source and os.path.exists(source):
