@@ -8,6 +8,8 @@ process are exercised by the slow tests here and in test_multi_tensor.py.
 import logging
 import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
 
@@ -460,3 +462,18 @@ def test_a_kernel_a_background_process_compiled_before_is_compiled_at_the_first_
     assert all(torch.equal(a, b) for a, b in zip(expected, params))
     later = [message for _, message in log_lines if message.startswith("compiling the optimizer's CPU kernel")][2:]
     assert len(later) == 2 and not any("in a background process" in line for line in later)
+
+
+def test_warm_marker_names_the_same_kernel_alike_in_every_process(tmp_path):
+    """The marker's name must not depend on the process (hash randomization, what a format object cached): the
+    background process writes it, a later run looks it up."""
+    script = ("import torch, hf_optim\nfrom hf_optim.kernels import cpu_compile, formats\n"
+              "from hf_optim.optim.lamb import lamb_rule\n"
+              "layouts = (formats.SlotLayout(formats.format_named('blockwise8'), True),"
+              " formats.SlotLayout(formats.format_named('fp32'), False))\n"
+              "kernel = cpu_compile.Kernel(lamb_rule, layouts, (1, 1), True, torch.float32, torch.float32, False)\n"
+              "print(cpu_compile.warm_marker(kernel, 2).name)\n")
+    names = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONHASHSEED": str(seed), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+                            ).stdout.strip() for seed in (1, 2, 3, 4)}
+    assert len(names) == 1 and names.pop().endswith(".ready")

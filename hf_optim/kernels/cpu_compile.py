@@ -355,21 +355,23 @@ def start_warmup(kernel: Kernel, hyper: tuple, key: torch.Tensor | None, threads
 def warm_marker(kernel: Kernel, threads: int) -> Path | None:
     """The file a background process leaves in inductor's cache directory once it has compiled ``kernel`` for
     ``threads`` threads there (None where that directory is not known). Its name digests what the cache key depends
-    on: the kernel (pickled: its rule by module and name, its layouts, dtypes), the thread count, the torch version,
-    the compile options and the source of the update and of the rule's module. A later process that finds it
+    on: the kernel (its rule by module and name, its layouts' formats, rows, dtypes), the thread count, the torch
+    version, the compile options and the source of the update and of the rule's module. A later process that finds it
     compiles in the training thread at once (a cache hit, 1-3 s) instead of starting another background process
     and running eagerly meanwhile; if the cache was cleared since, that compilation is a full one, as with
     ``HF_OPTIM_COMPILE=1``."""
     location = cache_location()
     if not os.path.isabs(location):
         return None
-    digest = hashlib.sha256()
-    try:
-        digest.update(pickle.dumps((kernel, threads, torch.__version__, INDUCTOR_OPTIONS), protocol=4))
-    except (pickle.PicklingError, TypeError, AttributeError):  # not picklable: no background process either
-        return None
-    for module in {elementwise.__name__, getattr(kernel.rule, "__module__", None)}:
-        source = getattr(sys.modules.get(module or ""), "__file__", None)
+    # A description, not the pickled kernel: a format object's pickle carries what it cached since it was first
+    # used, so the same kernel pickled differently in the process that ran it and in a fresh one.
+    rule = f"{getattr(kernel.rule, '__module__', '')}.{getattr(kernel.rule, '__qualname__', kernel.rule)}"
+    layouts = [(layout.format.name, layout.format.bits, layout.signed) for layout in kernel.layouts]
+    described = (rule, layouts, kernel.rows, kernel.has_out, str(kernel.param_dtype), str(kernel.grad_dtype),
+                 kernel.stochastic, threads, torch.__version__, sorted(INDUCTOR_OPTIONS.items()))
+    digest = hashlib.sha256(repr(described).encode())
+    for module in sorted({elementwise.__name__, getattr(kernel.rule, "__module__", None) or ""}):
+        source = getattr(sys.modules.get(module), "__file__", None)
         if source and os.path.exists(source):
             digest.update(Path(source).read_bytes())
     return Path(location) / "hf_optim" / f"{digest.hexdigest()[:32]}.ready"
