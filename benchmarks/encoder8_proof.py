@@ -199,13 +199,6 @@ def _adversarial_absmax() -> torch.Tensor:
     return torch.cat([powers, random_bits.view(torch.float32), subnormal_bits.view(torch.float32), special])
 
 
-def _nudge(x: torch.Tensor, steps: int) -> torch.Tensor:
-    direction = torch.tensor(float("inf") if steps > 0 else float("-inf"))
-    for _ in range(abs(steps)):
-        x = torch.nextafter(x, direction)
-    return x
-
-
 def _adversarial_blocks(signed: bool) -> torch.Tensor:
     """Blocks (n, 256) whose first value is the absmax and the rest sit at the settling's edges."""
     entries = e8.entry_table(signed)
@@ -218,7 +211,7 @@ def _adversarial_blocks(signed: bool) -> torch.Tensor:
         targets = torch.cat([(mids.double() * a64).float(), (edges * a64).float()])
         values = [targets, -targets]
         for steps in (-2, -1, 1, 2):
-            values += [_nudge(targets, steps), -_nudge(targets, steps)]
+            values += [e8.nudge(targets, steps), -e8.nudge(targets, steps)]
         flat = torch.cat(values + [torch.tensor([0.0, -0.0, -absmax, 2.0**-149, -(2.0**-149)])])
         flat = flat[flat.abs() <= absmax]  # a block's values never exceed its absmax
         per_block = 255

@@ -29,18 +29,11 @@ def reference_codes(x: torch.Tensor, signed: bool) -> torch.Tensor:
     return blockwise.encode(x.float().cpu(), encoder_table(signed, "cpu"), signed)
 
 
-def nudged(x: torch.Tensor, steps: int) -> torch.Tensor:
-    direction = torch.tensor(float("inf") if steps > 0 else float("-inf"))
-    for _ in range(abs(steps)):
-        x = torch.nextafter(x, direction)
-    return x
-
-
 def probes(signed: bool) -> torch.Tensor:
     """Every map midpoint and its 1..4-ulp neighbours, both signs; every map value; zeros, tiny values, +-1."""
     qmap = create_dynamic_map(signed)
     mids = (qmap[1:] + qmap[:-1]) * 0.5
-    near = [mids] + [nudged(mids, steps) for steps in (-4, -3, -2, -1, 1, 2, 3, 4)]
+    near = [mids] + [encode8.nudge(mids, steps) for steps in (-4, -3, -2, -1, 1, 2, 3, 4)]
     values = torch.cat(near + [qmap])
     tiny = torch.tensor([0.0, 1e-45, 1e-40, 1.1754943508222875e-38, 1e-30, 1e-7, 2.7e-7, 1.0])
     values = torch.cat([values, tiny]).clamp(-1.0, 1.0)
@@ -73,7 +66,7 @@ def random_blocks(blocks: int, seed: int, signed: bool) -> torch.Tensor:
     mids = (qmap[1:] + qmap[:-1]) * 0.5
     for row in range(5, blocks):
         absmax = values[row].abs().max()
-        near = nudged((mids[torch.randint(0, 255, (255,), generator=gen)].double() * absmax.double()).float(),
+        near = encode8.nudge((mids[torch.randint(0, 255, (255,), generator=gen)].double() * absmax.double()).float(),
                       int(torch.randint(-2, 3, (1,), generator=gen)))
         values[row, 1:] = near.clamp(-absmax, absmax)
         values[row, 0] = absmax

@@ -242,3 +242,12 @@ def quantize_twin(values: torch.Tensor, signed: bool, reciprocal_ulps: int = 0, 
 
 
 assert BLOCK_SIZE == 256 and ENTRY_MASK == (ENTRIES - 1) * ENTRY_BYTES
+
+
+def nudge(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """``x`` moved ``steps`` fp32 ulps up (``steps > 0``) or down: the values next to a rounding boundary, which the
+    encoder's exactness tests and proof probe."""
+    direction = torch.tensor(float("inf") if steps > 0 else float("-inf"))
+    for _ in range(abs(steps)):
+        x = torch.nextafter(x, direction)
+    return x
