@@ -8,6 +8,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # eager PyTorch reference, which starts instantly.
 os.environ.setdefault("HF_OPTIM_COMPILE", "0")
 
+import logging  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -44,3 +46,20 @@ def fresh_guards():
     yield
     triton_guard.reset()
     compile_guard.reset()
+
+
+@pytest.fixture
+def hf_optim_records():
+    """Every record of the ``hf_optim`` logger, INFO included. caplog cannot be used: once an optimizer was created
+    the logger has its own console handler and does not propagate to the root logger, where caplog listens, so what
+    caplog sees would depend on which test ran first."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("hf_optim")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -47,18 +47,6 @@ def automatic_triton(monkeypatch, device):
         monkeypatch.setattr(backend, "TRITON_DEVICE_TYPES", (*backend.TRITON_DEVICE_TYPES, "cpu"))
 
 
-@pytest.fixture
-def warnings_logged():
-    """Records of the ``hf_optim`` logger (it does not propagate to the root logger, where caplog listens)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = records.append
-    logger = logging.getLogger("hf_optim")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
-
-
 def compile_error() -> CompilationError:
     return CompilationError(None, ast.parse("x").body[0], f"{ERROR}\nptxas fatal: Ptx assembly aborted")
 
@@ -121,7 +109,7 @@ CASES = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cls,kwargs,module,kernel,label", CASES)
 def test_failing_kernel_falls_back_once_with_pytorch_results(cls, kwargs, module, kernel, label, device, monkeypatch,
-                                                              automatic_triton, warnings_logged):
+                                                              automatic_triton, hf_optim_records):
     """A kernel that fails from the first step: one warning over three steps, naming the kernel, the arch, the
     Triton version and the error's first line; parameters and state bit for bit those of the PyTorch path (LAMB's
     and Adafactor's failing later passes never let their first pass update the moments)."""
@@ -144,7 +132,7 @@ def test_failing_kernel_falls_back_once_with_pytorch_results(cls, kwargs, module
     failures = triton_guard.failures()
     assert len(failures) > 1 and all(f.label.startswith(label + " ") for f in failures)
     assert calls == [kernel] * len(failures)
-    warnings = fallback_warnings(warnings_logged)
+    warnings = fallback_warnings(hf_optim_records)
     assert len(warnings) == len(failures)
     message = warnings[0].getMessage()
     arch = "cpu-interpreter" if device == "cpu" else "sm_"
@@ -160,7 +148,7 @@ def test_failing_kernel_falls_back_once_with_pytorch_results(cls, kwargs, module
 ])
 @pytest.mark.parametrize("device", DEVICES)
 def test_fallback_mid_run_keeps_the_state_the_triton_path_made(cls, kwargs, module, kernel, device, monkeypatch,
-                                                                automatic_triton, warnings_logged):
+                                                                automatic_triton, hf_optim_records):
     """Two steps on Triton, then the kernel fails (a new specialization that does not compile): the failing step
     changes nothing before the fallback takes over (all passes compile before any launches), and the per-tensor
     state the Triton path made carries on, moved into flat buffers where the multi-tensor path applies: the
@@ -201,11 +189,11 @@ def test_fallback_mid_run_keeps_the_state_the_triton_path_made(cls, kwargs, modu
     if cls is not hf_optim.Adafactor:  # its state is not in flat buffers (factored statistics)
         assert all(opt._flat.locate(p, opt.state[p]) is not None for p in params)
     # once per failed configuration (one per kernel group of the tensors) and run (the guard was reset between them)
-    assert failed >= 2 and len(fallback_warnings(warnings_logged)) == failed
+    assert failed >= 2 and len(fallback_warnings(hf_optim_records)) == failed
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_forced_triton_backend_raises_naming_the_kernel(device, monkeypatch, warnings_logged):
+def test_forced_triton_backend_raises_naming_the_kernel(device, monkeypatch, hf_optim_records):
     monkeypatch.setenv("HF_OPTIM_BACKEND", "triton")
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -218,7 +206,7 @@ def test_forced_triton_backend_raises_naming_the_kernel(device, monkeypatch, war
         opt.step()
     assert all(torch.equal(p, s) for p, s in zip(params, start))  # no pass launched
     assert all(opt.state[p]["state1"].unique().numel() == 1 for p in params)  # still the initial zeros (or zero code)
-    assert not fallback_warnings(warnings_logged) and not triton_guard.failures()
+    assert not fallback_warnings(hf_optim_records) and not triton_guard.failures()
 
 
 class FakeCompiled:
@@ -249,7 +237,7 @@ class FakeKernel:
         return lambda *args, **kwargs: self.log.append(("launch", self.name))
 
 
-def test_every_kernel_compiles_and_loads_before_any_launch(monkeypatch, warnings_logged):
+def test_every_kernel_compiles_and_loads_before_any_launch(monkeypatch, hf_optim_records):
     """On a device (faked: the ``meta`` device, with fake kernels): the first preparation says what it compiles and
     where Triton caches it, once; every kernel is compiled and loaded before the first launch; a load failure of the
     last kernel launches nothing, warns once, and the configuration is not tried again."""
@@ -268,7 +256,7 @@ def test_every_kernel_compiles_and_loads_before_any_launch(monkeypatch, warnings
     first = [("compile", "a"), ("load", "a"), ("compile", "b"), ("load", "b"), ("compile", "c"), ("load", "c"),
              ("launch", "a"), ("launch", "b"), ("launch", "c")]
     assert log == first + first  # every step prepares (a new specialization compiles before anything launches)
-    infos = [r.getMessage() for r in warnings_logged if r.levelno == logging.INFO]
+    infos = [r.getMessage() for r in hf_optim_records if r.levelno == logging.INFO]
     assert infos == ["compiling or loading Triton kernel passes/test for meta once in this process; Triton caches it "
                      "in /tmp/hf-optim-test-triton-cache"]
     (record,) = triton_guard.compile_records()
@@ -281,14 +269,14 @@ def test_every_kernel_compiles_and_loads_before_any_launch(monkeypatch, warnings
     assert ("launch", "a") not in log and log[-1] == ("load", "c")
     assert not triton_guard.run(other, device, work)  # remembered: not even prepared again
     assert triton_guard.failed(other, device) and not triton_guard.failed(config, device)
-    (warning,) = fallback_warnings(warnings_logged)
+    (warning,) = fallback_warnings(hf_optim_records)
     assert "passes/test variant" in warning.getMessage()
     assert "RuntimeError: Triton Error [CUDA]: device kernel image is invalid" in warning.getMessage()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("device", ["cuda"])
-def test_failed_compile_of_the_multi_tensor_path_runs_it_eagerly(device, monkeypatch, warnings_logged):
+def test_failed_compile_of_the_multi_tensor_path_runs_it_eagerly(device, monkeypatch, hf_optim_records):
     """torch.compile failing on a GPU (a Triton that inductor cannot use): one warning, the device runs the
     multi-tensor update eagerly, the same bits as the eager path. (On the CPU a kernel compiles through
     hf_optim.kernels.cpu_compile, whose failure runs that kernel eagerly after one warning:
@@ -319,6 +307,6 @@ def test_failed_compile_of_the_multi_tensor_path_runs_it_eagerly(device, monkeyp
         opt.step()
     assert_identical(opt, params, ref_opt, ref_params)
     assert len(attempts) == 1 and opt.backend == "torch"
-    (warning,) = [r for r in warnings_logged if r.levelno == logging.WARNING]
+    (warning,) = [r for r in hf_optim_records if r.levelno == logging.WARNING]
     assert f"torch.compile failed to compile the optimizer update on {params[0].device}" in warning.getMessage()
     assert list(compile_guard.failures()) == [str(params[0].device)]
