@@ -321,13 +321,13 @@ def run(choice, ready, cost_per_count, runs):
 
 
 def test_idle_machine_keeps_all_threads_and_never_asks_for_the_one_thread_variant():
-    choice = cpu_threads.ThreadChoice(2, busy=lambda: False)
+    choice = cpu_threads.ThreadChoice(2, load=lambda: 0.0)
     picks = run(choice, lambda count: True, {2: 1.0, 1: 1.3}, 50)
     assert set(picks) == {2} and not choice.wants_one
 
 
 def test_busy_machine_switches_to_one_thread_and_tries_all_threads_ever_more_rarely():
-    choice = cpu_threads.ThreadChoice(2, busy=lambda: True)
+    choice = cpu_threads.ThreadChoice(2, load=lambda: 2.0)
     picks = run(choice, lambda count: True, {2: 10.0, 1: 1.0}, 600)
     assert choice.wants_one and picks[:cpu_threads.WARMUP] == [2] * cpu_threads.WARMUP
     assert picks[cpu_threads.WARMUP] == 1  # the first measurement of one thread, which wins
@@ -338,7 +338,7 @@ def test_busy_machine_switches_to_one_thread_and_tries_all_threads_ever_more_rar
 
 
 def test_slowdown_without_a_high_load_average_asks_for_one_thread_and_a_quieter_machine_returns_to_all():
-    choice = cpu_threads.ThreadChoice(2, busy=lambda: False)
+    choice = cpu_threads.ThreadChoice(2, load=lambda: 0.0)
     ready = {1: False}
     run(choice, lambda count: count == 2 or ready[1], {2: 1.0, 1: 1.3}, 5)
     assert not choice.wants_one
@@ -351,15 +351,93 @@ def test_slowdown_without_a_high_load_average_asks_for_one_thread_and_a_quieter_
 
 
 def test_when_the_other_processes_stop_all_threads_come_back_within_a_few_runs():
-    choice = cpu_threads.ThreadChoice(2, busy=lambda: True)
+    load = {"cores": 2.0}
+    choice = cpu_threads.ThreadChoice(2, load=lambda: load["cores"])
     busy = run(choice, lambda count: True, {2: 30.0, 1: 3.0}, 300)  # tries of 2 threads are rare by now
     assert busy[-1] == 1 and choice.interval > 4 * cpu_threads.FIRST_PROBE
+    load["cores"] = 0.0
     quiet = run(choice, lambda count: True, {2: 1.0, 1: 1.3}, 3 * cpu_threads.FIRST_PROBE)
     assert quiet[-2 * cpu_threads.FIRST_PROBE:].count(2) > 1.5 * cpu_threads.FIRST_PROBE
 
 
+@pytest.mark.parametrize("meter_says", ["quiet", "nothing new"])
+def test_the_other_processes_cpu_time_brings_all_threads_back_when_one_thread_speeds_up_only_a_little(meter_says):
+    # 2 spinning processes on 2 cores stop: one thread goes from 2/3 of a core to a whole one, 1.5x faster, less than
+    # QUIETER; only the other processes' CPU time says the machine is quiet again, at once
+    load = {"cores": 1.3}
+    choice = cpu_threads.ThreadChoice(2, load=lambda: load["cores"])
+    assert run(choice, lambda count: True, {2: 30.0, 1: 2.25}, 300)[-1] == 1
+    load["cores"] = 0.02 if meter_says == "quiet" else 1.3
+    quiet = run(choice, lambda count: True, {2: 1.0, 1: 1.5}, 4)
+    if meter_says == "quiet":
+        assert quiet[1:] == [2, 2, 2]  # the next run tries all threads, which win
+    else:  # the one-thread figure alone does not make it try all threads soon
+        assert quiet == [1, 1, 1, 1]
+
+
+def test_a_machine_that_gets_busy_is_seen_by_the_other_processes_cpu_time_before_the_kernels_own_time():
+    load = {"cores": 0.0}
+    choice = cpu_threads.ThreadChoice(2, load=lambda: load["cores"])
+    run(choice, lambda count: count == 2, {2: 1.0, 1: 1.3}, 10)
+    assert not choice.wants_one
+    load["cores"] = 0.4  # between QUIET and BUSY: no judgment either way
+    run(choice, lambda count: count == 2, {2: 1.2, 1: 1.3}, 10)
+    assert not choice.wants_one
+    load["cores"] = 1.0  # busy, while all threads are not yet SLOWDOWN times slower
+    run(choice, lambda count: count == 2, {2: 1.2, 1: 1.3}, 1)
+    assert choice.wants_one
+
+
+def test_unknown_other_load_leaves_the_choice_to_the_kernels_own_times():
+    choice = cpu_threads.ThreadChoice(2, load=lambda: None)
+    run(choice, lambda count: True, {2: 1.0, 1: 1.3}, 20)
+    assert not choice.wants_one
+    assert run(choice, lambda count: True, {2: 8.0, 1: 1.3}, 10)[-1] == 1
+
+
+def test_other_load_is_the_cores_busy_time_less_this_process_own_over_the_wall_time_read_once_per_window():
+    clock = {"now": 0.0}
+    reads = []
+    busy = {"seconds": 100.0}
+    own = {"seconds": 5.0}
+
+    def read_busy():
+        reads.append(clock["now"])
+        return busy["seconds"]
+
+    meter = cpu_threads.OtherLoad(busy=read_busy, own=lambda: own["seconds"], clock=lambda: clock["now"])
+    assert meter() is None  # the first reading starts the window
+    clock["now"] = 0.1
+    busy["seconds"] += 0.15
+    assert meter() is None and len(reads) == 1  # within the window: not read again
+    clock["now"] = 1.0
+    busy["seconds"] += 1.55  # 1.7 busy core-seconds over 1 s, 0.9 of them this process's
+    own["seconds"] += 0.9
+    assert meter() == pytest.approx(0.8) and len(reads) == 2
+    clock["now"] = 1.1
+    assert meter() == pytest.approx(0.8) and len(reads) == 2
+    clock["now"] = 2.0
+    busy["seconds"] += 1.0  # this process alone
+    own["seconds"] += 1.0
+    assert meter() == pytest.approx(0.0) and len(reads) == 3
+
+
+def test_other_load_reads_the_cores_of_this_process_from_proc_stat():
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("/proc/stat is Linux's: elsewhere the meter answers None (tested above)")
+    cores = cpu_threads.usable_cores()
+    before = cpu_threads.busy_seconds(cores)
+    own = cpu_threads.own_seconds()
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:  # keep one core busy in this process
+        pass
+    # this process's own busy time is a part of the cores' busy time (ticks of 1/100 s on both sides)
+    assert cpu_threads.busy_seconds(cores) - before >= cpu_threads.own_seconds() - own - 0.05
+    assert cpu_threads.busy_seconds(()) == 0.0
+
+
 def test_thread_choice_is_not_made_with_a_single_thread():
-    choice = cpu_threads.ThreadChoice(1, busy=lambda: True)
+    choice = cpu_threads.ThreadChoice(1, load=lambda: 2.0)
     assert set(run(choice, lambda count: True, {1: 1.0}, 10)) == {1}
 
 
