@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import statistics
 import subprocess
 import sys
@@ -211,8 +212,33 @@ class TorchThreads:
             cpu_compile.threads_for = choose
 
 
+class OneThread:
+    """An optimizer whose step runs with one thread: hf_optim's compiled kernels with their one-thread variant, any
+    other optimizer's ATen operations with ``torch.set_num_threads(1)``; the floor a busy machine is compared with."""
+
+    def __init__(self, opt) -> None:
+        self.opt = opt
+
+    def step(self) -> None:
+        if isinstance(self.opt, hf_optim.HfOptimizer):
+            choose = cpu_compile.threads_for
+            cpu_compile.threads_for = lambda kernel: 1
+            try:
+                self.opt.step()
+            finally:
+                cpu_compile.threads_for = choose
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            self.opt.step()
+        finally:
+            torch.set_num_threads(before)
+
+
 BUSY_ROWS = ("torch AdamW fused", "hf_optim AdamW8bit", "hf_optim AdamW8bit (torch's threads)",
-             "bitsandbytes AdamW8bit", "hf_optim AdamW32bit", "hf_optim AdamW32bit (torch's threads)")
+             "hf_optim AdamW8bit (1 thread)", "bitsandbytes AdamW8bit", "bitsandbytes AdamW8bit (1 thread)",
+             "hf_optim AdamW32bit", "hf_optim AdamW32bit (torch's threads)")
 """The rows ``--busy`` measures unless ``--only`` says otherwise."""
 
 
@@ -250,22 +276,33 @@ def measure_busy(shapes, dtype, device: str, args, levels: list[int]) -> dict[st
     return results
 
 
+def family(name: str) -> str:
+    """A row's library and algorithm, without the variant: ``hf_optim AdamW8bit (1 thread)`` -> ``hf_optim
+    AdamW8bit``."""
+    return name.split(" (")[0]
+
+
 def print_busy_table(table: dict[str, dict], sets: list[str], levels: list[int]) -> None:
-    """One row per (set, optimizer): wall ms per step and CPU ns per element at each load, and busy / idle."""
-    header = " | ".join(f"busy {level}: ms | CPU ns/el" + (" | x idle" if level != levels[0] else "")
+    """One row per (set, optimizer): wall ms per step and CPU ns per element at each load, and the slowdowns
+    against the first level (``x idle``: the row's own; ``x best``: the fastest row of the same library and
+    algorithm, e.g. hf_optim AdamW8bit with its thread choice, torch's threads or one thread; ``x 1t``: that
+    family's one-thread row)."""
+    header = " | ".join(f"busy {level}: ms | CPU ns/el" + (" | x idle | x best | x 1t" if level != levels[0] else "")
                         for level in levels)
     print(f"\n| set | optimizer | {header} |")
-    print("|---|---|" + "---:|---:|" + "---:|---:|---:|" * (len(levels) - 1))
+    print("|---|---|" + "---:|---:|" + "---:|---:|---:|---:|---:|" * (len(levels) - 1))
     for spec in sets:
         numel = sum(torch.Size(s).numel() for s in shape_set(spec))
+        idle = {name: by_level[levels[0]][0] for name, by_level in table[spec].items()}
         for name, by_level in table[spec].items():
-            base = by_level[levels[0]][0]
+            best = min(wall for other, wall in idle.items() if family(other) == family(name))
+            one = idle.get(f"{family(name)} (1 thread)")
             cells = []
             for level in levels:
                 wall, cpu = by_level[level]
                 cells += [f"{wall * 1e3:.1f}", f"{cpu / numel * 1e9:.2f}"]
                 if level != levels[0]:
-                    cells.append(f"{wall / base:.2f}")
+                    cells += [f"{wall / idle[name]:.2f}", f"{wall / best:.2f}", f"{wall / one:.2f}" if one else ""]
             print(f"| {spec} | {name} | " + " | ".join(cells) + " |")
 
 
@@ -293,10 +330,16 @@ def contenders(include_bnb: bool, device: str, busy: bool = False) -> list[tuple
             rows.append((f"bitsandbytes {name}", bnb_class(bnb, name)))
     for name in ("AdamW4bit", "AdEMAMix4bit", "Lion4bit"):  # no bitsandbytes namesake (torchao's: not installed)
         rows.append((f"hf_optim {name}", getattr(hf_optim, name)))
-    if busy:  # the rows without the thread-count choice
+    if busy:  # the rows without the thread-count choice, and the one-thread floors
         for name in ("AdamW8bit", "AdamW32bit"):
             cls = getattr(hf_optim, name)
             rows.append((f"hf_optim {name} (torch's threads)", lambda p, cls=cls: TorchThreads(cls(p))))
+            rows.append((f"hf_optim {name} (1 thread)", lambda p, cls=cls: OneThread(cls(p))))
+            if include_bnb:
+                import bitsandbytes as bnb
+
+                twin = getattr(bnb.optim, name)
+                rows.append((f"bitsandbytes {name} (1 thread)", lambda p, twin=twin: OneThread(twin(p))))
     # Adafactor as the Trainer's optim="adafactor" builds it; the reference is transformers' own class.
     adafactor = dict(lr=1e-3, relative_step=False, scale_parameter=False, warmup_init=False)
     rows.append(("hf_optim Adafactor", lambda p: hf_optim.Adafactor(p, **adafactor)))
@@ -384,7 +427,8 @@ def main() -> None:
     device_name, peak = peak_bandwidth(args.device)
     peak = args.peak_gbs or peak
     print(f"device={args.device} ({device_name}) dtype={args.dtype} torch={torch.__version__} "
-          f"threads={torch.get_num_threads()} hf_optim backend={backend} steps={args.steps} warmup={args.warmup}")
+          f"threads={torch.get_num_threads()} hf_optim backend={backend} steps={args.steps} warmup={args.warmup} "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
 
     sets = [s for s in args.sets.split(",") if s]
     if args.busy:

@@ -18,7 +18,8 @@ import torch
 from helpers import make_params, set_grads
 
 import hf_optim
-from hf_optim.kernels import cpu_compile, cpu_threads, elementwise, multi_tensor
+from hf_optim.kernels import cpu_compile, cpu_threads, elementwise, formats, multi_tensor
+from hf_optim.optim.adamw import adamw_rule
 from hf_optim.optim.base import HfOptimizer
 
 SHAPES = [(64, 80), (5000,), (300,), (9000,), (16, 200)]
@@ -555,3 +556,18 @@ def test_warm_marker_names_the_same_kernel_alike_in_every_process(tmp_path):
                             env={**os.environ, "PYTHONHASHSEED": str(seed), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
                             ).stdout.strip() for seed in (1, 2, 3, 4)}
     assert len(names) == 1 and names.pop().endswith(".ready")
+
+
+@pytest.mark.parametrize("policy", ["", "passive", "PASSIVE", "active"])
+def test_the_one_thread_variants_log_line_names_the_passive_wait_policy_unless_it_is_set(policy, log_lines,
+                                                                                         monkeypatch):
+    monkeypatch.setenv(cpu_threads.WAIT_POLICY_ENV, policy)
+    layouts = (formats.SlotLayout(formats.format_named("blockwise8"), True),)
+    kernel = cpu_compile.Kernel(adamw_rule, layouts, (1,), False, torch.float32, torch.float32, False)
+    entry = cpu_compile._Entry(compiled=lambda *args: None, ready={2})
+    cpu_compile._announce(kernel, entry, 1, background=True)  # the one-thread variant of a compiled kernel
+    cpu_compile._announce(kernel, entry, 2, background=True)  # (another count: no variant, no hint)
+    (_, variant), (_, other) = log_lines
+    assert "1 thread (the machine is busy)" in variant and "OMP_WAIT_POLICY" not in other
+    assert ("OMP_WAIT_POLICY=PASSIVE, set before Python starts" in variant) == (policy.lower() != "passive")
+    assert variant.endswith(")")  # the console test's pattern for this line: "... (once, cached in ...)"

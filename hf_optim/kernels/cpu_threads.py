@@ -106,6 +106,17 @@ def threads(count: int | None) -> Iterator[None]:
         set_threads(before)
 
 
+WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+"""How OpenMP threads wait at a barrier: libgomp reads it once, when torch loads it, so only the environment the
+process started with counts. Unset, libgomp's waiting threads spin for a while before they sleep."""
+
+
+def spinning_waits() -> bool:
+    """Whether waiting OpenMP threads spin in this process: ``OMP_WAIT_POLICY`` was not ``passive`` when it
+    started."""
+    return os.environ.get(WAIT_POLICY_ENV, "").strip().lower() != "passive"
+
+
 def usable_cores() -> tuple[int, ...]:
     """The cores this process may run on (its CPU affinity; every core where that is not known)."""
     try:
