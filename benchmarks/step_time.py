@@ -196,20 +196,28 @@ def time_busy(opt, steps: int, levels: list[int], rounds: int, settle: int) -> d
     return {level: (statistics.median(walls[level]), statistics.median(cpus[level])) for level in levels}
 
 
+@contextlib.contextmanager
+def kernel_threads(count: int | None):
+    """hf_optim's compiled CPU kernels run with ``count`` OpenMP threads in the block (None: torch's count), not
+    with the thread-count choice's (``hf_optim.kernels.cpu_threads``)."""
+    choose = cpu_compile.threads_for
+    cpu_compile.threads_for = lambda kernel: count
+    try:
+        yield
+    finally:
+        cpu_compile.threads_for = choose
+
+
 class TorchThreads:
     """An hf_optim optimizer whose compiled CPU kernels always run with torch's thread count: the behaviour before
-    the thread-count choice (``hf_optim.kernels.cpu_threads``), for comparison."""
+    the thread-count choice, for comparison."""
 
     def __init__(self, opt) -> None:
         self.opt = opt
 
     def step(self) -> None:
-        choose = cpu_compile.threads_for
-        cpu_compile.threads_for = lambda kernel: None
-        try:
+        with kernel_threads(None):
             self.opt.step()
-        finally:
-            cpu_compile.threads_for = choose
 
 
 class OneThread:
@@ -221,12 +229,8 @@ class OneThread:
 
     def step(self) -> None:
         if isinstance(self.opt, hf_optim.HfOptimizer):
-            choose = cpu_compile.threads_for
-            cpu_compile.threads_for = lambda kernel: 1
-            try:
+            with kernel_threads(1):
                 self.opt.step()
-            finally:
-                cpu_compile.threads_for = choose
             return
         before = torch.get_num_threads()
         torch.set_num_threads(1)
