@@ -20,6 +20,12 @@ threads are about 1.3x faster than 1. Neither is right everywhere, so each kerne
   change of load is noticed within a few steps while tries of all threads under load, which cost up to 10
   one-thread runs each, stay rare.
 
+One thread is a remedy for libgomp's spinning waits, not the best possible: with N other busy processes on 2
+cores it gets 2/(N+1) of a core where 2 threads would get 4/(N+2). With ``OMP_WAIT_POLICY=PASSIVE`` in the
+environment the process starts with, waiting threads sleep at once and the 2-thread kernel keeps its share under
+load (measured 3x faster than without it under heavy load, docs/benchmarks.md); the choice measures either way, and
+the one-thread variant's log line names the setting when it is not there (:func:`spinning_waits`).
+
 The thread count changes only the speed: the compiled kernels parallelize over blocks and every reduction is within
 one 256-element block, so one thread and many compute the same bits (``tests/test_multi_tensor.py``). It is set
 with libgomp's ``omp_set_num_threads`` for the calling thread only, around the step's chunks, and restored after;
