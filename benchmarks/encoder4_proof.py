@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_optim.kernels import blockwise4  # noqa: E402
-from hf_optim.kernels.triton_blockwise4 import ONE_BITS, ZERO_CODE, signed_keys  # noqa: E402
+from hf_optim.kernels.triton_blockwise4 import ONE_BITS, T7, ZERO_CODE, signed_keys  # noqa: E402
 
 KEYS = torch.tensor(signed_keys(), dtype=torch.int64)
 
@@ -34,17 +34,18 @@ def arithmetic_codes(normalized: torch.Tensor, signed: bool) -> torch.Tensor:
     """The codes ``triton_blockwise4.encode4`` computes, with the same operations (int64 holds the int32 values)."""
     if signed:
         bits = normalized.view(torch.int32).long()
-        negative = (bits < 0).long()
-        key = 2 * torch.clamp_max(bits & 0x7FFFFFFF, ONE_BITS.value) - negative
+        negative = torch.where(normalized >= 0.0, 0, -1).long()
+        key = 2 * torch.clamp_max(bits & 0x7FFFFFFF, ONE_BITS.value) + negative
         s = KEYS
         four = key >= s[3]
         two = key >= torch.where(four, s[5], s[1])
         one = key >= torch.where(four, torch.where(two, s[6], s[4]), torch.where(two, s[2], s[0]))
-        count = four.long() * 4 + two.long() * 2 + one.long() + (key >= s[7]).long()
-        codes = torch.where(negative != 0, torch.clamp_min(ZERO_CODE.value - count, 0), ZERO_CODE.value + count)
-        return torch.where(normalized == normalized, codes, 0)
-    shifted = normalized * 16.0 - 0.5  # two fp32 operations, as in the kernel (fp fusion is off there)
-    shifted = torch.clamp_max(torch.where(shifted >= 1.0, shifted, torch.zeros_like(shifted)), 15.0)
+        count = four.long() * 4 + two.long() * 2 + one.long()
+        return ZERO_CODE.value + (count ^ negative) - negative + (normalized >= T7.value).long()
+    # the kernel's fma rounds 16 y - 0.5 once; float64 holds it exactly for |y| >= 2**-28, and below that both
+    # roundings give a value in [-0.5, 0) (code 0)
+    shifted = (normalized.double() * 16.0 - 0.5).float()
+    shifted = torch.clamp_max(torch.fmax(shifted, torch.zeros_like(shifted)), 15.0)  # fmax: max.f32's NaN rule
     return shifted.long()  # truncation, as the kernel's float-to-int conversion
 
 
@@ -62,7 +63,8 @@ def near_thresholds(ulps: int = 4096) -> torch.Tensor:
     thresholds = torch.cat([blockwise4.encoder_thresholds(True), blockwise4.encoder_thresholds(False)])
     bits = thresholds.abs().view(torch.int32).long()
     around = (bits[:, None] + torch.arange(-ulps, ulps + 1)[None, :]).flatten().to(torch.int32).view(torch.float32)
-    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-45])
+    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), float("nan"), -float("nan"), 1e-45,
+                             -1e-45])
     return torch.cat([around, -around, specials, blockwise4.qmap4(True), blockwise4.qmap4(False)])
 
 

@@ -15,14 +15,18 @@ that count without reading the thresholds, and are exact (``tests/test_blockwise
 threshold, both signs, and the special values):
 
 - unsigned map ``k/16, k = 1..16``: its thresholds are the midpoints ``(2k + 1) / 32`` exactly, so the count is
-  ``clamp(trunc(16 y - 0.5), 0, 15)``. ``16 y`` is exact, and ``16 y - 0.5`` is exact whenever ``16 y >= 1`` (both
-  terms are multiples of ``ulp(16 y)`` and the difference is smaller than ``16 y``); below that it is under 0.5, so
-  no integer boundary is ever crossed by rounding.
+  ``clamp(trunc(16 y - 0.5), 0, 15)``, with ``16 y - 0.5`` in one fma. ``16 y`` is exact, and ``16 y - 0.5`` is
+  exact whenever ``16 y >= 1`` (both terms are multiples of ``ulp(16 y)`` and the difference is smaller than
+  ``16 y``); below that it is under 0.5, so no integer boundary is ever crossed by rounding. The lower clamp is
+  ``max.f32``, which returns 0 for NaN.
 - signed tree map: with ``a = |y|``, a value ``y >= 0`` counts ``7 + #{P_i <= a}`` and a value ``y < 0`` counts
-  ``7 - #{M_i < a}`` (clamped at 0), where ``P_i`` are the positive thresholds and ``M_i`` the magnitudes of the
-  negative ones (``M_i = P_i`` where the midpoint is an fp32 number, else the fp32 just below it). On the integer
-  grid ``key = 2 * bits(a) - (y < 0)`` both tests become ``key >= S_i`` with one compile-time constant per
-  threshold: ``S_i = 2 * bits(P_i)`` where the midpoint is exact, ``2 * bits(P_i) - 1`` where it is not.
+  ``7 - #{M_i < a}``, where ``P_i`` (8) are the positive thresholds and ``M_i`` (7: the largest value, 1.0, has no
+  negative twin) the magnitudes of the negative ones (``M_i = P_i`` where the midpoint is an fp32 number, else the
+  fp32 just below it). On the integer grid ``key = 2 * min(bits(a), bits(1.0)) - (y < 0)`` the tests of
+  ``P_0..P_6`` and ``M_0..M_6`` become ``key >= S_i`` with one compile-time constant per threshold: ``S_i = 2 *
+  bits(P_i)`` where the midpoint is exact, ``2 * bits(P_i) - 1`` where it is not (3 compares: a binary search);
+  ``P_7`` is one fp32 compare of ``y`` (false for negative values). A NaN takes the negative side (``y >= 0`` is
+  false) with a key above every ``S_i``: ``7 - 7``, code 0, as the threshold count.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import triton.language as tl
 
 from hf_optim.kernels import blockwise4
 from hf_optim.kernels.triton_tile import (
+    INTERPRETED,
     half_max,
     launch_options,
     masked_load,
@@ -63,10 +68,25 @@ S3: tl.constexpr = tl.constexpr(_KEYS[3])
 S4: tl.constexpr = tl.constexpr(_KEYS[4])
 S5: tl.constexpr = tl.constexpr(_KEYS[5])
 S6: tl.constexpr = tl.constexpr(_KEYS[6])
-S7: tl.constexpr = tl.constexpr(_KEYS[7])
+T7: tl.constexpr = tl.constexpr(float(blockwise4.encoder_thresholds(True)[-1]))
+"""The signed map's largest threshold (between its two largest values), an fp32 number."""
 ZERO_CODE: tl.constexpr = tl.constexpr(7)
 """The signed map's code of 0.0 (7 negative values below it)."""
 ONE_BITS: tl.constexpr = tl.constexpr(0x3F800000)
+
+
+@triton.jit
+def _signed_code(count, negative, base):
+    """``base + (count ^ negative) - negative``: ``base + count`` where ``negative`` is 0, ``base - count`` where it
+    is -1. Compiled, spelled in PTX (an xor and a subtraction: ``LOP3`` and ``IADD3``): knowing that ``negative`` is
+    0 or -1, LLVM turns the integer expression into selects and predicated moves, twice the instructions."""
+    if INTERPRETED:
+        codes = base + (count ^ negative) - negative
+    else:
+        codes = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; xor.b32 t, $1, $2; add.s32 t, $3, t; sub.s32 $0, t, $2; }",
+            "=r,r,r,r", [count, negative, base], dtype=tl.int32, is_pure=True, pack=1)
+    return codes
 
 
 @triton.jit
@@ -75,20 +95,23 @@ def encode4(normalized, SIGNED: tl.constexpr):
     without the thresholds (see the module docstring)."""
     if SIGNED:
         bits = normalized.to(tl.int32, bitcast=True)
-        negative = (bits < 0).to(tl.int32)
+        # -1 for negative values and NaN (a NaN then counts as a negative value beyond every threshold: code 0),
+        # 0 for the rest, -0.0 included
+        negative = tl.where(normalized >= 0.0, 0, -1)
         # magnitudes of 1.0 and above count every threshold; clamping keeps 2 * bits inside int32 (inf included)
-        key = 2 * tl.minimum(bits & 0x7FFFFFFF, ONE_BITS) - negative
-        # how many of the 8 sorted S_i are <= key: a binary search over S_0..S_6 (3 compares against selected
-        # constants), then S_7 (1.0's neighbour: no negative twin)
+        key = 2 * tl.minimum(bits & 0x7FFFFFFF, ONE_BITS) + negative
+        # how many of S_0..S_6 are <= key (0..7): a binary search, 3 compares against selected constants
         four = key >= S3
         two = key >= tl.where(four, S5, S1)
         one = key >= tl.where(four, tl.where(two, S6, S4), tl.where(two, S2, S0))
-        count = tl.where(four, 4, 0) + tl.where(two, 2, 0) + one.to(tl.int32) + (key >= S7).to(tl.int32)
-        codes = tl.where(negative != 0, tl.maximum(ZERO_CODE - count, 0), ZERO_CODE + count)
-        codes = tl.where(normalized == normalized, codes, 0)  # NaN counts no threshold
+        count = tl.where(four, 4, 0) + tl.where(two, 2, 0) + one.to(tl.int32)
+        # 7 - count for negative values ((count ^ -1) + 1 = -count), 7 + count for the rest, plus 1.0's neighbour
+        # S_7 (no negative twin), which a positive value reaches exactly when it is >= its fp32 threshold T_7
+        codes = _signed_code(count, negative, tl.where(normalized >= T7, ZERO_CODE + 1, ZERO_CODE))
     else:
-        shifted = normalized * 16.0 - 0.5
-        shifted = tl.minimum(tl.where(shifted >= 1.0, shifted, 0.0), 15.0)  # NaN and values below 3/32: code 0
+        # 16 y - 0.5 in one rounding: the same number as rounding 16 y (exact) and then subtracting 0.5; max(NaN, 0)
+        # is 0 (NaN and values below 3/32 truncate to code 0)
+        shifted = tl.minimum(tl.maximum(tl.fma(normalized, 16.0, -0.5), 0.0), 15.0)
         codes = shifted.to(tl.int32)
     return codes
 

@@ -103,24 +103,26 @@ def _fused_update_kernel(
         s2 = _load_row(row, 2, qmap2, blocks, halves, rows, offs, mask, n, FORMAT2, SIGNED2, ALIGNED)
 
     out, n0, n1, n2 = RULE(p, g, s0, s1, s2, h)
+    # Every select on ``finite`` here, together: the old values die at once, and the per-element predicates are not
+    # kept (or recomputed) across the quantization of the rows.
+    n0 = tl.where(finite, n0, s0)
+    n1 = tl.where(finite, n1, s1)
+    n2 = tl.where(finite, n2, s2)
+    out = tl.where(finite, out, 0.0 if WRITE_OUT else p)
 
-    _store_row(row, 0, encoder0, blocks, halves, rows, offs, tl.where(finite, n0, s0), mask, n, FORMAT0, SIGNED0,
-               ALIGNED)
+    _store_row(row, 0, encoder0, blocks, halves, rows, offs, n0, mask, n, FORMAT0, SIGNED0, ALIGNED)
     if ROWS > 1:
-        _store_row(row, 1, encoder1, blocks, halves, rows, offs, tl.where(finite, n1, s1), mask, n, FORMAT1, SIGNED1,
-                   ALIGNED)
+        _store_row(row, 1, encoder1, blocks, halves, rows, offs, n1, mask, n, FORMAT1, SIGNED1, ALIGNED)
     if ROWS > 2:
-        _store_row(row, 2, encoder2, blocks, halves, rows, offs, tl.where(finite, n2, s2), mask, n, FORMAT2, SIGNED2,
-                   ALIGNED)
+        _store_row(row, 2, encoder2, blocks, halves, rows, offs, n2, mask, n, FORMAT2, SIGNED2, ALIGNED)
 
     if WRITE_OUT:
-        out = tl.where(finite, out, 0.0)
         if not FULL:
             out = tl.where(mask, out, 0.0)
         tl.store(pointer(tl.load(row + mt.OUT), tl.float32, ALIGNED) + offs, out, mask=mask)
     else:
         ordinal = tl.load(ordinals + tensor) if SR else 0  # bf16 stochastic rounding: the parameter's ordinal
-        store_param(param_address, offs, tl.where(finite, out, p), mask, ordinal, key, PARAM_DTYPE, SR, ALIGNED)
+        store_param(param_address, offs, out, mask, ordinal, key, PARAM_DTYPE, SR, ALIGNED)
     if NORMS:
         slot = tl.load(row + mt.FIRST_TILE) + first_block // BLOCKS
         tl.store(partials + 2 * slot, tile_sum(p * p))
@@ -199,11 +201,16 @@ class FusedConfig:
     def max_registers(self) -> int | None:
         """``ptxas``' register limit (Triton's ``maxnreg``), or None (none). 64 for three state rows (AdEMAMix) on
         sm_80: with bf16 parameters, 4-bit state and stochastic rounding it takes 69 registers at width 4 (under 50%
-        occupancy on its 64-warp SM), and ptxas fits it in 64 without spills. Only there: a limit above a kernel's
-        natural count is not free (ptxas then spends registers up to it: AdamW bf16 8-bit SR on sm_80, 48 without,
-        64 with), and every other configuration is within its arch's limit without one (``benchmarks/gpu_static.py``
-        measures every configuration)."""
-        return 64 if self.arch == 80 and len(self.formats) > 2 else None
+        occupancy on its 64-warp SM), and ptxas fits it in 64 without spills. 64 also for whole tiles of width 8
+        with 4-bit state on sm_90: AdamW with bf16 parameters takes 68 registers there without a limit (Triton 3.9),
+        none spilled with it. Only there: a limit above a kernel's natural count is not free (ptxas then spends
+        registers up to it: AdamW bf16 8-bit SR on sm_80, 48 without, 64 with), and every other configuration is
+        within its arch's limit without one (``benchmarks/gpu_static.py`` measures every configuration)."""
+        if self.arch == 80 and len(self.formats) > 2:
+            return 64
+        if self.arch == 90 and self.full and BLOCKWISE4.code in self.formats and self.whole_tile_width == 8:
+            return 64
+        return None
 
     def launch_options(self) -> dict:
         """The launch's options: :func:`triton_tile.launch_options` and the register limit."""
