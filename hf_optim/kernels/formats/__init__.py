@@ -19,10 +19,13 @@ from hf_optim.kernels.formats.base import (
     FORMATS,
     SlotLayout,
     StateFormat,
+    available_state_formats,
     format_for_bits,
     format_named,
+    formats_by_rank,
     loaded_format,
     register_format,
+    settings_format,
 )
 from hf_optim.kernels.formats.blockwise4 import BLOCKWISE4
 from hf_optim.kernels.formats.blockwise8 import BLOCKWISE8
@@ -35,8 +38,11 @@ __all__ = [
     "FP32",
     "SlotLayout",
     "StateFormat",
+    "available_state_formats",
     "format_for_bits",
     "format_named",
+    "formats_by_rank",
     "loaded_format",
     "register_format",
+    "settings_format",
 ]
