@@ -78,7 +78,8 @@ def test_an_unknown_state_format_lists_the_names_and_the_closest_one():
     with pytest.raises(ValueError, match=r"Invalid state_format: 'blockwise9'; expected one of 'fp32', "
                                          r"'blockwise8', 'blockwise4'.*did you mean 'blockwise8'\?"):
         hf_optim.AdamW([p], state_format="blockwise9")
-    with pytest.raises(ValueError, match="Invalid state_format: 'blockwise4'; Adafactor runs with 'fp32', 'blockwise8'"):
+    with pytest.raises(ValueError, match="Invalid state_format: 'blockwise4'; Adafactor runs with 'fp32', "
+                                         "'blockwise8'"):
         hf_optim.Adafactor([p], lr=1e-3, relative_step=False, state_format="blockwise4")
 
 

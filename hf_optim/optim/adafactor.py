@@ -155,10 +155,11 @@ class Adafactor(HfOptimizer):
     ``g / sqrt(V)`` is clipped to RMS ``clip_threshold`` and scaled by ``lr_t``; with ``beta1`` it is smoothed
     by a first moment ``exp_avg``; weight decay subtracts ``weight_decay * lr_t * p``.
 
-    8-bit: with ``optim_bits=8`` and ``beta1`` set, the first moment ``exp_avg`` of tensors with at least
-    ``min_8bit_size`` elements is kept in bitsandbytes' 8-bit blockwise format (keys ``exp_avg``,
-    ``exp_avg_qmap``, ``exp_avg_absmax``). The factored statistics are tiny and stay fp32; without
-    ``beta1`` there is no per-element state to quantize, so ``optim_bits`` changes nothing.
+    8-bit: with ``state_format="blockwise8"`` (``optim_bits=8``) and ``beta1`` set, the first moment ``exp_avg`` of
+    tensors with at least ``min_8bit_size`` elements is kept in bitsandbytes' 8-bit blockwise format (keys
+    ``exp_avg``, ``exp_avg_qmap``, ``exp_avg_absmax``). The factored statistics are tiny and stay fp32; without
+    ``beta1`` there is no per-element state to quantize, so the state format changes nothing. Adafactor runs with
+    fp32 and blockwise8 state (its Triton kernel reads those two).
 
     Args:
         params: iterable of parameters or parameter groups.
