@@ -100,11 +100,12 @@ def test_a_fixed_format_class_accepts_its_own_name_and_refuses_another(cls):
 def test_an_optim_bits_override_of_one_parameter_picks_its_alias_format():
     """bitsandbytes' per-parameter ``{"optim_bits": 32}`` (the Trainer's embeddings) still wins over the group's
     ``state_format``."""
-    params = make_params([(64, 80), (64, 80)])
+    params = make_params([(64, 80), (64, 80), (64, 80)])
     setattr(params[1], PARAM_OVERRIDES_ATTR, {"optim_bits": 32})
+    setattr(params[2], PARAM_OVERRIDES_ATTR, {"state_format": "blockwise8"})  # a name alone wins too
     opt = hf_optim.AdamW(params, state_format="blockwise4")
     run_steps(opt, params, 1)
-    assert formats_of(opt) == ["blockwise4", "fp32"]
+    assert formats_of(opt) == ["blockwise4", "fp32", "blockwise8"]
 
 
 def test_a_bitsandbytes_state_dict_without_state_format_loads_as_its_optim_bits():

@@ -30,6 +30,7 @@ from hf_optim.kernels.formats import (
     formats_by_rank,
     loaded_format,
     settings_format,
+    with_overrides,
 )
 from hf_optim.kernels.formats.base import StateDictError
 from hf_optim.kernels.state_store import (
@@ -304,7 +305,7 @@ class HfOptimizer(torch.optim.Optimizer):
         the multi-tensor path, per tensor otherwise."""
         flat_entries = []
         for p, param, overrides in fresh:
-            settings = {**group, **overrides} if overrides else group
+            settings = with_overrides(group, overrides) if overrides else group
             state = self.state[p]
             if not self._on_multi_tensor_path(p, param):
                 self._init_state(p, settings, state)
@@ -556,7 +557,7 @@ class HfOptimizer(torch.optim.Optimizer):
     def _check_overrides(self, overrides: dict, group: dict, where: str) -> None:
         check_override_keys(overrides, group, type(self).__name__, where)
         try:
-            self._check_group({**group, **overrides})
+            self._check_group(with_overrides(group, overrides))
         except (TypeError, ValueError) as error:
             raise type(error)(f"{where}, per-parameter override {overrides!r}: {error}") from error
 

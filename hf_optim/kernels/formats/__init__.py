@@ -26,6 +26,7 @@ from hf_optim.kernels.formats.base import (
     loaded_format,
     register_format,
     settings_format,
+    with_overrides,
 )
 from hf_optim.kernels.formats.blockwise4 import BLOCKWISE4
 from hf_optim.kernels.formats.blockwise8 import BLOCKWISE8
@@ -45,4 +46,5 @@ __all__ = [
     "loaded_format",
     "register_format",
     "settings_format",
+    "with_overrides",
 ]

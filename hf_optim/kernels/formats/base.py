@@ -236,6 +236,15 @@ def format_for_bits(bits: int) -> StateFormat:
     raise ValueError(f"Invalid optim_bits: {bits!r}; expected one of {known}")
 
 
+def with_overrides(group, overrides) -> dict:
+    """``group``'s settings with a parameter's ``overrides`` applied; an override that names a ``state_format``
+    without ``optim_bits`` brings its alias along, so that the group's ``optim_bits`` does not overrule it."""
+    settings = {**group, **overrides}
+    if "state_format" in overrides and "optim_bits" not in overrides:
+        settings["optim_bits"] = format_named(overrides["state_format"]).group_bits
+    return settings
+
+
 def settings_format(settings) -> StateFormat:
     """The format a param group (or a parameter's merged settings) asks for: its ``state_format``, unless its
     ``optim_bits`` was set apart from it (a per-parameter override ``{"optim_bits": 32}``, bitsandbytes' manager,
