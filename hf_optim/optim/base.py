@@ -42,7 +42,7 @@ from hf_optim.kernels.state_store import (
 )
 from hf_optim.optim import options as common_options
 from hf_optim.optim import sharding
-from hf_optim.optim._validation import check_min_8bit_size, check_optim_bits, check_stochastic_round
+from hf_optim.optim._validation import check_min_8bit_size, check_stochastic_round
 from hf_optim.optim.overrides import (
     PARAM_OVERRIDES_ATTR,
     bitsandbytes_config,
@@ -152,14 +152,7 @@ class HfOptimizer(torch.optim.Optimizer):
     # Hooks for subclasses
     def _check_group(self, group: dict) -> None:
         """Validate a param group's hyperparameters (called for every group, including added ones)."""
-        supported, who = self._supported_formats(), type(self).__name__
-        named = FORMATS.get(group.get("state_format"))
-        if named is None or group.get("optim_bits") != named.group_bits:  # optim_bits set apart: it decides
-            check_optim_bits(group.get("optim_bits"), tuple(f.optim_bits for f in supported if f.optim_bits), who)
-        fmt = settings_format(group)
-        if fmt not in supported:
-            raise ValueError(f"Invalid state_format: {fmt.name!r}; {who} runs with "
-                             f"{', '.join(repr(f.name) for f in supported)}")
+        common_options.check_group_format(group, self._supported_formats(), type(self).__name__)
         check_min_8bit_size(group["min_8bit_size"])
         check_stochastic_round(group.get(SR_KEY, False), group.get(SR_SEED_KEY, 0))
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hf_optim.kernels.formats import StateFormat, format_for_bits, format_named
+from hf_optim.kernels.formats import FORMATS, StateFormat, format_for_bits, format_named, settings_format
 from hf_optim.optim._validation import check_min_8bit_size, check_optim_bits, check_stochastic_round
 from hf_optim.optim.release import check_release_gradients
 
@@ -136,6 +136,19 @@ def resolve(cls: type, given: Mapping[str, Any], supported: tuple[StateFormat, .
     fmt = chosen_format(given, cls.__name__, supported)
     values["state_format"], values["optim_bits"] = fmt, fmt.group_bits
     return values
+
+
+def check_group_format(group: Mapping[str, Any], supported: tuple[StateFormat, ...], who: str) -> StateFormat:
+    """The format a param group asks for (:func:`~hf_optim.kernels.formats.settings_format`), checked to be one
+    ``who`` runs with; a bad ``optim_bits`` is named as such."""
+    named = FORMATS.get(group.get("state_format"))
+    if named is None or group.get("optim_bits") != named.group_bits:  # optim_bits set apart: it decides
+        check_optim_bits(group.get("optim_bits"), tuple(f.optim_bits for f in supported if f.optim_bits), who)
+    fmt = settings_format(group)
+    if fmt not in supported:
+        raise ValueError(f"Invalid state_format: {fmt.name!r}; {who} runs with "
+                         f"{', '.join(repr(f.name) for f in supported)}")
+    return fmt
 
 
 def group_entries(values: Mapping[str, Any]) -> dict[str, Any]:
