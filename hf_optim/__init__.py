@@ -9,7 +9,6 @@ from hf_optim import notices as _notices
 from hf_optim.checkpoints import last_complete_checkpoint
 from hf_optim.integrations import transformers as _transformers_integration
 from hf_optim.integrations.names import OptimizerName, available_optimizers
-from hf_optim.integrations.trainer_mapping import TrainerMapping
 from hf_optim.kernels.algorithm import Algorithm, TritonPlan
 from hf_optim.kernels.formats import available_state_formats
 from hf_optim.kernels.state_store import StateSpec
@@ -49,6 +48,7 @@ from hf_optim.optim.lion import (
 )
 from hf_optim.optim.registry import Family, UnknownAlgorithmError, families, lookup_algorithm, register_algorithm
 from hf_optim.optim.rmsprop import RMSprop, RMSprop8bit, RMSprop32bit
+from hf_optim.optim.trainer_mapping import TrainerMapping
 
 __version__ = "0.1.0"
 

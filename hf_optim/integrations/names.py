@@ -8,7 +8,7 @@ Two kinds of name:
 * names transformers does not have (``lamb_8bit``, ...): hf_optim adds them.
 
 Each algorithm's description lists its names (``Algorithm.trainer``), completed from the formats it has classes of
-(:mod:`hf_optim.integrations.trainer_mapping`); this module reads them from the registry
+(:mod:`hf_optim.optim.trainer_mapping`); this module reads them from the registry
 (:mod:`hf_optim.optim.registry`), including algorithms registered later with ``hf_optim.register_algorithm``.
 
 State format and paging follow the name as transformers reads it: a name ending in ``_8bit`` means 8-bit
@@ -22,10 +22,10 @@ import difflib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from hf_optim.integrations.trainer_mapping import mapping, parse_name
 from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.formats import StateFormat
 from hf_optim.optim import adafactor, adamw, ademamix, lamb, lion, registry, rmsprop  # noqa: F401  (they register)
+from hf_optim.optim.trainer_mapping import mapping, parse_name
 
 
 @dataclass(frozen=True)

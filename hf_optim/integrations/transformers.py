@@ -35,11 +35,11 @@ from torch import nn
 
 from hf_optim.integrations.names import OPTIMIZER_NAMES, OptimizerName, suggest
 from hf_optim.integrations.optim_args import parse_optim_args, typed_optim_args
-from hf_optim.integrations.trainer_mapping import mapping
 from hf_optim.kernels import backend as kernel_backend
 from hf_optim.optim import registry
 from hf_optim.optim.adafactor import Adafactor, RelativeStepSchedule
 from hf_optim.optim.base import PARAM_OVERRIDES_ATTR
+from hf_optim.optim.trainer_mapping import mapping
 
 logger = logging.getLogger("hf_optim")
 

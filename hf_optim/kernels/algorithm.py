@@ -4,7 +4,7 @@ An :class:`Algorithm` names the algorithm and holds its state slots, its PyTorch
 scalars (a ``NamedTuple`` class, ``hyper``, whose field order is the Triton rule's argument order, and the host
 function ``hyper_at(group, step)`` that computes them), how it steps on Triton (:class:`TritonPlan`), which state
 formats get named classes, and how many bytes its state takes (from the slots). It also carries the algorithm's
-Trainer mapping (``trainer``), which only :mod:`hf_optim.integrations.trainer_mapping` reads. Every module that used
+Trainer mapping (``trainer``), which only :mod:`hf_optim.optim.trainer_mapping` reads. Every module that used
 to switch on algorithm names reads the description.
 
 This module sits in the lowest layer (``hf_optim.kernels``): the kernels read descriptions, the optimizer classes
@@ -106,7 +106,7 @@ class Algorithm:
             ``"module:name"``), or None: the algorithm then always takes the PyTorch path.
         triton_plan: how it steps on Triton (:class:`TritonPlan`).
         trainer: its ``optim=`` names and the Trainer's argument mapping
-            (:class:`hf_optim.integrations.trainer_mapping.TrainerMapping`; None: the default mapping).
+            (:class:`hf_optim.optim.trainer_mapping.TrainerMapping`; None: the default mapping).
         state_bytes: ``state_bytes(shape, quantized, fmt) -> int`` for state that is not per-element slots
             (Adafactor's factored statistics): ``fmt`` is the optimizer's :class:`StateFormat`, ``quantized``
             whether this tensor's state is in it (else fp32); None: the slots' bytes.

@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import torch
 
-from hf_optim.integrations.trainer_mapping import TrainerMapping
 from hf_optim.kernels import rounding
 from hf_optim.kernels.algorithm import Algorithm, TritonPlan, fp32_reciprocal
 from hf_optim.kernels.formats import FP32, StateFormat, loaded_format
@@ -22,6 +21,7 @@ from hf_optim.optim import sharding
 from hf_optim.optim._validation import as_tuple, check_beta, check_eps, check_lr, check_real, check_weight_decay
 from hf_optim.optim.base import HfOptimizer, StateDictError, local_tensor
 from hf_optim.optim.registry import register_algorithm
+from hf_optim.optim.trainer_mapping import TrainerMapping
 
 FIRST_MOMENT = StateSpec("exp_avg", signed=True)
 

@@ -6,13 +6,13 @@ import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from hf_optim.integrations.trainer_mapping import TrainerMapping
 from hf_optim.kernels import exact_math
 from hf_optim.kernels.algorithm import Algorithm, fp32_reciprocal
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.registry import register_algorithm
+from hf_optim.optim.trainer_mapping import TrainerMapping
 
 
 class AdamWHyper(NamedTuple):

@@ -8,7 +8,6 @@ from typing import NamedTuple
 
 import torch
 
-from hf_optim.integrations.trainer_mapping import TrainerMapping
 from hf_optim.kernels import exact_math
 from hf_optim.kernels.algorithm import Algorithm, fp32_reciprocal
 from hf_optim.kernels.state_store import StateSpec
@@ -23,6 +22,7 @@ from hf_optim.optim._validation import (
 )
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.registry import register_algorithm
+from hf_optim.optim.trainer_mapping import TrainerMapping
 
 
 class AdEMAMixHyper(NamedTuple):

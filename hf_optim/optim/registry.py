@@ -17,12 +17,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hf_optim.integrations.trainer_mapping import parse_name, trainer_names
 from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.formats import StateFormat, formats_by_rank
 from hf_optim.optim import options as common_options
 from hf_optim.optim._validation import as_tuple, check_lr
 from hf_optim.optim.base import HfOptimizer
+from hf_optim.optim.trainer_mapping import parse_name, trainer_names
 from hf_optim.optim.variants import family
 
 
@@ -61,7 +61,7 @@ class Family:
 
     @property
     def trainer_names(self) -> tuple[str, ...]:
-        """The ``optim=`` names of the algorithm (see :mod:`hf_optim.integrations.trainer_mapping`)."""
+        """The ``optim=`` names of the algorithm (see :mod:`hf_optim.optim.trainer_mapping`)."""
         return trainer_names(self.algorithm, list(self.formats), self.pages)
 
 

@@ -7,6 +7,10 @@ ending in ``_<suffix>`` for a format's :attr:`~hf_optim.kernels.formats.StateFor
 An algorithm's names are the ones its :class:`TrainerMapping` lists (transformers' spellings) plus
 ``<name>_<suffix>`` and ``paged_<name>_<suffix>`` for every format it has classes of that no listed name covers,
 so a newly registered format gets its names without touching any algorithm.
+
+It lives beside the registry, which checks every name when an algorithm registers (a name without a class fails
+there, not in the Trainer); :mod:`hf_optim.integrations` reads it. The kernels layer, which describes algorithms,
+holds an algorithm's mapping without reading it.
 """
 
 from __future__ import annotations
