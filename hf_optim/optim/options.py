@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +50,10 @@ class Option:
     def parameter(self) -> inspect.Parameter:
         return inspect.Parameter(self.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=self.default)
 
-    def describe(self) -> str:
-        return f"{self.name} ({self.kind}, default {self.default!r}): {self.doc}"
+    def describe(self, indent: str = "        ") -> str:
+        """The docstring entry, wrapped at 120 columns (continuation lines indented once more)."""
+        return textwrap.fill(f"{self.name} ({self.kind}, default {self.default!r}): {self.doc}", 120,
+                             initial_indent=indent, subsequent_indent=indent + "    ")
 
 
 def _check_bool(name: str) -> Callable[[Any], bool]:
@@ -87,8 +90,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("state_format", None, "str | None",
            "how the state is stored, by name: ``'fp32'``, ``'blockwise8'`` (bitsandbytes' 8-bit format), "
            "``'blockwise4'`` (two codes per byte, blocks of 128), or any registered format (see "
-           "``hf_optim.available_state_formats()``). None: the one ``optim_bits`` names. Given with an "
-           "``optim_bits`` other than 32, the two must agree.", group=False),
+           "``hf_optim.available_state_formats()``). None: the one ``optim_bits`` names. Given together with "
+           "``optim_bits``, the two must agree.", group=False),
 )
 """Every common option, in the order they follow a class's own arguments (bitsandbytes' ones are placed by
 ``bitsandbytes_order`` first)."""
@@ -207,5 +210,5 @@ def options_doc(cls: type) -> str:
     """The docstring section of the common options ``cls`` takes."""
     lines = ["    Common options (every hf_optim optimizer; :mod:`hf_optim.optim.options`):"]
     for option in offered(cls):
-        lines.append("        " + option.describe())
+        lines.append(option.describe())
     return "\n".join(lines) + "\n"
