@@ -979,11 +979,11 @@ def kernel_layer_configs() -> tuple[list[LaunchConfig], list[str]]:
     from hf_optim.kernels import triton_configs as layer  # noqa: PLC0415
     from hf_optim.optim import registry  # noqa: PLC0415
 
-    algorithms = [(family.algorithm, family.base._supported_bits()) for family in registry.families()]
+    algorithms = [(family.algorithm, family.base._supported_formats()) for family in registry.families()]
     configs = [_from_spec(spec, arch) for arch in ARCHES
                for spec in layer.kernel_specs(algorithms, arch=ARCHES[arch].cc)]
     dtype = _dtype_facts("bf16")["dtype"]
-    cold = [spec.name for spec in layer.step_specs(registry.lookup_algorithm("adamw").algorithm, 8, dtype)]
+    cold = [spec.name for spec in layer.step_specs(registry.lookup_algorithm("adamw").algorithm, "blockwise8", dtype)]
     return configs, cold
 
 

@@ -9,7 +9,8 @@ from hf_optim import notices as _notices
 from hf_optim.checkpoints import last_complete_checkpoint
 from hf_optim.integrations import transformers as _transformers_integration
 from hf_optim.integrations.names import OptimizerName, available_optimizers
-from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, TritonPlan
+from hf_optim.kernels.algorithm import Algorithm, TritonPlan
+from hf_optim.kernels.formats import available_state_formats
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.memory import StateMemory, state_memory
 from hf_optim.optim.adafactor import Adafactor, RelativeStepSchedule
@@ -45,8 +46,9 @@ from hf_optim.optim.lion import (
     PagedLion8bit,
     PagedLion32bit,
 )
-from hf_optim.optim.registry import Family, UnknownAlgorithmError, lookup_algorithm, register_algorithm
+from hf_optim.optim.registry import Family, UnknownAlgorithmError, families, lookup_algorithm, register_algorithm
 from hf_optim.optim.rmsprop import RMSprop, RMSprop8bit, RMSprop32bit
+from hf_optim.optim.trainer_mapping import TrainerMapping
 
 __version__ = "0.1.0"
 
@@ -64,5 +66,13 @@ __all__ = [
     "HfOptimizer", "StateDictError", "OptimizerName", "available_optimizers", "StateMemory", "state_memory",
     "last_complete_checkpoint",
     "Algorithm", "StateSpec", "TrainerMapping", "TritonPlan", "Family", "register_algorithm", "lookup_algorithm",
-    "UnknownAlgorithmError",
+    "UnknownAlgorithmError", "available_state_formats",
 ]
+# The classes of a state format registered without export lines of its own (hf_optim.AdamWFp8, ...): every
+# built-in family's classes are package attributes.
+for _family in families():
+    for _name, _cls in _family.classes.items():
+        if _name not in globals():
+            globals()[_name] = _cls
+            __all__.append(_name)
+

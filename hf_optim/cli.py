@@ -199,7 +199,7 @@ def _print_fit(recipe, card_bytes: int, console) -> int:
         s = fit.setup
         peak = fit.batch_bytes[batch]
         over = "" if peak <= result.usable_bytes else " [red](over)[/red]"
-        table.add_row(str(rank), s.optim, state_label(s.bits), "yes" if s.paged else "no",
+        table.add_row(str(rank), s.optim, state_label(s), "yes" if s.paged else "no",
                       "released" if s.release else "kept", "on" if s.checkpointing else "off",
                       f"{fit.bytes_per_param:.2f}", gib(peak) + over, str(fit.max_batch))
     if result.fits:

@@ -60,8 +60,8 @@ def test_json_keys(capsys):
     cases = report["self_test"]["cases"]
     # RMSprop: 32, 8 and 4-bit; Adafactor: 32 and 8-bit (its first moment); each in three parameter dtypes
     assert [(c["algorithm"], c["state"]) for c in cases][::3] == [
-        ("rmsprop", "32-bit"), ("rmsprop", "8-bit"), ("rmsprop", "4-bit"), ("adafactor", "32-bit"),
-        ("adafactor", "8-bit")]
+        ("rmsprop", "32-bit"), ("rmsprop", "8-bit blockwise"), ("rmsprop", "4-bit blockwise"), ("adafactor", "32-bit"),
+        ("adafactor", "8-bit blockwise")]
     assert {c["dtype"] for c in cases} == {"fp32", "bf16", "fp16"}
     assert all(c["status"] == "exact" for c in cases)
     assert any(c["codes"] > 0 for c in cases)  # the quantized cases compare codes
@@ -92,7 +92,7 @@ def test_exit_1_on_a_mismatch(capsys, monkeypatch):
     assert code == 1
     report = json.loads(out)
     bad = [c for c in report["self_test"]["cases"] if c["status"] != "exact"]
-    assert [(c["state"], c["dtype"], c["status"]) for c in bad] == [("8-bit", "bf16", "MISMATCH")]
+    assert [(c["state"], c["dtype"], c["status"]) for c in bad] == [("8-bit blockwise", "bf16", "MISMATCH")]
     assert bad[0]["param_ulps"] == 1.0 and bad[0]["detail"] == "after step 1" and report["ok"] is False
     code, out, _ = doctor(capsys, "--algorithms", "lion")
     assert code == 1 and "MISMATCH" in out and "1 of 9 cases failed: MISMATCH (exit status 1)" in out
@@ -125,7 +125,7 @@ def test_interpreter_case_runs_the_triton_kernels():
     TRITON_INTERPRET), against the eager reference."""
     cand = selftest.candidate(torch.device("cpu"), interpret=True)
     lion = registry.lookup_algorithm("lion")
-    result = selftest.check(lion, 8, "bf16", torch.device("cpu"), cand, shapes=((33, 37), (300,)), steps=2)
+    result = selftest.check(lion, "blockwise8", "bf16", torch.device("cpu"), cand, shapes=((33, 37), (300,)), steps=2)
     assert (result.backend, result.status, result.tolerance) == ("triton (interpreter)", "exact", "1 ulp/step")
     # it ran the Triton step: the kernels of its one kernel group (bf16 parameters; both tensors are under
     # min_8bit_size, so fp32 state)
@@ -148,8 +148,8 @@ def test_a_kernel_that_falls_back_fails_the_case(monkeypatch):
     cand = selftest.candidate(torch.device("cpu"))
     assert cand.name == "triton"
     adamw = registry.lookup_algorithm("adamw")
-    first = selftest.check(adamw, 8, "fp32", torch.device("cpu"), cand, shapes=((300,),), steps=2)
-    again = selftest.check(adamw, 8, "fp32", torch.device("cpu"), cand, shapes=((300,),), steps=2)
+    first = selftest.check(adamw, "blockwise8", "fp32", torch.device("cpu"), cand, shapes=((300,),), steps=2)
+    again = selftest.check(adamw, "blockwise8", "fp32", torch.device("cpu"), cand, shapes=((300,),), steps=2)
     assert (first.status, again.status) == ("fell back", "fell back")  # the second never tried Triton
 
 

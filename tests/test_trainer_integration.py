@@ -123,7 +123,7 @@ def test_adafactor_defaults_follow_the_trainer_and_honour_optim_args(tmp_path):
     assert kwargs["clip_threshold"] == 2.0
     _, kwargs = Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(output_dir=str(tmp_path),
                                                                       optim="adafactor_8bit"))
-    assert kwargs["optim_bits"] == 8 and kwargs["beta1"] == 0.9
+    assert kwargs["state_format"] == "blockwise8" and kwargs["beta1"] == 0.9
 
 
 def test_adafactor_relative_step_runs_under_the_trainer(tmp_path):

@@ -268,9 +268,9 @@ CONFIG_CASES = [
     (hf_optim.LAMB, {"max_trust_ratio": 10.0}),
 ]
 FORMAT_CASES = [
-    pytest.param(cls, kwargs, bits, id=f"{cls.__name__}-{bits}bit")
-    for cls, kwargs in CONFIG_CASES for bits in cls._supported_bits()
-] + [pytest.param(hf_optim.LAMB, {"weight_decay": 0.0, "adam_w_mode": False}, 8, id="LAMB-L2-8bit")]
+    pytest.param(cls, kwargs, fmt.name, id=f"{cls.__name__}-{fmt.class_suffix}")
+    for cls, kwargs in CONFIG_CASES for fmt in cls._supported_formats()
+] + [pytest.param(hf_optim.LAMB, {"weight_decay": 0.0, "adam_w_mode": False}, "blockwise8", id="LAMB-L2-8bit")]
 
 
 @pytest.fixture
@@ -290,20 +290,20 @@ def launched(monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cls,kwargs,optim_bits", FORMAT_CASES)
-def test_fused_update_matches_pytorch(cls, kwargs, optim_bits, device, monkeypatch, use_triton, launched,
+@pytest.mark.parametrize("cls,kwargs,state_format", FORMAT_CASES)
+def test_fused_update_matches_pytorch(cls, kwargs, state_format, device, monkeypatch, use_triton, launched,
                                       cuda_scalars):
     """Every fused-kernel configuration of the algorithm with this state format (fp32 / bf16 / fp16 parameters,
     quantized and fp32 state, whole and partial tiles, bf16 stochastic rounding) against the PyTorch path (its
     rules dividing by scalars as torch does on CUDA, see :class:`CudaScalar`): codes, absmax, fp32 state and
     parameters bit for bit in the interpreter (LAMB's parameters: its norms sum in another order, within an ulp);
     on a GPU, within an ulp and a rare one-code step."""
-    kwargs = {**kwargs, "optim_bits": optim_bits}
+    kwargs = {**kwargs, "state_format": state_format}
     ref_opt, ref_params = run_config_case(cls, kwargs, device, "torch", monkeypatch)
     opt, params = run_config_case(cls, kwargs, device, "triton", monkeypatch)
     assert "backend=triton" in repr(opt)
     quantized = [opt.state[p]["state1"].dtype == torch.uint8 for p in params]
-    assert quantized == [optim_bits < 32 and p.numel() >= MIN_8BIT for p in params]
+    assert quantized == [state_format != "fp32" and p.numel() >= MIN_8BIT for p in params]
     lamb = cls is hf_optim.LAMB
     if device == "cpu":
         assert_bit_identical(ref_opt, ref_params, opt, params, exact_params=not lamb)
@@ -314,7 +314,7 @@ def test_fused_update_matches_pytorch(cls, kwargs, optim_bits, device, monkeypat
     from hf_optim.kernels.triton_configs import fused_configs
 
     algorithm = cls.definition
-    expected = {(c.param_dtype, c.formats, c.full, c.stochastic) for c in fused_configs(algorithm, (optim_bits,))}
+    expected = {(c.param_dtype, c.formats, c.full, c.stochastic) for c in fused_configs(algorithm, (state_format,))}
     seen = {(c.param_dtype, c.formats, c.full, c.stochastic) for c in launched}
     assert seen == expected
     # whole tiles use vector accesses: only AdEMAMix's stacked second row can start off a 16-byte boundary (n values
@@ -624,7 +624,7 @@ def test_every_launch_is_an_enumerated_configuration(device, monkeypatch, use_tr
     from hf_optim.kernels import triton_configs, triton_guard
     from hf_optim.optim import registry
 
-    specs = triton_configs.kernel_specs([(f.algorithm, f.base._supported_bits()) for f in registry.families()])
+    specs = triton_configs.kernel_specs([(f.algorithm, f.base._supported_formats()) for f in registry.families()])
     known = {(spec.kernel.__name__, spec.num_warps, tuple(sorted((k, repr(v)) for k, v in spec.constexprs.items())))
              for spec in specs}
     launched = []

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     parser.add_argument("--all", action="store_true", help="every configuration (default: the CI set)")
     parser.add_argument("--arch", default="90", help="compute capabilities, comma-separated (default 90)")
     args = parser.parse_args(argv)
-    algorithms = [(f.algorithm, f.base._supported_bits()) for f in registry.families()]
+    algorithms = [(f.algorithm, f.base._supported_formats()) for f in registry.families()]
     failures, count = [], 0
     for arch in (int(text) for text in args.arch.split(",")):
         specs = kernel_specs(algorithms, arch=arch)  # a few configurations take another tile width per arch

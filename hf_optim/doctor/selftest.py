@@ -21,7 +21,7 @@ import torch
 
 from hf_optim.kernels import backend as kernel_backend
 from hf_optim.kernels import compile_guard, cpu_compile, triton_guard
-from hf_optim.kernels.formats import loaded_format
+from hf_optim.kernels.formats import FP32, StateFormat, format_named, loaded_format
 from hf_optim.optim import registry
 
 STEPS = 3
@@ -29,7 +29,6 @@ SHAPES: tuple[tuple[int, ...], ...] = ((67, 71), (5003,), (300,))
 """Odd sizes (partial quantization blocks and tiles), a matrix (Adafactor factors it), and a tensor below
 ``min_8bit_size`` (fp32 state in an 8-bit or 4-bit optimizer, beside quantized state in the same launch)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FORMAT_NAMES = {32: "32-bit", 8: "8-bit", 4: "4-bit"}
 CONSTRUCTOR = {"adafactor": {"beta1": 0.9}}
 """Settings beside an algorithm's defaults: Adafactor's 8-bit state is its first moment, off by default."""
 REFERENCE_ENV = {kernel_backend.ENV_VAR: "torch", "HF_OPTIM_COMPILE": "0"}
@@ -154,10 +153,10 @@ def set_grads(params: Sequence[torch.Tensor], step: int) -> None:
         p.grad = grad.to(p.dtype).to(p.device)
 
 
-def build(family: registry.Family, bits: int, params: list, env: dict[str, str]):
-    """An optimizer of ``family`` with ``bits`` state over ``params``, created in ``env``."""
+def build(family: registry.Family, fmt: StateFormat, params: list, env: dict[str, str]):
+    """An optimizer of ``family`` with state in ``fmt`` over ``params``, created in ``env``."""
     with environment(env):
-        return family.base(params, optim_bits=bits, **CONSTRUCTOR.get(family.algorithm.name, {}))
+        return family.base(params, state_format=fmt.name, **CONSTRUCTOR.get(family.algorithm.name, {}))
 
 
 def step(optimizer, env: dict[str, str]) -> None:
@@ -252,18 +251,20 @@ def _resync(optimizer, params, ref_optimizer, ref_params) -> None:
     optimizer.load_state_dict(ref_optimizer.state_dict())
 
 
-def check(family: registry.Family, bits: int, dtype_name: str, device: torch.device, cand: Candidate,
-          shapes: Sequence[tuple[int, ...]] = SHAPES, steps: int = STEPS) -> CaseResult:
-    """One case: ``family`` with ``bits`` state on ``dtype_name`` parameters, ``cand`` against the reference."""
+def check(family: registry.Family, state_format: str | StateFormat, dtype_name: str, device: torch.device,
+          cand: Candidate, shapes: Sequence[tuple[int, ...]] = SHAPES, steps: int = STEPS) -> CaseResult:
+    """One case: ``family`` with state in ``state_format`` (a format or its name) on ``dtype_name`` parameters,
+    ``cand`` against the reference."""
+    fmt = format_named(state_format) if isinstance(state_format, str) else state_format
     tolerance = tolerance_for(family, cand.name, device)
-    result = CaseResult(algorithm=family.algorithm.name, state=FORMAT_NAMES.get(bits, f"{bits}-bit"),
+    result = CaseResult(algorithm=family.algorithm.name, state=fmt.label,
                         dtype=dtype_name, backend=cand.name, status="exact", tolerance=tolerance.name)
     fallbacks = triton_guard.fallback_runs()
     dtype = DTYPES[dtype_name]
     try:
         ref_params, params = make_params(shapes, dtype, device), make_params(shapes, dtype, device)
-        ref_opt = build(family, bits, ref_params, REFERENCE_ENV)
-        opt = build(family, bits, params, cand.env)
+        ref_opt = build(family, fmt, ref_params, REFERENCE_ENV)
+        opt = build(family, fmt, params, cand.env)
         for index in range(steps):
             set_grads(ref_params, index)
             set_grads(params, index)
@@ -292,9 +293,9 @@ def check(family: registry.Family, bits: int, dtype_name: str, device: torch.dev
     return result
 
 
-def cases(families: Sequence[registry.Family], dtypes: Sequence[str]) -> list[tuple[registry.Family, int, str]]:
-    """Every (family, state bits, dtype) to check: each state format the algorithm supports, widest first."""
-    return [(family, bits, dtype) for family in families for bits in sorted(family.base._supported_bits(), reverse=True)
+def cases(families: Sequence[registry.Family], dtypes: Sequence[str]) -> list[tuple[registry.Family, StateFormat, str]]:
+    """Every (family, state format, dtype) to check: each state format the algorithm supports, in table order."""
+    return [(family, fmt, dtype) for family in families for fmt in family.base._supported_formats()
             for dtype in dtypes]
 
 
@@ -312,10 +313,10 @@ def self_test(device: torch.device, cand: Candidate, families: Sequence[registry
         progress: called with each case's name before it runs (default None).
     """
     results = []
-    for family, bits, dtype in cases(families or registry.families(), dtypes):
+    for family, fmt, dtype in cases(families or registry.families(), dtypes):
         if progress is not None:
-            progress(f"{family.algorithm.name} {FORMAT_NAMES.get(bits)} {dtype}")
-        results.append(check(family, bits, dtype, device, cand, shapes))
+            progress(f"{family.algorithm.name} {fmt.label} {dtype}")
+        results.append(check(family, fmt, dtype, device, cand, shapes))
     return results
 
 
@@ -369,11 +370,11 @@ def timings(device: torch.device, cand: Candidate, families: Sequence[registry.F
         reference = None
         rows.append(Timing("torch.optim.AdamW(fused=True)", None, None, triton_guard.first_line(error)))
     for family in families or registry.families():
-        bits = 8 if 8 in family.base._supported_bits() else 32
-        name = f"{family.base.__name__} {FORMAT_NAMES[bits]}"
+        fmt = next((f for f in family.base._supported_formats() if f.name == "blockwise8"), FP32)
+        name = f"{family.base.__name__} {fmt.label}"
         if progress is not None:
             progress(f"timing {name}")
-        kwargs = {"optim_bits": bits, **CONSTRUCTOR.get(family.algorithm.name, {})}
+        kwargs = {"state_format": fmt.name, **CONSTRUCTOR.get(family.algorithm.name, {})}
         try:
             ms = time_step(lambda params, family=family, kwargs=kwargs: family.base(params, **kwargs), device, numel,
                            env=cand.env)

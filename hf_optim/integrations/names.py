@@ -7,11 +7,13 @@ Two kinds of name:
   :mod:`hf_optim.integrations.transformers` to keep bitsandbytes for them);
 * names transformers does not have (``lamb_8bit``, ...): hf_optim adds them.
 
-Each algorithm's description lists its names (``Algorithm.trainer``); this module reads them from the registry
+Each algorithm's description lists its names (``Algorithm.trainer``), completed from the formats it has classes of
+(:mod:`hf_optim.optim.trainer_mapping`); this module reads them from the registry
 (:mod:`hf_optim.optim.registry`), including algorithms registered later with ``hf_optim.register_algorithm``.
 
-Precision and paging follow the name exactly as transformers reads it: ``8bit`` in the name means 8-bit state,
-otherwise 32-bit (so ``ademamix`` and ``rmsprop_bnb`` are 32-bit, as in transformers); ``paged_`` means paged.
+State format and paging follow the name as transformers reads it: a name ending in ``_8bit`` means 8-bit
+blockwise state (``_4bit``: 4-bit blockwise; each format declares its suffix), otherwise fp32 (so ``ademamix`` and
+``rmsprop_bnb`` are 32-bit, as in transformers); ``paged_`` means paged.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import difflib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from hf_optim.kernels.algorithm import Algorithm, name_precision
+from hf_optim.kernels.algorithm import Algorithm
+from hf_optim.kernels.formats import StateFormat
 from hf_optim.optim import adafactor, adamw, ademamix, lamb, lion, registry, rmsprop  # noqa: F401  (they register)
+from hf_optim.optim.trainer_mapping import mapping, parse_name
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class OptimizerName:
     name: str
     cls: type
     family: str  # the algorithm's registered name: adamw | ademamix | lamb | lion | rmsprop | adafactor | ...
-    optim_bits: int
+    state_format: StateFormat
     paged: bool
     takes_over: bool  # True: a transformers name hf_optim takes over; False: a name hf_optim adds
 
@@ -41,8 +45,13 @@ class OptimizerName:
         return registry.lookup_algorithm(self.family).algorithm
 
     @property
+    def optim_bits(self) -> int:
+        """bitsandbytes' ``optim_bits`` of the state format (its bits per element when it has no alias)."""
+        return self.state_format.group_bits
+
+    @property
     def precision(self) -> str:
-        return {8: "8-bit blockwise", 4: "4-bit blockwise"}.get(self.optim_bits, f"{self.optim_bits}-bit")
+        return self.state_format.label
 
     @property
     def class_label(self) -> str:
@@ -90,10 +99,10 @@ def _entries() -> dict[str, OptimizerName]:
     taken, added = {}, {}
     for family in registry.families():
         algorithm = family.algorithm
-        for name in algorithm.trainer_names(family.pages):
-            bits, paged = name_precision(name)
-            takes_over = name in algorithm.trainer.takes_over
-            entry = OptimizerName(name, family.class_for(bits, paged), algorithm.name, bits, paged, takes_over)
+        for name in family.trainer_names:
+            fmt, paged = parse_name(name)
+            takes_over = name in mapping(algorithm).takes_over
+            entry = OptimizerName(name, family.class_for(fmt, paged), algorithm.name, fmt, paged, takes_over)
             (taken if takes_over else added)[name] = entry
     return {**taken, **added}
 

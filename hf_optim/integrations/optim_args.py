@@ -11,10 +11,12 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from hf_optim.integrations.names import OptimizerName, suggest
+from hf_optim.integrations.names import OPTIMIZER_NAMES, OptimizerName, suggest
 
 _BETA_KEYS = ("beta1", "beta2", "beta3")
-_NOT_FROM_OPTIM_ARGS = {"self", "params", "args", "is_paged", "optim_bits"}  # fixed by the name itself
+_FIXED_BY_NAME = ("is_paged", "optim_bits", "state_format")
+"""What the ``optim=`` name itself decides (paging and state format): not an ``optim_args`` key."""
+_NOT_FROM_OPTIM_ARGS = {"self", "params", "args", *_FIXED_BY_NAME}
 
 
 class OptimArgsError(ValueError):
@@ -87,6 +89,10 @@ def typed_optim_args(entry: OptimizerName, raw: dict[str, str]) -> dict[str, Any
     allowed = valid_keys(entry)
     typed: dict[str, Any] = {}
     for key, value in raw.items():
+        if key in _FIXED_BY_NAME:
+            names = ", ".join(name for name, other in OPTIMIZER_NAMES.items() if other.family == entry.family)
+            raise OptimArgsError(f"optim_args key {key!r}: the optim name chooses the state format and paging; "
+                                 f"for {entry.family} use one of {names}")
         if key not in allowed:
             close = suggest(key, allowed)
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

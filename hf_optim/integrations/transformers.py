@@ -39,6 +39,7 @@ from hf_optim.kernels import backend as kernel_backend
 from hf_optim.optim import registry
 from hf_optim.optim.adafactor import Adafactor, RelativeStepSchedule
 from hf_optim.optim.base import PARAM_OVERRIDES_ATTR
+from hf_optim.optim.trainer_mapping import mapping
 
 logger = logging.getLogger("hf_optim")
 
@@ -75,7 +76,7 @@ def optimizer_kwargs(entry: OptimizerName, args: Any) -> dict[str, Any]:
     then ``optim_args`` on top. Weight decay comes in the param groups."""
     extra = typed_optim_args(entry, parse_optim_args(getattr(args, "optim_args", None)))
     betas = [extra.pop(key, None) for key in ("beta1", "beta2", "beta3")]
-    return entry.algorithm.trainer.kwargs(args, betas, extra, entry.optim_bits)
+    return mapping(entry.algorithm).kwargs(args, betas, extra, entry.state_format)
 
 
 def keep_embeddings_32bit(model: nn.Module) -> int:
@@ -105,7 +106,7 @@ def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None, name: st
     kwargs = optimizer_kwargs(entry, args)
     if kwargs.get("release_gradients"):
         check_release_arguments(args)
-    if model is not None and entry.optim_bits < 32:
+    if model is not None and entry.state_format.quantized:
         skipped = keep_embeddings_32bit(model)
         if skipped:
             logger.info("%d embedding parameters keep 32-bit state", skipped)  # the handler adds "[hf_optim]"

@@ -2,9 +2,10 @@
 
 An :class:`Algorithm` names the algorithm and holds its state slots, its PyTorch rule, its optional Triton twin, its
 scalars (a ``NamedTuple`` class, ``hyper``, whose field order is the Triton rule's argument order, and the host
-function ``hyper_at(group, step)`` that computes them), how it steps on Triton (:class:`TritonPlan`), how the
-Trainer's arguments map to its constructor (:class:`TrainerMapping`, with its ``optim=`` names), and how many bytes
-its state takes (from the slots). Every module that used to switch on algorithm names reads the description.
+function ``hyper_at(group, step)`` that computes them), how it steps on Triton (:class:`TritonPlan`), which state
+formats get named classes, and how many bytes its state takes (from the slots). It also carries the algorithm's
+Trainer mapping (``trainer``), which only :mod:`hf_optim.optim.trainer_mapping` reads. Every module that used
+to switch on algorithm names reads the description.
 
 This module sits in the lowest layer (``hf_optim.kernels``): the kernels read descriptions, the optimizer classes
 (``hf_optim.optim``) are built from them, and nothing here imports torch's optimizers, triton, or a higher layer.
@@ -20,11 +21,12 @@ from __future__ import annotations
 import importlib
 import math
 import struct
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from hf_optim.kernels.formats import FP32, format_for_bits
+from hf_optim.kernels.formats import FP32, StateFormat
+from hf_optim.kernels.formats.base import BITSANDBYTES_FORMATS
 from hf_optim.kernels.state_store import StateSpec, slot_bytes
 
 ELEMENTWISE = "elementwise"
@@ -84,73 +86,15 @@ class TritonPlan:
         return isinstance(self.step, str) and self.step == ELEMENTWISE
 
 
-TrainerAdjust = Callable[[dict, Any, list, dict, int], None]
-"""``adjust(kwargs, args, betas, optim_args, optim_bits)``: a last change to the constructor kwargs (in place)."""
-
-
-@dataclass(frozen=True)
-class TrainerMapping:
-    """The ``optim=`` names of an algorithm and how ``TrainingArguments`` become constructor kwargs.
-
-    Every name gets ``lr=args.learning_rate`` (weight decay comes through the Trainer's param groups), then:
-
-    Args:
-        names: the ``optim=`` names; each name's precision and paging are read from it as transformers reads its
-            own (``8bit`` in the name: 8-bit state, else 32-bit; a ``paged_`` prefix: paged). None: the default
-            names ``<name>``, ``<name>_32bit``, ``<name>_8bit`` and, for classes that page, ``paged_<name>_32bit``,
-            ``paged_<name>_8bit``.
-        takes_over: those of ``names`` that transformers already has (sent to bitsandbytes there): hf_optim builds
-            them only while its takeover is on.
-        betas: per entry of the constructor's ``betas``, its default: a ``TrainingArguments`` attribute name
-            (``"adam_beta1"``) or a number. ``optim_args`` keys ``beta1``, ``beta2``, ... override entries.
-            Empty: the Trainer passes no ``betas``.
-        eps: pass ``eps=args.adam_epsilon``.
-        fixed: constant kwargs (AdEMAMix's ``alpha=5.0``, as transformers passes).
-        adjust: an algorithm-specific last step (see :data:`TrainerAdjust`); ``optim_args`` are applied after it.
-    """
-
-    names: tuple[str, ...] | None = None
-    takes_over: tuple[str, ...] = ()
-    betas: tuple[str | float, ...] = ()
-    eps: bool = False
-    fixed: Mapping[str, Any] = field(default_factory=dict)
-    adjust: TrainerAdjust | None = None
-
-    def kwargs(self, args: Any, betas: list, optim_args: dict, optim_bits: int) -> dict[str, Any]:
-        """Constructor kwargs from ``args`` (``TrainingArguments``), the ``optim_args`` betas (None where not given)
-        and the other typed ``optim_args``, which win over everything else."""
-        kwargs: dict[str, Any] = {"lr": args.learning_rate}
-        given = [f"beta{i + 1}" for i, beta in enumerate(betas) if beta is not None]
-        if given and not self.betas and self.adjust is None:
-            raise ValueError(f"optim_args {', '.join(given)}: this optimizer name maps no betas from the Trainer; "
-                             "pass them all as betas=b1;b2")
-        if self.betas:
-            defaults = [getattr(args, d) if isinstance(d, str) else d for d in self.betas]
-            kwargs["betas"] = tuple(d if b is None else b for d, b in zip(defaults, [*betas, *[None] * len(defaults)]))
-        if self.eps:
-            kwargs["eps"] = args.adam_epsilon
-        kwargs.update(self.fixed)
-        if self.adjust is not None:
-            self.adjust(kwargs, args, betas, optim_args, optim_bits)
-        kwargs.update(optim_args)
-        return kwargs
-
-
-def name_precision(name: str) -> tuple[int, bool]:
-    """(state bits, paged) of an ``optim=`` name, as transformers reads its own names (``4bit`` and ``8bit`` in
-    the name: that state format; else 32-bit)."""
-    bits = 4 if "4bit" in name else 8 if "8bit" in name else 32
-    return bits, name.startswith("paged_")
-
-
 @dataclass(frozen=True, eq=False)  # a registered description is compared (and hashed) by identity
 class Algorithm:
     """One optimizer algorithm (see the module docstring).
 
     Args:
         name: the registry key, recorded in saved state dicts (``hf_optim_algorithm``); lower case, e.g. ``"adamw"``.
-        class_name: the base class's name (``"AdamW"``); the variants are ``<class_name>8bit``, ``...32bit``,
-            ``Paged<class_name>``, ``Paged<class_name>8bit`` and ``Paged<class_name>32bit``.
+        class_name: the base class's name (``"AdamW"``); the variants are ``<class_name><suffix>`` per format of
+            ``variant_formats`` (``AdamW8bit``: :attr:`StateFormat.class_suffix`), ``Paged<class_name>`` and
+            ``Paged<class_name><suffix>``.
         slots: the per-element state slots (bitsandbytes' ``state1``/``state2`` names; signedness picks the 8-bit
             map; ``rows`` stacks several states in one slot).
         hyper: a ``NamedTuple`` class of the scalars both rules read, by name; its field order is the order in
@@ -161,12 +105,14 @@ class Algorithm:
         triton_rule: the ``@triton.jit`` twin ``rule(p, g, s0, s1, s2, h) -> (out, s0, s1, s2)`` (or
             ``"module:name"``), or None: the algorithm then always takes the PyTorch path.
         triton_plan: how it steps on Triton (:class:`TritonPlan`).
-        trainer: its ``optim=`` names and the Trainer's argument mapping (:class:`TrainerMapping`).
-        state_bytes: ``state_bytes(shape, quantized, bits) -> int`` for state that is not per-element slots
-            (Adafactor's factored statistics); None: the slots' bytes.
-        variant_bits: the ``optim_bits`` of the named fixed-precision classes (``<class_name><bits>bit`` and
-            their paged twins); default (8, 32), bitsandbytes' family. Any class runs with every registered state
-            format through ``optim_bits``.
+        trainer: its ``optim=`` names and the Trainer's argument mapping
+            (:class:`hf_optim.optim.trainer_mapping.TrainerMapping`; None: the default mapping).
+        state_bytes: ``state_bytes(shape, quantized, fmt) -> int`` for state that is not per-element slots
+            (Adafactor's factored statistics): ``fmt`` is the optimizer's :class:`StateFormat`, ``quantized``
+            whether this tensor's state is in it (else fp32); None: the slots' bytes.
+        variant_formats: the names of the formats with named classes (``<class_name><suffix>`` and their paged
+            twins); default bitsandbytes' family (fp32, blockwise8); None: every registered format (a format
+            registered later included). Any class runs with every format it supports through ``state_format``.
     """
 
     name: str
@@ -177,9 +123,9 @@ class Algorithm:
     rule: Callable | None = None
     triton_rule: Any = None
     triton_plan: TritonPlan = TritonPlan()
-    trainer: TrainerMapping = TrainerMapping()
-    state_bytes: Callable[[tuple[int, ...], bool, int], int] | None = None
-    variant_bits: tuple[int, ...] = (8, 32)
+    trainer: Any = None
+    state_bytes: Callable[[tuple[int, ...], bool, StateFormat], int] | None = None
+    variant_formats: tuple[str, ...] | None = BITSANDBYTES_FORMATS
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.isidentifier() or self.name != self.name.lower():
@@ -212,17 +158,10 @@ class Algorithm:
             raise TypeError(f"{self.name}: hyper_at returned {type(values).__name__}, expected {self.hyper.__name__}")
         return values
 
-    def bytes_per_tensor(self, shape: tuple[int, ...], quantized: bool, bits: int) -> int:
-        """Bytes of state for one tensor of ``shape`` (``quantized``: its slots are in 8-bit state)."""
+    def bytes_per_tensor(self, shape: tuple[int, ...], quantized: bool, fmt: StateFormat) -> int:
+        """Bytes of state for one tensor of ``shape`` in an optimizer of format ``fmt`` (``quantized``: this tensor's
+        slots are in ``fmt``, not fp32: it has at least ``min_8bit_size`` elements)."""
         if self.state_bytes is not None:
-            return self.state_bytes(shape, quantized, bits)
+            return self.state_bytes(shape, quantized, fmt)
         numel = math.prod(shape)
-        fmt = format_for_bits(bits) if quantized else FP32
-        return sum(slot_bytes(spec, numel, fmt) for spec in self.slots)
-
-    def trainer_names(self, pages: bool) -> tuple[str, ...]:
-        """The ``optim=`` names (``pages``: whether the class takes ``is_paged``, for the default names)."""
-        if self.trainer.names is not None:
-            return self.trainer.names
-        names = (self.name, f"{self.name}_32bit", f"{self.name}_8bit")
-        return names + ((f"paged_{self.name}_32bit", f"paged_{self.name}_8bit") if pages else ())
+        return sum(slot_bytes(spec, numel, fmt if quantized else FP32) for spec in self.slots)

@@ -9,7 +9,8 @@ lists the kernels one step of one optimizer launches (the cold-start cost). :met
 for an arch without a GPU (``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``).
 
 This module sits in the kernels layer, so it does not know the optimizer classes: callers pass the algorithms and
-the state bits each runs with, e.g. ``[(f.algorithm, f.base._supported_bits()) for f in registry.families()]``.
+the state formats each runs with, e.g. ``[(f.algorithm, f.base._supported_formats()) for f in registry.families()]``
+(a format may be given as a :class:`StateFormat`, its name, or bitsandbytes' ``optim_bits`` alias).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from hf_optim.kernels import (
     triton_rounding,
 )
 from hf_optim.kernels.algorithm import Algorithm, resolve
-from hf_optim.kernels.formats import FP32, StateFormat, format_for_bits
+from hf_optim.kernels.formats import FP32, StateFormat, format_for_bits, format_named
 from hf_optim.kernels.triton_elementwise import FusedConfig, _fused_update_kernel
 from hf_optim.kernels.triton_tile import DTYPE_NAMES, launch_options
 
@@ -134,17 +135,25 @@ def _formats() -> list[StateFormat]:
 
 def _fused_name(config: FusedConfig, state_code: int | None = None) -> str:
     codes = config.formats if state_code is None else (state_code,) * len(config.formats)
-    bits = "/".join(f"{next(f.bits for f in _formats() if f.code == code)}bit" for code in sorted(set(codes)))
+    bits = "/".join(next(f.class_suffix for f in _formats() if f.code == code) for code in sorted(set(codes)))
     kind = f"lamb/direction {config.algorithm}" if config.write_out else f"fused/{config.algorithm}"
     grad = "" if config.grad_dtype == config.param_dtype else f" grad={DTYPE_NAMES[config.grad_dtype]}"
     return (f"{kind} {DTYPE_NAMES[config.param_dtype]}{grad} {bits} {'full' if config.full else 'partial'}"
             f"{' sr' if config.stochastic else ''}{'' if config.aligned or not config.full else ' unaligned'}")
 
 
-def fused_configs(algorithm: Algorithm, bits: Iterable[int], *, include_unaligned: bool = False,
-                  arch: int = 90) -> list[FusedConfig]:
-    """Every fused-kernel configuration ``algorithm`` launches with state of ``bits`` (32 included: tensors under
-    ``min_8bit_size``) on compute capability ``arch``: per parameter dtype (gradients of the same dtype), state
+def as_formats(formats: Iterable[StateFormat | str | int]) -> list[StateFormat]:
+    """``formats`` as :class:`StateFormat` objects (from names or bitsandbytes' ``optim_bits`` aliases), in table
+    order, each once."""
+    found = {f if isinstance(f, StateFormat) else format_named(f) if isinstance(f, str) else format_for_bits(f)
+             for f in formats}
+    return sorted(found, key=lambda f: f.rank)
+
+
+def fused_configs(algorithm: Algorithm, formats: Iterable[StateFormat | str | int], *,
+                  include_unaligned: bool = False, arch: int = 90) -> list[FusedConfig]:
+    """Every fused-kernel configuration ``algorithm`` launches with state in ``formats`` (fp32 included: tensors
+    under ``min_8bit_size``) on compute capability ``arch``: per parameter dtype (gradients of the same dtype), state
     format, whole or partial tile and, for bf16 parameters of elementwise algorithms, stochastic rounding."""
     if algorithm.triton_rule is None:
         return []
@@ -152,13 +161,13 @@ def fused_configs(algorithm: Algorithm, bits: Iterable[int], *, include_unaligne
     write_out = not algorithm.triton_plan.elementwise
     signed = tuple(spec.signed for spec in algorithm.slots for _ in range(spec.rows))
     configs = []
-    for bit in sorted(set(bits) | {32}, reverse=True):
-        formats = (format_for_bits(bit).code,) * len(signed)
+    for fmt in as_formats([*formats, FP32]):
+        codes = (fmt.code,) * len(signed)
         for dtype in DTYPES:
             for stochastic in (False, True) if dtype == BF16 and not write_out else (False,):
                 for full in (True, False):
                     for aligned in (True, False) if include_unaligned and full else (True,):
-                        configs.append(FusedConfig(algorithm.name, rule, formats, signed, dtype, dtype, full,
+                        configs.append(FusedConfig(algorithm.name, rule, codes, signed, dtype, dtype, full,
                                                    stochastic=stochastic, write_out=write_out, aligned=aligned,
                                                    arch=arch))
     return configs
@@ -201,10 +210,10 @@ _ADAFACTOR_SIGNATURES = {
 }
 
 
-def adafactor_specs(bits: Iterable[int] = (8, 32)) -> list[LaunchSpec]:
-    """Adafactor's passes for every parameter dtype, first moment (none, or each format of ``bits``), switch
+def adafactor_specs(formats: Iterable[StateFormat | str | int] = ("fp32", "blockwise8")) -> list[LaunchSpec]:
+    """Adafactor's passes for every parameter dtype, first moment (none, or each of ``formats``), switch
     (``scale_parameter``, weight decay) and stochastic rounding; each distinct binary once."""
-    moments = [triton_adafactor.NO_MOMENT] + [format_for_bits(bit).code for bit in sorted(set(bits), reverse=True)]
+    moments = [triton_adafactor.NO_MOMENT] + [fmt.code for fmt in as_formats(formats)]
     specs, seen = [], set()
     for dtype in DTYPES:
         for stochastic in (False, True) if dtype == BF16 else (False,):
@@ -239,7 +248,7 @@ def _adafactor_label(constexprs: dict) -> str:
     if "M_FORMAT" in constexprs:
         moment = constexprs["M_FORMAT"]
         words.append("no-m" if moment == triton_adafactor.NO_MOMENT else
-                     f"m={next(f.bits for f in _formats() if f.code == moment)}bit")
+                     f"m={next(f.class_suffix for f in _formats() if f.code == moment)}")
     words += [name for name, flag in (("decay", "HAS_DECAY"), ("scale", "SCALE"), ("sr", "SR")) if constexprs.get(flag)]
     return " ".join(words)
 
@@ -279,14 +288,15 @@ def standalone_specs() -> list[LaunchSpec]:
     return specs
 
 
-def kernel_specs(algorithms: Iterable[tuple[Algorithm, Iterable[int]]], *, include_unaligned: bool = False,
+def kernel_specs(algorithms: Iterable[tuple[Algorithm, Iterable[StateFormat | str | int]]], *,
+                 include_unaligned: bool = False,
                  standalone: bool = True, arch: int = 90) -> list[LaunchSpec]:
     """Every kernel configuration the optimizers of ``algorithms`` launch on a GPU of compute capability ``arch``
     (a few fused configurations take another tile width or a register limit on some arches:
     ``FusedConfig.whole_tile_width``, ``FusedConfig.max_registers``).
 
     Args:
-        algorithms: ``(algorithm, state bits it runs with)`` pairs, e.g. from the optimizer registry.
+        algorithms: ``(algorithm, state formats it runs with)`` pairs, e.g. from the optimizer registry.
         include_unaligned (default False): also the whole-tile fused configurations for tensors that are not 16-byte
             aligned (views at odd offsets; torch's own allocations always are).
         standalone (default True): also the standalone quantize / dequantize / rounding kernels.
@@ -294,14 +304,14 @@ def kernel_specs(algorithms: Iterable[tuple[Algorithm, Iterable[int]]], *, inclu
     """
     specs: list[LaunchSpec] = []
     lamb_tiles = set()
-    for algorithm, bits in algorithms:
-        bits = tuple(bits)
-        for config in fused_configs(algorithm, bits, include_unaligned=include_unaligned, arch=arch):
+    for algorithm, formats in algorithms:
+        formats = as_formats(formats)
+        for config in fused_configs(algorithm, formats, include_unaligned=include_unaligned, arch=arch):
             specs.append(fused_spec(algorithm, config))
             if config.write_out:
                 lamb_tiles.add(config.tile_blocks)
         if not algorithm.triton_plan.elementwise and resolve(algorithm.triton_plan.step) is triton_adafactor.step:
-            specs.extend(adafactor_specs(bits))
+            specs.extend(adafactor_specs(formats))
     if lamb_tiles:
         specs.extend(lamb_specs(lamb_tiles))
     if standalone:
@@ -313,11 +323,12 @@ def kernel_specs(algorithms: Iterable[tuple[Algorithm, Iterable[int]]], *, inclu
     return specs
 
 
-def step_specs(algorithm: Algorithm, bits: int, param_dtype: int, *, stochastic: bool = False,
-               arch: int = 90) -> list[LaunchSpec]:
-    """The fused kernels one step of ``algorithm`` with ``bits``-bit state launches on a model whose parameters (and
-    gradients) are of dtype code ``param_dtype``, on compute capability ``arch``: whole and partial tiles, of the
-    quantized tensors and of those under ``min_8bit_size`` (fp32 state)."""
-    return [fused_spec(algorithm, config) for config in fused_configs(algorithm, (bits,), arch=arch)
+def step_specs(algorithm: Algorithm, state_format: StateFormat | str | int, param_dtype: int, *,
+               stochastic: bool = False, arch: int = 90) -> list[LaunchSpec]:
+    """The fused kernels one step of ``algorithm`` with state in ``state_format`` launches on a model whose
+    parameters (and gradients) are of dtype code ``param_dtype``, on compute capability ``arch``: whole and partial
+    tiles, of the quantized tensors and of those under ``min_8bit_size`` (fp32 state)."""
+    codes = {fmt.code for fmt in as_formats([state_format, FP32])}
+    return [fused_spec(algorithm, config) for config in fused_configs(algorithm, (state_format,), arch=arch)
             if config.param_dtype == param_dtype and config.stochastic == stochastic
-            and {format_for_bits(b).code for b in (bits, 32)} >= set(config.formats)]
+            and codes >= set(config.formats)]

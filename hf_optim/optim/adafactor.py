@@ -14,13 +14,14 @@ from typing import NamedTuple
 import torch
 
 from hf_optim.kernels import rounding
-from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, TritonPlan, fp32_reciprocal
-from hf_optim.kernels.formats import FP32, format_for_bits, loaded_format
+from hf_optim.kernels.algorithm import Algorithm, TritonPlan, fp32_reciprocal
+from hf_optim.kernels.formats import FP32, StateFormat, loaded_format
 from hf_optim.kernels.state_store import StateSpec, init_slot, read_slot, slot_bytes, write_slot
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import as_tuple, check_beta, check_eps, check_lr, check_real, check_weight_decay
 from hf_optim.optim.base import HfOptimizer, StateDictError, local_tensor
 from hf_optim.optim.registry import register_algorithm
+from hf_optim.optim.trainer_mapping import TrainerMapping
 
 FIRST_MOMENT = StateSpec("exp_avg", signed=True)
 
@@ -67,26 +68,26 @@ def adafactor_hyper(group: dict, step: int) -> AdafactorHyper:
     )
 
 
-def adafactor_state_bytes(shape: tuple[int, ...], quantized: bool, bits: int) -> int:
+def adafactor_state_bytes(shape: tuple[int, ...], quantized: bool, fmt: StateFormat) -> int:
     """Factored second moment (rows + columns, fp32) for >= 2-D tensors, a full one for vectors, the RMS scalar,
-    and, for the 8-bit Trainer name (which sets beta1), the first moment."""
+    and, for a quantized Trainer name (which sets beta1), the first moment (in ``fmt`` when ``quantized``)."""
     numel = math.prod(shape)
     if len(shape) >= 2:
         total = 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2] + shape[-1:]))
     else:
         total = 4 * numel
     total += 4  # RMS
-    if bits == 8:
-        total += slot_bytes(FIRST_MOMENT, numel, format_for_bits(8) if quantized else FP32)
+    if fmt.quantized:
+        total += slot_bytes(FIRST_MOMENT, numel, fmt if quantized else FP32)
     return total
 
 
-def _trainer_adjust(kwargs: dict, args, betas: list, optim_args: dict, optim_bits: int) -> None:
+def _trainer_adjust(kwargs: dict, args, betas: list, optim_args: dict, state_format: StateFormat) -> None:
     """The Trainer's ``optim="adafactor"`` (external lr, no relative step, no parameter scaling: in ``fixed``);
     ``adafactor_8bit`` keeps a first moment (the state kept in 8-bit) with ``adam_beta1``; optim_args ``beta1``
     sets it, and ``relative_step=True`` without an ``lr`` lets Adafactor's own step replace the Trainer's lr."""
-    if optim_bits == 8:
-        kwargs.update(optim_bits=8, beta1=args.adam_beta1)
+    if state_format.quantized:
+        kwargs.update(state_format=state_format.name, beta1=args.adam_beta1)
     if betas and betas[0] is not None:
         kwargs["beta1"] = betas[0]
     if optim_args.get("relative_step") and "lr" not in optim_args:
@@ -154,10 +155,11 @@ class Adafactor(HfOptimizer):
     ``g / sqrt(V)`` is clipped to RMS ``clip_threshold`` and scaled by ``lr_t``; with ``beta1`` it is smoothed
     by a first moment ``exp_avg``; weight decay subtracts ``weight_decay * lr_t * p``.
 
-    8-bit: with ``optim_bits=8`` and ``beta1`` set, the first moment ``exp_avg`` of tensors with at least
-    ``min_8bit_size`` elements is kept in bitsandbytes' 8-bit blockwise format (keys ``exp_avg``,
-    ``exp_avg_qmap``, ``exp_avg_absmax``). The factored statistics are tiny and stay fp32; without
-    ``beta1`` there is no per-element state to quantize, so ``optim_bits`` changes nothing.
+    8-bit: with ``state_format="blockwise8"`` (``optim_bits=8``) and ``beta1`` set, the first moment ``exp_avg`` of
+    tensors with at least ``min_8bit_size`` elements is kept in bitsandbytes' 8-bit blockwise format (keys
+    ``exp_avg``, ``exp_avg_qmap``, ``exp_avg_absmax``). The factored statistics are tiny and stay fp32; without
+    ``beta1`` there is no per-element state to quantize, so the state format changes nothing. Adafactor runs with
+    fp32 and blockwise8 state (its Triton kernel reads those two).
 
     Args:
         params: iterable of parameters or parameter groups.
@@ -172,18 +174,11 @@ class Adafactor(HfOptimizer):
         scale_parameter (bool, default True): scale the learning rate by the parameter's RMS.
         relative_step (bool, default True): use the time-dependent relative step instead of ``lr``.
         warmup_init (bool, default False): warm the relative step up from 1e-6 (needs ``relative_step``).
-        optim_bits (int, default 32): 8 keeps the first moment in 8-bit (see above).
-        min_8bit_size (int, default 4096): tensors with fewer elements keep an fp32 first moment.
-        bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
-            stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
-            (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
-        release_gradients (bool, default False): step each parameter in a hook as soon as backward produces its
-            gradient and free the gradient at once (see ``hf_optim.optim.release``); ``step()`` must still be
-            called after every backward, and gradients cannot accumulate over several backward passes.
     """
 
     definition = ADAFACTOR
-    supported_bits = (8, 32)  # the Triton kernel reads an 8-bit or fp32 first moment
+    pages = False
+    supported_formats = ("fp32", "blockwise8")  # the Triton kernel reads an 8-bit or fp32 first moment
 
     def __init__(
         self,
@@ -197,10 +192,7 @@ class Adafactor(HfOptimizer):
         scale_parameter: bool = True,
         relative_step: bool = True,
         warmup_init: bool = False,
-        optim_bits: int = 32,
-        min_8bit_size: int = 4096,
-        bf16_stochastic_round: bool = False,
-        release_gradients: bool = False,
+        **options,
     ) -> None:
         if lr is not None and relative_step:
             raise ValueError("Cannot combine a manual lr with relative_step=True; pass relative_step=False or lr=None")
@@ -213,9 +205,7 @@ class Adafactor(HfOptimizer):
             weight_decay=weight_decay, scale_parameter=bool(scale_parameter), relative_step=bool(relative_step),
             warmup_init=bool(warmup_init),
         )
-        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size,
-                         bf16_stochastic_round=bf16_stochastic_round,
-                         release_gradients=release_gradients)
+        super().__init__(params, defaults, **options)
 
     def __setattr__(self, name: str, value) -> None:
         """Refuse a torch lr scheduler on relative-step groups (see :data:`SCHEDULER_REFUSAL`).

@@ -1,4 +1,4 @@
-"""AdamW (Loshchilov & Hutter), with torch.optim.AdamW semantics, in 32-bit, 8-bit and paged forms."""
+"""AdamW (Loshchilov & Hutter), with torch.optim.AdamW semantics, in every state format and paged."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from hf_optim.kernels import exact_math
-from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, fp32_reciprocal
+from hf_optim.kernels.algorithm import Algorithm, fp32_reciprocal
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.registry import register_algorithm
+from hf_optim.optim.trainer_mapping import TrainerMapping
 
 
 class AdamWHyper(NamedTuple):
@@ -62,7 +63,7 @@ ADAMW = Algorithm(
     hyper_at=adamw_hyper,
     rule=adamw_rule,
     triton_rule="hf_optim.kernels.triton_rules:adamw",
-    variant_bits=(4, 8, 32),
+    variant_formats=None,  # every registered format: 4-bit and any later one get classes and names
     trainer=TrainerMapping(
         names=("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_32bit", "adamw_4bit",
                "paged_adamw_4bit", "adamw_torch_4bit", "adamw_torch_8bit"),
@@ -77,7 +78,7 @@ ADAMW = Algorithm(
 
 
 class AdamW(HfOptimizer):
-    """AdamW with decoupled weight decay, the same math as ``torch.optim.AdamW``; 32-bit or 8-bit state.
+    """AdamW with decoupled weight decay, the same math as ``torch.optim.AdamW``, in every state format.
 
     Drop-in for ``bitsandbytes.optim.AdamW`` (same arguments). State follows bitsandbytes' layout: ``state1``
     (first moment, signed map when 8-bit) and ``state2`` (second moment, unsigned map).
@@ -90,20 +91,11 @@ class AdamW(HfOptimizer):
         weight_decay (float, default 1e-2): decoupled weight decay, applied as ``p *= 1 - lr * weight_decay``
             before the update (torch semantics).
         amsgrad (bool, default False): not supported; True raises ValueError (bitsandbytes ignores it).
-        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state (bitsandbytes' format),
-            4 for 4-bit blockwise state (two codes per byte, blocks of 128).
         args (default None): bitsandbytes' config object; only None is accepted.
-        min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
-        is_paged (bool, default False): paged state (see ``hf_optim.paging``).
-        bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
-            stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
-            (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
-        release_gradients (bool, default False): step each parameter in a hook as soon as backward produces its
-            gradient and free the gradient at once (see ``hf_optim.optim.release``); ``step()`` must still be
-            called after every backward, and gradients cannot accumulate over several backward passes.
     """
 
     definition = ADAMW
+    bitsandbytes_order = ("optim_bits", "args", "min_8bit_size", "is_paged")
     twins_keep_optim_bits = True  # bitsandbytes' AdamW8bit, PagedAdamW8bit, AdamW32bit, ... take optim_bits=32
 
     def __init__(
@@ -114,19 +106,13 @@ class AdamW(HfOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
-        optim_bits: int = 32,
         args=None,
-        min_8bit_size: int = 4096,
-        is_paged: bool = False,
-        bf16_stochastic_round: bool = False,
-        release_gradients: bool = False,
+        **options,
     ) -> None:
         check_unsupported("amsgrad", amsgrad, False, "AMSGrad needs a third state; use amsgrad=False")
         check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
         defaults = dict(lr=lr, betas=as_tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged,
-                         bf16_stochastic_round=bf16_stochastic_round,
-                         release_gradients=release_gradients)
+        super().__init__(params, defaults, **options)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)

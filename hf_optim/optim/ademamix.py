@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from hf_optim.kernels import exact_math
-from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, fp32_reciprocal
+from hf_optim.kernels.algorithm import Algorithm, fp32_reciprocal
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import (
     as_tuple,
@@ -22,6 +22,7 @@ from hf_optim.optim._validation import (
 )
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.registry import register_algorithm
+from hf_optim.optim.trainer_mapping import TrainerMapping
 
 
 class AdEMAMixHyper(NamedTuple):
@@ -104,7 +105,7 @@ ADEMAMIX = Algorithm(
     rule=ademamix_rule,
     triton_rule="hf_optim.kernels.triton_rules:ademamix",
     # transformers reads optim_args beta1, beta2, beta3, alpha, eps, t_alpha, t_beta3 for its ademamix names
-    variant_bits=(4, 8, 32),
+    variant_formats=None,  # every registered format: 4-bit and any later one get classes and names
     trainer=TrainerMapping(
         names=("ademamix", "ademamix_8bit", "paged_ademamix_8bit", "paged_ademamix_32bit", "ademamix_32bit",
                "ademamix_4bit", "paged_ademamix_4bit"),
@@ -133,16 +134,6 @@ class AdEMAMix(HfOptimizer):
         t_beta3 (int | None, default None): steps of beta3 warm-up from beta1 (None: no warm-up).
         eps (float, default 1e-8): added to the denominator.
         weight_decay (float, default 1e-2): decoupled weight decay, applied before the update.
-        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state (bitsandbytes' format),
-            4 for 4-bit blockwise state (two codes per byte, blocks of 128).
-        min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
-        is_paged (bool, default False): paged state (see ``hf_optim.paging``).
-        bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
-            stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
-            (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
-        release_gradients (bool, default False): step each parameter in a hook as soon as backward produces its
-            gradient and free the gradient at once (see ``hf_optim.optim.release``); ``step()`` must still be
-            called after every backward, and gradients cannot accumulate over several backward passes.
     """
 
     definition = ADEMAMIX
@@ -157,19 +148,13 @@ class AdEMAMix(HfOptimizer):
         t_beta3: int | None = None,
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
-        optim_bits: int = 32,
-        min_8bit_size: int = 4096,
-        is_paged: bool = False,
-        bf16_stochastic_round: bool = False,
-        release_gradients: bool = False,
+        **options,
     ) -> None:
         defaults = dict(
             lr=lr, betas=as_tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
             weight_decay=weight_decay,
         )
-        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged,
-                         bf16_stochastic_round=bf16_stochastic_round,
-                         release_gradients=release_gradients)
+        super().__init__(params, defaults, **options)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
@@ -189,7 +174,6 @@ AdEMAMix4bit = _twins["AdEMAMix4bit"]
 AdEMAMix8bit = _twins["AdEMAMix8bit"]
 AdEMAMix32bit = _twins["AdEMAMix32bit"]
 PagedAdEMAMix = _twins["PagedAdEMAMix"]
-PagedAdEMAMix4bit = _twins["PagedAdEMAMix4bit"]
 PagedAdEMAMix4bit = _twins["PagedAdEMAMix4bit"]
 PagedAdEMAMix8bit = _twins["PagedAdEMAMix8bit"]
 PagedAdEMAMix32bit = _twins["PagedAdEMAMix32bit"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -20,7 +21,17 @@ from hf_optim.kernels import backend as kernel_backend
 from hf_optim.kernels import cpu_compile, multi_tensor, rounding
 from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.flat_state import FlatState, FlatStates
-from hf_optim.kernels.formats import FORMATS, FP32, SlotLayout, StateFormat, format_for_bits, loaded_format
+from hf_optim.kernels.formats import (
+    FORMATS,
+    FP32,
+    SlotLayout,
+    StateFormat,
+    format_for_bits,
+    formats_by_rank,
+    loaded_format,
+    settings_format,
+    with_overrides,
+)
 from hf_optim.kernels.formats.base import StateDictError
 from hf_optim.kernels.state_store import (
     QUANT_KEYS,
@@ -29,8 +40,9 @@ from hf_optim.kernels.state_store import (
     slot_layouts,
     slot_tensors,
 )
+from hf_optim.optim import options as common_options
 from hf_optim.optim import sharding
-from hf_optim.optim._validation import check_min_8bit_size, check_optim_bits, check_stochastic_round
+from hf_optim.optim._validation import check_min_8bit_size, check_stochastic_round
 from hf_optim.optim.overrides import (
     PARAM_OVERRIDES_ATTR,
     bitsandbytes_config,
@@ -39,7 +51,7 @@ from hf_optim.optim.overrides import (
     module_overrides,
     update_overrides,
 )
-from hf_optim.optim.release import GradientRelease, check_release_gradients, release_unsupported_reason
+from hf_optim.optim.release import GradientRelease, release_unsupported_reason
 from hf_optim.paging import on_host, paging_unavailable_reason, state_allocator
 
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
@@ -80,9 +92,14 @@ class HfOptimizer(torch.optim.Optimizer):
     ``_hyper`` from it (unless it defines them itself)."""
     algorithm: ClassVar[str] = ""
     state_specs: ClassVar[tuple[StateSpec, ...]] = ()
-    supported_bits: ClassVar[tuple[int, ...] | None] = None
-    """The ``optim_bits`` values the algorithm runs with; None (elementwise algorithms): every registered state
+    supported_formats: ClassVar[tuple[str, ...] | None] = None
+    """The names of the state formats the algorithm runs with; None (elementwise algorithms): every registered
     format (``hf_optim.kernels.formats``), so a new format needs no change to any algorithm."""
+    pages: ClassVar[bool] = True
+    """Whether the class takes ``is_paged`` (and has ``Paged*`` twins)."""
+    bitsandbytes_order: ClassVar[tuple[str, ...]] = ("optim_bits", "min_8bit_size", "is_paged")
+    """Where the common options (:mod:`hf_optim.optim.options`) go in a class's signature: bitsandbytes' order from
+    ``optim_bits`` on, naming the class's own arguments between them (``args``, LAMB's ``max_unorm``)."""
     group_keys: ClassVar[tuple[str, ...]] = ()
     """Param-group keys the algorithm reads (filled from defaults when a foreign state dict lacks them)."""
     twins_keep_optim_bits: ClassVar[bool] = False
@@ -94,36 +111,32 @@ class HfOptimizer(torch.optim.Optimizer):
         self,
         params: Iterable,
         defaults: dict[str, Any],
-        *,
-        optim_bits: int = 32,
-        min_8bit_size: int = 4096,
-        is_paged: bool = False,
-        bf16_stochastic_round: bool = False,
-        release_gradients: bool = False,
+        **options: Any,
     ) -> None:
-        defaults = dict(defaults)
-        defaults["optim_bits"] = check_optim_bits(optim_bits, self._supported_bits(), type(self).__name__)
-        defaults["min_8bit_size"] = check_min_8bit_size(min_8bit_size)
-        defaults[SR_KEY] = bf16_stochastic_round
-        defaults[SR_SEED_KEY] = 0
+        """``defaults``: the algorithm's hyperparameters; ``options``: the common options given (see
+        :mod:`hf_optim.optim.options`; the others take their defaults)."""
+        chosen = common_options.resolve(type(self), options, self._supported_formats())
+        defaults = {**defaults, **common_options.group_entries(chosen), SR_SEED_KEY: 0}
         # The arguments are checked before ``params`` is read, as torch's optimizers do, so a bad value is reported
         # as itself whatever ``params`` is (torch's own error tests pass params=None with a bad lr).
         self._check_group({**defaults, "params": []})
-        release_gradients = check_release_gradients(release_gradients)
         super().__init__(params, defaults)
-        self.is_paged = bool(is_paged)
+        self.is_paged = chosen.get("is_paged", False)
         self._allocate = state_allocator(self.is_paged, type(self).__name__)
         self._flat = FlatStates()  # where the multi-tensor path keeps each parameter's state
         self._ordinals: dict[int, int] = {}  # during a step with stochastic rounding: id(state) -> param ordinal
         for group in self.param_groups:
             self._check_group(group)
-        self.release_gradients = release_gradients
+        self.release_gradients = chosen["release_gradients"]
         self._release: GradientRelease | None = None
         if self.release_gradients:
             self._start_release()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
+        own_init = cls.__dict__.get("__init__")
+        if own_init is not None and "options" in inspect.signature(own_init).parameters:
+            common_options.with_common_options(cls)
         definition = cls.__dict__.get("definition")
         if definition is None:
             return
@@ -139,13 +152,14 @@ class HfOptimizer(torch.optim.Optimizer):
     # Hooks for subclasses
     def _check_group(self, group: dict) -> None:
         """Validate a param group's hyperparameters (called for every group, including added ones)."""
-        check_optim_bits(group["optim_bits"], self._supported_bits(), type(self).__name__)
+        common_options.check_group_format(group, self._supported_formats(), type(self).__name__)
         check_min_8bit_size(group["min_8bit_size"])
         check_stochastic_round(group.get(SR_KEY, False), group.get(SR_SEED_KEY, 0))
 
     @classmethod
-    def _supported_bits(cls) -> tuple[int, ...]:
-        return cls.supported_bits or tuple(sorted(fmt.bits for fmt in FORMATS.values()))
+    def _supported_formats(cls) -> tuple[StateFormat, ...]:
+        """The formats the class runs with, in table order."""
+        return tuple(formats_by_rank(cls.supported_formats))
 
     def rule(self, param, grad, states, hyper):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -163,12 +177,13 @@ class HfOptimizer(torch.optim.Optimizer):
         return saved
 
     def _state_format(self, param: torch.Tensor, group: dict) -> StateFormat:
-        """The format of ``param``'s state: ``optim_bits``' quantized format when the WHOLE parameter (a
-        DTensor's global numel) has ``min_8bit_size`` elements, fp32 otherwise, so the precision of a
-        parameter's state never depends on how many ranks share it."""
-        if group["optim_bits"] == 32 or param.numel() < group["min_8bit_size"]:
+        """The format of ``param``'s state: the group's (``state_format``, or ``optim_bits`` where an override set it)
+        when it is not quantized or the WHOLE parameter (a DTensor's global numel) has ``min_8bit_size`` elements,
+        fp32 otherwise, so the precision of a parameter's state never depends on how many ranks share it."""
+        fmt = settings_format(group)
+        if fmt.quantized and param.numel() < group["min_8bit_size"]:
             return FP32
-        return format_for_bits(group["optim_bits"])
+        return fmt
 
     def _init_state(self, full: torch.Tensor, group: dict, state: dict) -> None:
         """Create the state of parameter ``full`` (a DTensor or a tensor) on its local tensor."""
@@ -283,7 +298,7 @@ class HfOptimizer(torch.optim.Optimizer):
         the multi-tensor path, per tensor otherwise."""
         flat_entries = []
         for p, param, overrides in fresh:
-            settings = {**group, **overrides} if overrides else group
+            settings = with_overrides(group, overrides) if overrides else group
             state = self.state[p]
             if not self._on_multi_tensor_path(p, param):
                 self._init_state(p, settings, state)
@@ -535,7 +550,7 @@ class HfOptimizer(torch.optim.Optimizer):
     def _check_overrides(self, overrides: dict, group: dict, where: str) -> None:
         check_override_keys(overrides, group, type(self).__name__, where)
         try:
-            self._check_group({**group, **overrides})
+            self._check_group(with_overrides(group, overrides))
         except (TypeError, ValueError) as error:
             raise type(error)(f"{where}, per-parameter override {overrides!r}: {error}") from error
 
@@ -712,6 +727,8 @@ class HfOptimizer(torch.optim.Optimizer):
         for group, saved in zip(groups, saved_groups):
             saved = self._from_bnb_group(saved)
             merged = {k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", ALGORITHM_KEY)}
+            if "state_format" not in merged and merged.get("optim_bits") in [f.optim_bits for f in FORMATS.values()]:
+                merged["state_format"] = format_for_bits(merged["optim_bits"]).name  # bitsandbytes' (or older) dict
             for key, value in self.defaults.items():
                 merged.setdefault(key, value)
             merged["params"] = group["params"]

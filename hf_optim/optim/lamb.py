@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from hf_optim.kernels import exact_math, multi_tensor, rounding
-from hf_optim.kernels.algorithm import Algorithm, TrainerMapping, TritonPlan, fp32_reciprocal
+from hf_optim.kernels.algorithm import Algorithm, TritonPlan, fp32_reciprocal
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import (
@@ -28,6 +28,7 @@ from hf_optim.optim._validation import (
 )
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.registry import register_algorithm
+from hf_optim.optim.trainer_mapping import TrainerMapping
 
 
 class LAMBHyper(NamedTuple):
@@ -151,23 +152,15 @@ class LAMB(HfOptimizer):
             apex's default (bitsandbytes' is 0).
         amsgrad (bool, default False): not supported; True raises ValueError.
         adam_w_mode (bool, default True): decoupled weight decay (apex ``adam_w_mode``).
-        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state.
         args (default None): bitsandbytes' config object; only None is accepted.
-        min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
         max_unorm (float, default 0.0): bitsandbytes' update-norm clip (see above); 0 turns it off (bitsandbytes'
             default is 1.0, which never binds where the trust ratio applies).
-        is_paged (bool, default False): paged state (see ``hf_optim.paging``).
         use_nvlamb (bool, default False): apply the trust ratio also to groups with ``weight_decay == 0``.
         max_trust_ratio (float | None, default None): clamp the trust ratio (e.g. 10); None leaves it free.
-        bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
-            stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
-            (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
-        release_gradients (bool, default False): step each parameter in a hook as soon as backward produces its
-            gradient and free the gradient at once (see ``hf_optim.optim.release``); ``step()`` must still be
-            called after every backward, and gradients cannot accumulate over several backward passes.
     """
 
     definition = LAMB_ALGORITHM
+    bitsandbytes_order = ("optim_bits", "args", "min_8bit_size", "max_unorm", "is_paged")
 
     def __init__(
         self,
@@ -179,15 +172,11 @@ class LAMB(HfOptimizer):
         weight_decay: float = 0.01,
         amsgrad: bool = False,
         adam_w_mode: bool = True,
-        optim_bits: int = 32,
         args=None,
-        min_8bit_size: int = 4096,
         max_unorm: float = 0.0,
-        is_paged: bool = False,
         use_nvlamb: bool = False,
         max_trust_ratio: float | None = None,
-        bf16_stochastic_round: bool = False,
-        release_gradients: bool = False,
+        **options,
     ) -> None:
         check_unsupported("amsgrad", amsgrad, False, "AMSGrad needs a third state; use amsgrad=False")
         check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
@@ -196,9 +185,7 @@ class LAMB(HfOptimizer):
             adam_w_mode=bool(adam_w_mode), use_nvlamb=bool(use_nvlamb), max_trust_ratio=max_trust_ratio,
             max_unorm=max_unorm,
         )
-        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged,
-                         bf16_stochastic_round=bf16_stochastic_round,
-                         release_gradients=release_gradients)
+        super().__init__(params, defaults, **options)
         if not any(group["weight_decay"] != 0 or group["use_nvlamb"] or group["max_unorm"] > 0
                    for group in self.param_groups):
             # The Trainer's default weight_decay is 0: LAMB would then silently be Adam (apex semantics).

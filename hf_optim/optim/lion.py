@@ -7,11 +7,12 @@ from typing import NamedTuple
 
 import torch
 
-from hf_optim.kernels.algorithm import Algorithm, TrainerMapping
+from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import as_tuple, check_betas, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.registry import register_algorithm
+from hf_optim.optim.trainer_mapping import TrainerMapping
 
 
 class LionHyper(NamedTuple):
@@ -55,7 +56,7 @@ LION = Algorithm(
     hyper_at=lion_hyper,
     rule=lion_rule,
     triton_rule="hf_optim.kernels.triton_rules:lion",
-    variant_bits=(4, 8, 32),
+    variant_formats=None,  # every registered format: 4-bit and any later one get classes and names
     trainer=TrainerMapping(
         names=("lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit", "lion_4bit", "paged_lion_4bit"),
         takes_over=("lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit"),
@@ -65,7 +66,7 @@ LION = Algorithm(
 
 
 class Lion(HfOptimizer):
-    """Lion: ``p -= lr * sign(beta1*m + (1-beta1)*g)`` then ``m = beta2*m + (1-beta2)*g``; 32-bit or 8-bit.
+    """Lion: ``p -= lr * sign(beta1*m + (1-beta1)*g)`` then ``m = beta2*m + (1-beta2)*g``; every state format.
 
     Drop-in for ``bitsandbytes.optim.Lion`` (same arguments). One state, ``state1`` (signed map when 8-bit).
 
@@ -74,20 +75,11 @@ class Lion(HfOptimizer):
         lr (float, default 1e-4): learning rate.
         betas (tuple[float, float], default (0.9, 0.99)): interpolation and EMA coefficients.
         weight_decay (float, default 0): decoupled weight decay, applied before the update.
-        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state (bitsandbytes' format),
-            4 for 4-bit blockwise state (two codes per byte, blocks of 128).
         args (default None): bitsandbytes' config object; only None is accepted.
-        min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
-        is_paged (bool, default False): paged state (see ``hf_optim.paging``).
-        bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
-            stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
-            (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
-        release_gradients (bool, default False): step each parameter in a hook as soon as backward produces its
-            gradient and free the gradient at once (see ``hf_optim.optim.release``); ``step()`` must still be
-            called after every backward, and gradients cannot accumulate over several backward passes.
     """
 
     definition = LION
+    bitsandbytes_order = ("optim_bits", "args", "min_8bit_size", "is_paged")
 
     def __init__(
         self,
@@ -95,18 +87,12 @@ class Lion(HfOptimizer):
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
-        optim_bits: int = 32,
         args=None,
-        min_8bit_size: int = 4096,
-        is_paged: bool = False,
-        bf16_stochastic_round: bool = False,
-        release_gradients: bool = False,
+        **options,
     ) -> None:
         check_unsupported("args", args, None, "pass hyperparameters as keyword arguments or param groups")
         defaults = dict(lr=lr, betas=as_tuple(betas), weight_decay=weight_decay)
-        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size, is_paged=is_paged,
-                         bf16_stochastic_round=bf16_stochastic_round,
-                         release_gradients=release_gradients)
+        super().__init__(params, defaults, **options)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)
@@ -123,7 +109,6 @@ Lion4bit = _twins["Lion4bit"]
 Lion8bit = _twins["Lion8bit"]
 Lion32bit = _twins["Lion32bit"]
 PagedLion = _twins["PagedLion"]
-PagedLion4bit = _twins["PagedLion4bit"]
 PagedLion4bit = _twins["PagedLion4bit"]
 PagedLion8bit = _twins["PagedLion8bit"]
 PagedLion32bit = _twins["PagedLion32bit"]

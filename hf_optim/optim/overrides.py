@@ -13,9 +13,10 @@ Two sources, merged in this order (later wins):
    replaces the ``override_config`` one, as bitsandbytes' ``check_overrides`` does. The manager is only read,
    never changed.
 
-Keys that decide how state is created (``optim_bits``, ``min_8bit_size``) take effect when a parameter's state is
-created; every other key is a hyperparameter of the group (``lr``, ``betas``, ...) and applies at every step, as in
-bitsandbytes, whose optimizers read the manager at every step. A key the optimizer does not have is an error.
+Keys that decide how state is created (``optim_bits``, ``state_format``, ``min_8bit_size``) take effect when a
+parameter's state is created; every other key is a hyperparameter of the group (``lr``, ``betas``, ...) and applies
+at every step, as in bitsandbytes, whose optimizers read the manager at every step. A key the optimizer does not
+have is an error.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ PARAM_OVERRIDES_ATTR = "hf_optim_overrides"
 """A parameter attribute holding per-parameter settings (e.g. ``{"optim_bits": 32}`` for embeddings) that
 override its group's, like bitsandbytes' ``GlobalOptimManager`` overrides."""
 
-STATE_CREATION_KEYS = frozenset({"optim_bits", "min_8bit_size"})
+STATE_CREATION_KEYS = frozenset({"optim_bits", "state_format", "min_8bit_size"})
 """Override keys that only matter when a parameter's state is created."""
 
 NOT_OVERRIDABLE = frozenset({"params", "param_names"})

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hf_optim.kernels.algorithm import Algorithm, name_precision
+from hf_optim.kernels.algorithm import Algorithm
+from hf_optim.kernels.formats import StateFormat, formats_by_rank
+from hf_optim.optim import options as common_options
 from hf_optim.optim._validation import as_tuple, check_lr
 from hf_optim.optim.base import HfOptimizer
+from hf_optim.optim.trainer_mapping import parse_name, trainer_names
 from hf_optim.optim.variants import family
 
 
@@ -29,6 +33,8 @@ class Family:
     algorithm: Algorithm
     base: type
     classes: Mapping[str, type]
+    formats: tuple[StateFormat, ...] = ()
+    """The formats with named classes (``AdamW8bit``), in table order."""
 
     def __getitem__(self, class_name: str) -> type:
         try:
@@ -42,16 +48,21 @@ class Family:
         """Whether the classes take ``is_paged`` (paged variants exist)."""
         return any(name.startswith("Paged") for name in self.classes)
 
-    def class_for(self, bits: int, paged: bool) -> type:
-        """The class an ``optim=`` name of this precision and paging builds: the matching fixed variant, else the
-        base class (Adafactor has no fixed-precision variants; its Trainer mapping sets ``optim_bits``)."""
+    def class_for(self, fmt: StateFormat, paged: bool) -> type:
+        """The class an ``optim=`` name of this format and paging builds: the matching fixed variant, else the
+        base class (Adafactor has no fixed-format variants; its Trainer mapping sets ``state_format``)."""
         prefix = "Paged" if paged else ""
-        variant = self.classes.get(f"{prefix}{self.algorithm.class_name}{bits}bit")
+        variant = self.classes.get(f"{prefix}{self.algorithm.class_name}{fmt.class_suffix}")
         if variant is not None:
             return variant
         if paged:
-            raise ValueError(f"{self.algorithm.class_name} has no paged {bits}-bit class")
+            raise ValueError(f"{self.algorithm.class_name} has no paged {fmt.label} class")
         return self.base
+
+    @property
+    def trainer_names(self) -> tuple[str, ...]:
+        """The ``optim=`` names of the algorithm (see :mod:`hf_optim.optim.trainer_mapping`)."""
+        return trainer_names(self.algorithm, list(self.formats), self.pages)
 
 
 class UnknownAlgorithmError(KeyError):
@@ -82,7 +93,7 @@ def register_algorithm(
             ``algorithm`` (hf_optim's own algorithms, which keep bitsandbytes' constructor signatures). None:
             a class is generated from ``defaults``.
         defaults: for a generated class, its hyperparameters with their defaults (``lr`` among them), in
-            constructor order; ``optim_bits``, ``min_8bit_size`` and ``is_paged`` are added.
+            constructor order; the common options (:mod:`hf_optim.optim.options`) are added.
         check: for a generated class, ``check(group)`` validates a param group's hyperparameters (raise
             ``ValueError`` naming the bad value); ``lr`` is always checked.
         module: the ``__module__`` of generated classes (default: the caller's module), so they pickle when the
@@ -109,14 +120,24 @@ def register_algorithm(
         optimizer = _generated_class(algorithm, dict(defaults), check, module)
     elif getattr(optimizer, "definition", None) is not algorithm:
         raise ValueError(f"{optimizer.__name__}.definition is not the algorithm being registered ({algorithm.name!r})")
-    derived = family(optimizer, algorithm.class_name, algorithm.variant_bits) if variants else {}
-    new = Family(algorithm, optimizer, {algorithm.class_name: optimizer, **derived})
-    taken = {name: f.algorithm.name for f in _FAMILIES.values() for name in f.algorithm.trainer_names(f.pages)}
-    for name in algorithm.trainer_names(new.pages):
+    supported = optimizer._supported_formats()
+    named = supported if algorithm.variant_formats is None else formats_by_rank(algorithm.variant_formats)
+    if not set(named) <= set(supported):
+        raise ValueError(f"{algorithm.name!r}: variant_formats {[f.name for f in named]} are not all formats "
+                         f"{optimizer.__name__} runs with ({[f.name for f in supported]})")
+    named = tuple(named) if variants else ()
+    derived = family(optimizer, algorithm.class_name, named) if variants else {}
+    new = Family(algorithm, optimizer, {algorithm.class_name: optimizer, **derived}, named)
+    taken = {name: f.algorithm.name for f in _FAMILIES.values() for name in f.trainer_names}
+    for name in new.trainer_names:
         if name in taken:
             raise ValueError(f"optim name {name!r} of {algorithm.name!r} is already {taken[name]!r}'s")
-        new.class_for(*name_precision(name))  # a name whose class does not exist fails here, not in the Trainer
+        new.class_for(*parse_name(name))  # a name whose class does not exist fails here, not in the Trainer
     _FAMILIES[algorithm.name] = new
+    home = sys.modules.get(optimizer.__module__)
+    for class_name, cls in derived.items():  # the twins live in their base's module, where pickle looks for them
+        if home is not None and not hasattr(home, class_name):
+            setattr(home, class_name, cls)
     for listener in list(_LISTENERS):
         listener(new)
     return new
@@ -154,35 +175,22 @@ def _caller_module() -> str:
 
 
 def _generated_class(algorithm: Algorithm, defaults: dict, check, module: str) -> type:
-    """An :class:`HfOptimizer` subclass for ``algorithm`` whose constructor takes ``defaults``' hyperparameters."""
-    reserved = {"params", "optim_bits", "min_8bit_size", "is_paged", "bf16_stochastic_round",
-                "release_gradients"} & set(defaults)
+    """An :class:`HfOptimizer` subclass for ``algorithm`` whose constructor takes ``defaults``' hyperparameters and
+    the common options (:mod:`hf_optim.optim.options`)."""
+    reserved = {"params", *common_options.BY_NAME} & set(defaults)
     if reserved:
         raise ValueError(f"defaults of {algorithm.name!r} may not set {sorted(reserved)}: every class takes them")
     keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    signature = inspect.Signature(
+    own = inspect.Signature(
         [inspect.Parameter("self", keyword), inspect.Parameter("params", keyword)]
         + [inspect.Parameter(name, keyword, default=value) for name, value in defaults.items()]
-        + [inspect.Parameter("optim_bits", keyword, default=32),
-           inspect.Parameter("min_8bit_size", keyword, default=4096),
-           inspect.Parameter("is_paged", keyword, default=False),
-           inspect.Parameter("bf16_stochastic_round", keyword, default=False),
-           inspect.Parameter("release_gradients", keyword, default=False)]
+        + [inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD)]
     )
 
-    def __init__(self, params, *args, **kwargs) -> None:
-        try:
-            arguments = signature.bind(self, params, *args, **kwargs)
-        except TypeError as error:
-            raise TypeError(f"{type(self).__name__}.__init__() {error}; it takes {', '.join(defaults)}, optim_bits, "
-                            "min_8bit_size, is_paged, bf16_stochastic_round and release_gradients") from None
-        arguments.apply_defaults()
-        values = arguments.arguments
-        hyper = {name: as_tuple(values[name]) if isinstance(values[name], list) else values[name] for name in defaults}
-        HfOptimizer.__init__(self, values["params"], hyper, optim_bits=values["optim_bits"],
-                             min_8bit_size=values["min_8bit_size"], is_paged=values["is_paged"],
-                             bf16_stochastic_round=values["bf16_stochastic_round"],
-                             release_gradients=values["release_gradients"])
+    def __init__(self, params, **values) -> None:
+        hyper = {name: values.pop(name, default) for name, default in defaults.items()}
+        hyper = {name: as_tuple(value) if isinstance(value, list) else value for name, value in hyper.items()}
+        HfOptimizer.__init__(self, params, hyper, **values)
 
     def _check_group(self, group: dict) -> None:
         HfOptimizer._check_group(self, group)
@@ -190,11 +198,10 @@ def _generated_class(algorithm: Algorithm, defaults: dict, check, module: str) -
         if check is not None:
             check(group)
 
-    __init__.__signature__ = signature
+    __init__.__signature__ = own
     described = ", ".join(f"{name}={value!r}" for name, value in defaults.items())
-    doc = (f"The {algorithm.name!r} algorithm ({described}), registered with "
-           "``hf_optim.register_algorithm``; 32-bit, 8-bit or 4-bit blockwise state (``optim_bits``), optionally "
-           "paged, optionally with bf16 stochastic rounding.")
+    doc = (f"The {algorithm.name!r} algorithm ({described}), registered with ``hf_optim.register_algorithm``; "
+           "every state format (``state_format``), optionally paged, optionally with bf16 stochastic rounding.")
     return type(algorithm.class_name, (HfOptimizer,), {
         "definition": algorithm, "__init__": __init__, "_check_group": _check_group, "__doc__": doc,
         "__module__": module,

@@ -6,11 +6,12 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from hf_optim.kernels import exact_math
-from hf_optim.kernels.algorithm import Algorithm, TrainerMapping
+from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim._validation import check_beta, check_eps, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.registry import register_algorithm
+from hf_optim.optim.trainer_mapping import TrainerMapping
 
 
 class RMSpropHyper(NamedTuple):
@@ -59,7 +60,7 @@ RMSPROP = Algorithm(
 
 
 class RMSprop(HfOptimizer):
-    """RMSprop: ``v = alpha*v + (1-alpha)*g*g; p -= lr * g / (sqrt(v) + eps)``; 32-bit or 8-bit state.
+    """RMSprop: ``v = alpha*v + (1-alpha)*g*g; p -= lr * g / (sqrt(v) + eps)``; every state format.
 
     Drop-in for ``bitsandbytes.optim.RMSprop``. Weight decay is L2 (added to the gradient), as in
     bitsandbytes. The 8-bit ``state1`` uses the signed dynamic map, as bitsandbytes' 1-state optimizers do,
@@ -73,21 +74,15 @@ class RMSprop(HfOptimizer):
         weight_decay (float, default 0): L2 penalty added to the gradient.
         momentum (float, default 0): only 0 is supported (as in bitsandbytes).
         centered (bool, default False): only False is supported (as in bitsandbytes).
-        optim_bits (int, default 32): 32 for fp32 state, 8 for 8-bit blockwise state.
         args (default None): bitsandbytes' config object; only None is accepted.
-        min_8bit_size (int, default 4096): tensors with fewer elements keep fp32 state when 8-bit.
         percentile_clipping (int, default 100): only 100 (off) is supported; clip with the Trainer's
             ``max_grad_norm`` instead.
         block_wise (bool, default True): only blockwise quantization is supported.
-        bf16_stochastic_round (bool, default False): round the fp32 result into bfloat16 parameters
-            stochastically instead of to nearest, so updates below bf16's resolution are kept in expectation
-            (deterministic per seed, step and element; fp32 parameters are unaffected, float16 ones raise).
-        release_gradients (bool, default False): step each parameter in a hook as soon as backward produces its
-            gradient and free the gradient at once (see ``hf_optim.optim.release``); ``step()`` must still be
-            called after every backward, and gradients cannot accumulate over several backward passes.
     """
 
     definition = RMSPROP
+    bitsandbytes_order = ("optim_bits", "args", "min_8bit_size", "percentile_clipping", "block_wise")
+    pages = False
 
     def __init__(
         self,
@@ -98,13 +93,10 @@ class RMSprop(HfOptimizer):
         weight_decay: float = 0.0,
         momentum: float = 0.0,
         centered: bool = False,
-        optim_bits: int = 32,
         args=None,
-        min_8bit_size: int = 4096,
         percentile_clipping: int = 100,
         block_wise: bool = True,
-        bf16_stochastic_round: bool = False,
-        release_gradients: bool = False,
+        **options,
     ) -> None:
         if momentum != 0.0:  # torch's wording for a bad momentum, then why no other value works
             raise ValueError(f"Invalid momentum value: {momentum}; hf_optim's RMSprop supports only momentum=0 "
@@ -114,9 +106,7 @@ class RMSprop(HfOptimizer):
         check_unsupported("percentile_clipping", percentile_clipping, 100, "use the Trainer's max_grad_norm")
         check_unsupported("block_wise", block_wise, True, "hf_optim stores 8-bit state blockwise only")
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, optim_bits=optim_bits, min_8bit_size=min_8bit_size,
-                         bf16_stochastic_round=bf16_stochastic_round,
-                         release_gradients=release_gradients)
+        super().__init__(params, defaults, **options)
 
     def _check_group(self, group: dict) -> None:
         super()._check_group(group)

@@ -113,8 +113,8 @@ def state_bytes(optim: str, tensors: list[TensorCount]) -> int | None:
     algorithm = entry.algorithm
     total = 0
     for t in tensors:
-        quantized = entry.optim_bits < 32 and t.numel >= MIN_8BIT_SIZE and not t.embedding
-        total += algorithm.bytes_per_tensor(t.shape, quantized, entry.optim_bits)
+        quantized = entry.state_format.quantized and t.numel >= MIN_8BIT_SIZE and not t.embedding
+        total += algorithm.bytes_per_tensor(t.shape, quantized, entry.state_format)
     return total
 
 
@@ -225,7 +225,7 @@ def estimate(recipe: Recipe) -> MemoryEstimate:
         notes.append(f"no state model for {optim!r}: optimizer state not included")
     elif optim in TORCH_STATE_COUNT and tensors:
         notes.append(f"{optim} keeps torch's state in the parameter dtype ({_dtype_names(tensors)})")
-    elif optim in OPTIMIZER_NAMES and OPTIMIZER_NAMES[optim].optim_bits < 32:
+    elif optim in OPTIMIZER_NAMES and OPTIMIZER_NAMES[optim].state_format.quantized:
         fp32 = sum(t.numel for t in tensors if t.embedding or t.numel < MIN_8BIT_SIZE)
         if fp32:
             notes.append(f"{fp32:,} trainable elements keep fp32 state (nn.Embedding weights and tensors under "

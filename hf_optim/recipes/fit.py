@@ -1,7 +1,7 @@
 """``hf-optim validate RECIPE --fit 24GiB``: which setups of a full fine-tune fit one card, with the largest batch.
 
-The search covers optimizer state precision (the recipe's algorithm in 32, 8 and 4 bits where hf_optim has the
-name, and torch's ``adamw_torch`` as the baseline), paging, gradient release and gradient checkpointing. Each
+The search covers optimizer state precision (the recipe's algorithm in every state format hf_optim has a name
+for, and torch's ``adamw_torch`` as the baseline), paging, gradient release and gradient checkpointing. Each
 setup's peak is the larger of two moments:
 
 * backward: weights + optimizer state on the GPU + activations and gradients at their joint peak
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from hf_optim.errors import UserValueError
 from hf_optim.integrations.names import OPTIMIZER_NAMES
+from hf_optim.kernels.formats import StateFormat
 from hf_optim.recipes.activations import DecoderShape, backward_peak_bytes
 from hf_optim.recipes.estimate import TORCH_STATE_COUNT, MemoryEstimate, estimate, state_bytes
 from hf_optim.recipes.schema import Recipe
@@ -33,7 +34,9 @@ FRAGMENTATION_SHARE = 0.05
 """Part of the card kept free for the caching allocator's fragmentation."""
 MAX_BATCH = 1 << 16
 TORCH_BASELINE = "adamw_torch"
-PRECISION_ORDER = {32: 0, 16: 1, 8: 2, 4: 3}  # what the ranking prefers: exact state first, then the smaller ones
+TORCH_STATE, TORCH_RANK = "bf16 (torch)", 1
+"""torch's AdamW state with bf16 weights, as the planner labels and ranks it: after fp32 state (rank 0), before
+the quantized formats (their ``rank``: exact state first, then the smaller ones)."""
 
 _UNITS = {"": None, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 2**30, "gb": 10**9,
           "t": 2**40, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -57,7 +60,8 @@ class Setup:
     """One combination the planner tries."""
 
     optim: str
-    bits: int  # state bits (16: torch's AdamW keeps bf16 state with bf16 weights)
+    state: str  # the state format's label ("8-bit blockwise"; "bf16 (torch)": torch's AdamW with bf16 weights)
+    rank: int  # the state's place in the planner's preference (the format's rank; torch's bf16 state between)
     paged: bool
     release: bool
     checkpointing: bool
@@ -99,27 +103,30 @@ class FitPlan:
     assumptions: list[str] = field(default_factory=list)
 
 
-def family_names(optim: str) -> dict[tuple[int, bool], str]:
-    """hf_optim names of ``optim``'s algorithm by (state bits, paged); adamw for torch's and unknown names."""
+def family_names(optim: str) -> dict[tuple[StateFormat, bool], str]:
+    """hf_optim names of ``optim``'s algorithm by (state format, paged), in the formats' table order; adamw for
+    torch's and unknown names."""
     entry = OPTIMIZER_NAMES.get(optim)
     family = entry.family if entry is not None else "adamw"
-    found: dict[tuple[int, bool], list[str]] = {}
+    found: dict[tuple[StateFormat, bool], list[str]] = {}
     for name, other in OPTIMIZER_NAMES.items():
         if other.family == family:
-            found.setdefault((other.optim_bits, other.paged), []).append(name)
-    # the canonical name: "<paged_><family>_<bits>bit" when it exists (adamw_8bit rather than adamw_bnb_8bit)
+            found.setdefault((other.state_format, other.paged), []).append(name)
+    # the canonical name: "<paged_><family>_<suffix>" when it exists (adamw_8bit rather than adamw_bnb_8bit)
     chosen = {}
-    for (bits, paged), names in found.items():
-        canonical = f"{'paged_' if paged else ''}{family}_{bits}bit"
-        chosen[(bits, paged)] = canonical if canonical in names else min(names, key=len)
-    return dict(sorted(chosen.items(), key=lambda item: (PRECISION_ORDER[item[0][0]], item[0][1])))
+    for (fmt, paged), names in found.items():
+        canonical = f"{'paged_' if paged else ''}{family}_{fmt.optim_suffix}"
+        chosen[(fmt, paged)] = canonical if canonical in names else min(names, key=len)
+    return dict(sorted(chosen.items(), key=lambda item: (item[0][0].rank, item[0][1])))
 
 
 def setups(optim: str) -> list[Setup]:
     """Every combination the planner tries for a recipe whose optimizer is ``optim``."""
-    found = [Setup(TORCH_BASELINE, 16, False, False, ckpt) for ckpt in (False, True)]  # torch: no release
-    for (bits, paged), name in family_names(optim).items():
-        found += [Setup(name, bits, paged, release, ckpt) for release in (False, True) for ckpt in (False, True)]
+    found = [Setup(TORCH_BASELINE, TORCH_STATE, TORCH_RANK, False, False, ckpt)
+             for ckpt in (False, True)]  # torch: no release
+    for (fmt, paged), name in family_names(optim).items():
+        found += [Setup(name, fmt.label, fmt.rank, paged, release, ckpt)
+                  for release in (False, True) for ckpt in (False, True)]
     return found
 
 
@@ -191,7 +198,7 @@ def _largest_batch(fits) -> int:
 def _rank(result: SetupFit, recipe_batch: int) -> tuple:
     s = result.setup
     # paged state that does not fit crosses PCIe every step: there the smaller state is the faster one
-    precision = -PRECISION_ORDER[s.bits] if s.paged else PRECISION_ORDER[s.bits]
+    precision = -s.rank if s.paged else s.rank
     return (result.max_batch < recipe_batch, s.paged, s.release, s.checkpointing, precision, -result.max_batch)
 
 
@@ -199,9 +206,9 @@ def _dtype_name(element_size: int) -> str:
     return {2: "bf16/fp16", 4: "fp32"}.get(element_size, f"{element_size}-byte elements")
 
 
-def state_label(bits: int) -> str:
+def state_label(setup: Setup) -> str:
     """How a setup's state precision reads in the table."""
-    return "bf16 (torch)" if bits == 16 else f"{bits}-bit"
+    return setup.state
 
 
 def nothing_fits_message(result: FitPlan) -> str:

@@ -19,10 +19,14 @@ from hf_optim.kernels.formats.base import (
     FORMATS,
     SlotLayout,
     StateFormat,
+    available_state_formats,
     format_for_bits,
     format_named,
+    formats_by_rank,
     loaded_format,
     register_format,
+    settings_format,
+    with_overrides,
 )
 from hf_optim.kernels.formats.blockwise4 import BLOCKWISE4
 from hf_optim.kernels.formats.blockwise8 import BLOCKWISE8
@@ -35,8 +39,12 @@ __all__ = [
     "FP32",
     "SlotLayout",
     "StateFormat",
+    "available_state_formats",
     "format_for_bits",
     "format_named",
+    "formats_by_rank",
     "loaded_format",
     "register_format",
+    "settings_format",
+    "with_overrides",
 ]

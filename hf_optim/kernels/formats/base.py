@@ -24,15 +24,39 @@ class StateFormat:
     """
 
     name: ClassVar[str]
+    """The registry key users pass as ``state_format=`` (``"blockwise8"``), recorded in param groups."""
     bits: ClassVar[int]
+    """Bits per stored element (information only: two formats may have the same count, e.g. 8-bit blockwise and
+    a float8 format)."""
     code: ClassVar[int]
     """Runtime code of the format in the Triton kernels' tables."""
+    class_suffix: ClassVar[str]
+    """Suffix of the fixed-format classes (``"8bit"``: ``AdamW8bit``, ``PagedAdamW8bit``)."""
+    optim_suffix: ClassVar[str]
+    """Suffix of the ``optim=`` names (``"8bit"``: ``adamw_8bit``, ``paged_adamw_8bit``)."""
+    label: ClassVar[str]
+    """How tables name the state (``"8-bit blockwise"``)."""
+    rank: ClassVar[int]
+    """Table order and the planner's preference: exact state first (fp32: 0), then smaller ones."""
+    optim_bits: ClassVar[int | None] = None
+    """bitsandbytes' ``optim_bits`` value that selects this format (an alias of ``state_format``), or None for a
+    format bitsandbytes has no value for."""
     block_size: ClassVar[int] = 0
     """Elements per quantization block (0: not quantized)."""
     width: ClassVar[int]
     """How many raw tensors a slot passes to the kernels."""
     packed: ClassVar[bool] = False
     """Whether the main tensor is not shaped like the parameter (several codes per byte)."""
+
+    @property
+    def quantized(self) -> bool:
+        """Whether tensors under ``min_8bit_size`` keep fp32 state instead (every format but fp32)."""
+        return self.block_size > 0
+
+    @property
+    def group_bits(self) -> int:
+        """The ``optim_bits`` recorded beside ``state_format`` in a param group (bitsandbytes reads it)."""
+        return self.bits if self.optim_bits is None else self.optim_bits
 
     def num_blocks(self, numel: int) -> int:
         """Quantization blocks (absmax entries) per row of ``numel`` elements."""
@@ -140,33 +164,96 @@ def in_blocks(rows: torch.Tensor, width: int) -> torch.Tensor:
     return rows[0].view(1, -1, width) if rows.shape[0] == 1 else rows.unflatten(1, (-1, width))
 
 
+BITSANDBYTES_FORMATS = ("fp32", "blockwise8")
+"""The formats bitsandbytes has optimizer classes of (``AdamW32bit``, ``AdamW8bit``): every algorithm's default
+named classes, and the classes that keep bitsandbytes' ``optim_bits`` argument."""
+
 FORMATS: dict[str, StateFormat] = {}
 """Registered formats by name."""
 
 
+_UNIQUE = ("name", "code", "class_suffix", "optim_suffix")
+
+
 def register_format(fmt: StateFormat) -> StateFormat:
-    """Add ``fmt`` to :data:`FORMATS` (its name and code must be new)."""
+    """Add ``fmt`` to :data:`FORMATS`. Its name, code, class and ``optim=`` suffixes and ``optim_bits`` alias
+    (when it has one) must be new: the rest of hf_optim derives class and Trainer names from them."""
     for other in FORMATS.values():
-        if other.name == fmt.name or other.code == fmt.code or other.bits == fmt.bits:
-            raise ValueError(f"state format {fmt.name!r} clashes with {other.name!r} (name, code or bits)")
+        same = [key for key in _UNIQUE if getattr(other, key) == getattr(fmt, key)]
+        if fmt.optim_bits is not None and other.optim_bits == fmt.optim_bits:
+            same.append("optim_bits")
+        if same:
+            raise ValueError(f"state format {fmt.name!r} clashes with {other.name!r} ({', '.join(same)})")
     FORMATS[fmt.name] = fmt
     return fmt
 
 
+def formats_by_rank(names=None) -> list[StateFormat]:
+    """The registered formats (or those named in ``names``) in table order (:attr:`StateFormat.rank`)."""
+    chosen = FORMATS.values() if names is None else [format_named(name) for name in names]
+    return sorted(chosen, key=lambda fmt: fmt.rank)
+
+
+class StateFormats(list):
+    """The list :func:`available_state_formats` returns: :class:`StateFormat` objects, shown as a table."""
+
+    HEADER = ("state_format", "label", "optim_bits", "classes", "optim= names", "bytes/element")
+
+    def rows(self) -> list[tuple[str, ...]]:
+        return [(f.name, f.label, "-" if f.optim_bits is None else str(f.optim_bits), f"AdamW{f.class_suffix}",
+                 f"adamw_{f.optim_suffix}", f"{f.state_bytes(4096) / 4096:g}") for f in self]
+
+    def table(self) -> str:
+        rows = [self.HEADER, *self.rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(self.HEADER))]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+    __repr__ = __str__ = table
+
+
+def available_state_formats() -> StateFormats:
+    """Every registered state format in table order (``print(hf_optim.available_state_formats())``: a table of
+    names, labels, ``optim_bits`` aliases, class and ``optim=`` suffixes, and bytes per element)."""
+    return StateFormats(formats_by_rank())
+
+
 def format_named(name: str) -> StateFormat:
-    if name not in FORMATS:
-        close = difflib.get_close_matches(name, FORMATS, n=1)
+    """The format registered as ``name``; an unknown name raises ValueError with the known ones."""
+    if not isinstance(name, str) or name not in FORMATS:
+        close = difflib.get_close_matches(str(name), FORMATS, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown state format {name!r}; known: {sorted(FORMATS)}{hint}")
+        known = ", ".join(repr(fmt.name) for fmt in formats_by_rank())
+        raise ValueError(f"Invalid state_format: {name!r}; expected one of {known}{hint}")
     return FORMATS[name]
 
 
 def format_for_bits(bits: int) -> StateFormat:
-    """The format that stores ``bits`` bits per element (``optim_bits``)."""
+    """The format bitsandbytes' ``optim_bits=bits`` selects (its :attr:`StateFormat.optim_bits` alias)."""
     for fmt in FORMATS.values():
-        if fmt.bits == bits:
+        if fmt.optim_bits is not None and fmt.optim_bits == bits and not isinstance(bits, bool):
             return fmt
-    raise ValueError(f"Invalid optim_bits: {bits!r}; expected one of {sorted(f.bits for f in FORMATS.values())}")
+    known = sorted(fmt.optim_bits for fmt in FORMATS.values() if fmt.optim_bits is not None)
+    raise ValueError(f"Invalid optim_bits: {bits!r}; expected one of {known}")
+
+
+def with_overrides(group, overrides) -> dict:
+    """``group``'s settings with a parameter's ``overrides`` applied; an override that names a ``state_format``
+    without ``optim_bits`` brings its alias along, so that the group's ``optim_bits`` does not overrule it."""
+    settings = {**group, **overrides}
+    if "state_format" in overrides and "optim_bits" not in overrides:
+        settings["optim_bits"] = format_named(overrides["state_format"]).group_bits
+    return settings
+
+
+def settings_format(settings) -> StateFormat:
+    """The format a param group (or a parameter's merged settings) asks for: its ``state_format``, unless its
+    ``optim_bits`` was set apart from it (a per-parameter override ``{"optim_bits": 32}``, bitsandbytes' manager,
+    a bitsandbytes state dict): then the format ``optim_bits`` selects."""
+    fmt = FORMATS.get(settings.get("state_format"))
+    bits = settings.get("optim_bits")
+    if fmt is None or (bits is not None and bits != fmt.group_bits):
+        return format_for_bits(bits)
+    return fmt
 
 
 def loaded_format(state: dict, spec) -> StateFormat | None:

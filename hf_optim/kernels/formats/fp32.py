@@ -12,6 +12,7 @@ from hf_optim.kernels.formats.base import StateFormat, in_blocks, register_forma
 
 class Fp32(StateFormat):
     name, bits, code, width = "fp32", 32, 0, 1
+    class_suffix, optim_suffix, label, rank, optim_bits = "32bit", "32bit", "32-bit", 0, 32
 
     def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
         shape = tuple(param.shape) if spec.rows == 1 else (spec.rows, *param.shape)
