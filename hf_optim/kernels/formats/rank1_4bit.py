@@ -18,8 +18,9 @@ and column scales.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -152,21 +153,28 @@ class Rank1Blockwise4(StateFormat):
 
 RANK1_4BIT = Rank1Blockwise4()
 """The format object. Not registered here: the registry that selects formats by name (issue 24 item 1) wires it;
-until then :func:`install_for_tests` makes it usable in one process."""
+until then :func:`installed` makes it usable for a while in one process."""
 
 
-def install_for_tests() -> Rank1Blockwise4:
-    """Make :data:`RANK1_4BIT` findable by ``loaded_format`` in this process, ahead of ``blockwise4`` (whose
-    ``recognises`` also matches this format's second-moment slot). For benchmarks and tests until the registry
-    selects formats by name; it does not make ``optim_bits=4`` pick this format."""
+@contextlib.contextmanager
+def installed() -> Iterator[Rank1Blockwise4]:
+    """Within the block, :data:`RANK1_4BIT` is in the format registry, ahead of ``blockwise4`` (whose
+    ``recognises`` also matches this format's second-moment slot), so ``loaded_format`` finds it; the registry is
+    restored after. For benchmarks and tests until the registry selects formats by name. While installed,
+    ``optim_bits=4`` (``format_for_bits(4)``) picks this format instead of ``blockwise4``, and a ``blockwise4``
+    first-moment slot is recognised as this format's (stored identically, same math): run ``blockwise4`` optimizers
+    outside the block."""
     from hf_optim.kernels.formats.base import FORMATS
 
-    if RANK1_4BIT.name not in FORMATS:
-        others = dict(FORMATS)
+    saved = dict(FORMATS)
+    FORMATS.clear()
+    FORMATS[RANK1_4BIT.name] = RANK1_4BIT
+    FORMATS.update(saved)
+    try:
+        yield RANK1_4BIT
+    finally:
         FORMATS.clear()
-        FORMATS[RANK1_4BIT.name] = RANK1_4BIT
-        FORMATS.update(others)
-    return RANK1_4BIT
+        FORMATS.update(saved)
 
 
 def bytes_per_element(shape: tuple[int, ...]) -> float:
