@@ -10,6 +10,9 @@ Problems:
 - ``llama``: :func:`hf_optim.tiny.train_tiny` (a 2-layer Llama-3-shaped model, hidden 64, vocab 512, on a random
   Markov chain; what ``tests/test_finetune_quality.py`` runs), 120 steps of 8 x 32 tokens, lr 3e-3; final loss = mean
   training loss of the last 10 steps.
+- ``quickstart`` (only with ``--problems``): ``hf-optim train quickstart training.optim=NAME`` in this process (QLoRA
+  r=32 on the builtin tiny Llama, 60 steps, lr 5e-3); final loss = mean training loss of the last 10 steps; only the
+  optimizers the Trainer can name (n/a for the others).
 
 Optimizers: torch AdamW (the reference), hf_optim AdamW32bit / AdamW8bit / AdamW4bit (the torchao-compatible
 ``blockwise4`` format), torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_optim AdamW
@@ -165,7 +168,7 @@ def optimizers(torchao_available: bool) -> dict[str, Callable]:
 
 
 # -- problems -----------------------------------------------------------------------------------------------------
-def mlp_loss(factory: Callable, seed: int, steps: int = 400) -> float:
+def mlp_loss(name: str, factory: Callable, seed: int, steps: int = 400) -> float:
     torch.manual_seed(seed)
     x = torch.randn(8192, 32)
     features = torch.randn(32, 64) / 32**0.5
@@ -186,14 +189,43 @@ def mlp_loss(factory: Callable, seed: int, steps: int = 400) -> float:
         return F.mse_loss(model(x), y).item()
 
 
-def llama_loss(factory: Callable, seed: int, steps: int = 120) -> float:
+def llama_loss(name: str, factory: Callable, seed: int, steps: int = 120) -> float:
     from hf_optim.tiny import train_tiny
 
     losses = train_tiny(lambda params: factory(params, LR["llama"]), steps=steps, seq_len=32, seed=seed)
     return sum(losses[-10:]) / 10
 
 
-PROBLEMS = {"mlp": mlp_loss, "llama": llama_loss}
+TRAINER_NAMES = {"torch AdamW": "adamw_torch", "hf AdamW32bit": "adamw_32bit", "hf AdamW8bit": "adamw_8bit",
+                 "hf AdamW4bit (blockwise4)": "adamw_4bit", RANK1_NAME: "adamw_4bit"}
+"""The optimizers the quickstart can name (torchao's ``adamw_torch_4bit`` is taken over by hf_optim)."""
+
+
+def quickstart_loss(name: str, factory: Callable, seed: int) -> float | None:
+    """``hf-optim train quickstart training.optim=NAME`` in this process (QLoRA on the builtin tiny Llama, 60
+    steps): mean training loss of the last 10 steps, None for an optimizer without a Trainer name. The rank-1 run
+    keeps every tensor off the multi-tensor path (its state has no flat form)."""
+    import json
+    import tempfile
+    from unittest import mock
+
+    from hf_optim.optim.base import HfOptimizer
+    from hf_optim.recipes.api import train
+
+    if name not in TRAINER_NAMES:
+        return None
+    per_tensor = mock.patch.object(HfOptimizer, "_multi_tensor_eligible", lambda self, full, param: False)
+    with tempfile.TemporaryDirectory() as out, per_tensor if name == RANK1_NAME else contextlib.nullcontext():
+        result = train("quickstart", [f"training.optim={TRAINER_NAMES[name]}", f"training.seed={seed}"],
+                       output_dir=out, quiet=True, overwrite=True)
+        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    if result.status != "ok":
+        raise RuntimeError(f"the quickstart with {name} ended {result.status}")
+    losses = [record["loss"] for record in records if record.get("kind") == "train" and record.get("loss") is not None]
+    return sum(losses[-10:]) / len(losses[-10:])
+
+
+PROBLEMS = {"mlp": mlp_loss, "llama": llama_loss, "quickstart": quickstart_loss}
 
 
 def torchao_importable(site: str | None) -> bool:
@@ -204,7 +236,9 @@ def torchao_importable(site: str | None) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--problems", default="mlp,llama", help="comma-separated: mlp, llama (default both)")
+    parser.add_argument("--problems", default="mlp,llama",
+                        help="comma-separated: mlp, llama, quickstart (default mlp,llama; the quickstart takes "
+                             "about 20 s a run on an idle 2-core CPU, minutes under load)")
     parser.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
     parser.add_argument("--only", default="", help="comma-separated optimizer names to run besides torch AdamW")
     parser.add_argument("--torchao-site", default=os.environ.get("HF_OPTIM_TORCHAO_SITE", ""),
@@ -234,10 +268,12 @@ def main(argv: list[str] | None = None) -> int:
             # the rank-1 format is in the format registry only while its optimizer runs: meanwhile optim_bits=4
             # would pick it (see hf_optim.kernels.formats.rank1_4bit.installed)
             with installed() if name == RANK1_NAME else contextlib.nullcontext():
-                results[name][problem, seed] = PROBLEMS[problem](table[name], seed)
+                results[name][problem, seed] = PROBLEMS[problem](name, table[name], seed)
             reference = results["torch AdamW"][problem, seed]
             loss = results[name][problem, seed]
-            print(f"{problem} seed {seed}  {name:28s} {loss:.5f}  {100 * (loss / reference - 1):+6.2f}%", flush=True)
+            if loss is not None:
+                print(f"{problem} seed {seed}  {name:28s} {loss:.5f}  {100 * (loss / reference - 1):+6.2f}%",
+                      flush=True)
     elapsed = time.perf_counter() - start
 
     header = ["optimizer", *[f"{p} s{s}" for p, s in columns], "max abs %"]
@@ -246,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         cells, worst = [], 0.0
         for column in columns:
             loss, reference = results[name][column], results["torch AdamW"][column]
+            if loss is None:
+                cells.append("n/a")
+                continue
             percent = 100 * (loss / reference - 1)
             worst = max(worst, abs(percent))
             cells.append(f"{loss:.4f} ({percent:+.2f}%)")
