@@ -98,6 +98,7 @@ SIMULATED: dict[str, tuple[Callable | None, Callable | None, str]] = {
     "sim:de0-v": (blockwise(TREE), blockwise(DE0), "B128 m, B128 dynamic-without-zero v"),
     "sim:fp32-m": (None, blockwise(LINEAR), "ablation: fp32 m, B128 linear v"),
     "sim:fp32-v": (blockwise(TREE), None, "ablation: B128 tree m, fp32 v"),
+    "sim:fp32-m-rank1-v": (None, rank1(LINEAR), "ablation: fp32 m, rank-1 linear v"),
 }
 
 
