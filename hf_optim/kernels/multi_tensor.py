@@ -337,6 +337,14 @@ def step_tensor(
     for layout in layouts:
         raws.append(tensors[index : index + layout.width])
         index += layout.width
+    if any(getattr(layout.format, "whole_tensor", False) for layout in layouts):
+        # A format whose scales span the whole tensor (rank-1 4-bit) cannot be quantized chunk by chunk: one eager
+        # update over the flat tensor and its (rows, n) raw tensors.
+        stochastic = None
+        if stream is not None and out is None:
+            stochastic = (rounding.tensor_bases(stream.ordinal, 0, n, False, param.device), stream.key)
+        elementwise.update(rule, layouts, param, grad, out, tensors, hyper_t, stochastic)
+        return
     if whole >= 2 * BLOCK_SIZE and param.device.type == "cpu" and compile_enabled():
         kernel = cpu_compile.Kernel(rule, tuple(layouts), tuple(raw[0].shape[0] for raw in raws), out is not None,
                                     param.dtype, grad.dtype, stream is not None and out is None)

@@ -1,0 +1,317 @@
+"""4-bit optimizer state quality, side by side (issue 24 item 7): final loss of AdamW with each state format, as a
+percentage above (or below) torch's 32-bit AdamW, on two small problems, in one run with fixed seeds.
+
+Problems:
+
+- ``mlp``: regression of a smooth random target (``y = sum_k sin(1.5 * x . w_k)``, 64 features ``w_k``, normalized)
+  of 8192 points in 32 dimensions by a 3-layer tanh MLP 32-256-256-1 (the two hidden weights, 8192 and 65536
+  elements, get quantized state; the rest stays fp32 under ``min_8bit_size`` 4096, as in torchao), minibatches of
+  256, lr 1e-3, weight decay 0.01, 400 steps; final loss = MSE on all 8192 points after the last step.
+- ``llama``: :func:`hf_optim.tiny.train_tiny` (a 2-layer Llama-3-shaped model, hidden 64, vocab 512, on a random
+  Markov chain; what ``tests/test_finetune_quality.py`` runs), 120 steps of 8 x 32 tokens, lr 3e-3; final loss = mean
+  training loss of the last 10 steps.
+- ``quickstart`` (only with ``--problems``): ``hf-optim train quickstart training.optim=NAME`` in this process (QLoRA
+  r=32 on the builtin tiny Llama, 60 steps, lr 5e-3); final loss = mean training loss of the last 10 steps; only the
+  optimizers the Trainer can name (n/a for the others).
+
+Optimizers: torch AdamW (the reference), hf_optim AdamW32bit / AdamW8bit / AdamW4bit (the torchao-compatible
+``blockwise4`` format), torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_optim AdamW
+with the ``rank1_4bit`` format, and candidate 4-bit formats simulated by :class:`SimulatedAdamW` (torch AdamW's math,
+each moment quantized and dequantized after every step, exactly what storing it does): ``sim:`` names below.
+
+Run: ``HF_OPTIM_COMPILE=0 python benchmarks/quality4.py --markdown quality4.md`` (eager steps: the rank-1 format has no
+compiled form, and compiled and eager steps compute the same values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_optim  # noqa: E402
+from hf_optim.kernels import blockwise4, rank1_quant4  # noqa: E402
+from hf_optim.kernels.formats.rank1_4bit import RANK1_4BIT, installed  # noqa: E402
+
+LR = {"mlp": 1e-3, "llama": 3e-3}
+WEIGHT_DECAY = 1e-2
+RANK1_NAME = "hf AdamW rank1_4bit"
+MIN_SIZE = 4096  # hf_optim's min_8bit_size default and torchao's smallest quantized tensor
+
+# -- simulated formats: quantize-dequantize functions of one moment ---------------------------------------------
+TREE, LINEAR = blockwise4.qmap4(True), blockwise4.qmap4(False)
+DE0 = blockwise4.tree_map(False, exponent_bits=3, total_bits=4)[1:]  # the unsigned dynamic map without its zero
+THRESHOLDS = {id(q): blockwise4._build_thresholds(q) for q in (TREE, LINEAR, DE0)}
+DITHER = torch.Generator().manual_seed(1234)
+
+
+def _round(normalized: torch.Tensor, qmap: torch.Tensor, dither: bool) -> torch.Tensor:
+    """Map values of ``normalized`` (in [-1, 1]): nearest, or stochastically between the two neighbours
+    (unbiased dithering)."""
+    if not dither:
+        return qmap[torch.bucketize(normalized, THRESHOLDS[id(qmap)], right=True)]
+    upper = torch.bucketize(normalized, qmap, right=True).clamp(1, len(qmap) - 1)
+    low, high = qmap[upper - 1], qmap[upper]
+    up = torch.rand(normalized.shape, generator=DITHER) < ((normalized - low) / (high - low)).clamp(0, 1)
+    return torch.where(up, high, low).clamp(qmap[0], qmap[-1])
+
+
+def blockwise(qmap: torch.Tensor, block: int = 128, dither: bool = False) -> Callable:
+    def qdq(x: torch.Tensor) -> torch.Tensor:
+        flat = F.pad(x.reshape(-1), (0, -x.numel() % block)).view(-1, block)
+        scale = flat.abs().amax(1, keepdim=True)
+        normalized = flat / torch.where(scale > 0, scale, torch.ones_like(scale))
+        return (_round(normalized, qmap, dither) * scale).reshape(-1)[: x.numel()].view_as(x)
+    return qdq
+
+
+def rank1(qmap: torch.Tensor, root: bool = False) -> Callable:
+    """Rank-1 normalization (:mod:`hf_optim.kernels.rank1_quant4`'s math); ``root``: store ``sqrt(v)``."""
+    def qdq(x: torch.Tensor) -> torch.Tensor:
+        rows, cols = rank1_quant4.matrix_shape(x.shape)
+        values = (x.sqrt() if root else x).reshape(1, -1)
+        codes, row, col = rank1_quant4.quantize(values, rows, cols, THRESHOLDS[id(qmap)])
+        out = rank1_quant4.dequantize(codes, row, col, qmap, x.numel()).view_as(x)
+        return out.square() if root else out
+    return qdq
+
+
+SIMULATED: dict[str, tuple[Callable | None, Callable | None, str]] = {
+    # name: (first moment, second moment, what it is)
+    "sim:blockwise4": (blockwise(TREE), blockwise(LINEAR), "torchao's setting (B128 tree m, B128 linear v)"),
+    "sim:rank1-v": (blockwise(TREE), rank1(LINEAR), "B128 tree m, rank-1 linear v (Li et al.'s best)"),
+    "sim:rank1-sqrt-v": (blockwise(TREE), rank1(LINEAR, root=True), "B128 tree m, rank-1 linear sqrt(v)"),
+    "sim:rank1-v-dither-m": (blockwise(TREE, dither=True), rank1(LINEAR), "dithered B128 m, rank-1 v"),
+    "sim:dither-v": (blockwise(TREE), blockwise(LINEAR, dither=True), "B128 m, dithered B128 v"),
+    "sim:b32-v": (blockwise(TREE), blockwise(LINEAR, 32), "B128 m, B32 linear v (4x the v scales)"),
+    "sim:de0-v": (blockwise(TREE), blockwise(DE0), "B128 m, B128 dynamic-without-zero v"),
+    "sim:fp32-m": (None, blockwise(LINEAR), "ablation: fp32 m, B128 linear v"),
+    "sim:fp32-v": (blockwise(TREE), None, "ablation: B128 tree m, fp32 v"),
+    "sim:fp32-m-rank1-v": (None, rank1(LINEAR), "ablation: fp32 m, rank-1 linear v"),
+}
+
+
+class SimulatedAdamW(torch.optim.Optimizer):
+    """torch AdamW's update with each moment of a tensor of at least ``MIN_SIZE`` elements replaced by
+    ``quantize_m(m)`` / ``quantize_v(v)`` after every step (None: kept in fp32)."""
+
+    def __init__(self, params, quantize_m: Callable | None, quantize_v: Callable | None, lr: float,
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = WEIGHT_DECAY):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.quantize_m, self.quantize_v = quantize_m, quantize_v
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                state["step"] += 1
+                t = state["step"]
+                m = state["m"].mul(beta1).add_(p.grad, alpha=1 - beta1)
+                v = state["v"].mul(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                denominator = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
+                p.addcdiv_(m, denominator, value=-group["lr"] / (1 - beta1**t))
+                quantized = p.numel() >= MIN_SIZE
+                state["m"] = self.quantize_m(m) if self.quantize_m and quantized else m
+                state["v"] = self.quantize_v(v) if self.quantize_v and quantized else v
+
+
+class AdamWRank1(hf_optim.AdamW):
+    """hf_optim AdamW storing 4-bit state in the ``rank1_4bit`` format (until the registry selects formats by
+    name: issue 24 item 1). Its state has no flat-buffer form, so it steps tensor by tensor."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, optim_bits=4, **kwargs)
+
+    def _state_format(self, param, group):
+        fmt = super()._state_format(param, group)
+        return RANK1_4BIT if fmt.bits == 4 else fmt
+
+    def _multi_tensor_eligible(self, full, param):
+        return False
+
+
+def optimizers(torchao_available: bool) -> dict[str, Callable]:
+    """name -> factory(params, lr)."""
+    kw = dict(weight_decay=WEIGHT_DECAY)
+    table = {
+        "torch AdamW": lambda p, lr: torch.optim.AdamW(p, lr=lr, **kw),
+        "hf AdamW32bit": lambda p, lr: hf_optim.AdamW32bit(p, lr=lr, **kw),
+        "hf AdamW8bit": lambda p, lr: hf_optim.AdamW8bit(p, lr=lr, **kw),
+        "hf AdamW4bit (blockwise4)": lambda p, lr: hf_optim.AdamW4bit(p, lr=lr, **kw),
+    }
+    if torchao_available:
+        def torchao4(p, lr):
+            from torchao.optim import AdamW4bit
+            return AdamW4bit(p, lr=lr, **kw)
+        table["torchao AdamW4bit"] = torchao4
+    table[RANK1_NAME] = lambda p, lr: AdamWRank1(p, lr=lr, **kw)
+    for name, (qm, qv, _) in SIMULATED.items():
+        table[name] = lambda p, lr, qm=qm, qv=qv: SimulatedAdamW(p, qm, qv, lr=lr)
+    return table
+
+
+# -- problems -----------------------------------------------------------------------------------------------------
+def mlp_loss(name: str, factory: Callable, seed: int, steps: int = 400) -> float:
+    torch.manual_seed(seed)
+    x = torch.randn(8192, 32)
+    features = torch.randn(32, 64) / 32**0.5
+    y = torch.sin(1.5 * x @ features).sum(1, keepdim=True)
+    y = (y - y.mean()) / y.std()
+    torch.manual_seed(seed + 100)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                                torch.nn.Linear(256, 1))
+    optimizer = factory(model.parameters(), LR["mlp"])
+    batches = torch.Generator().manual_seed(seed + 200)
+    for _ in range(steps):
+        index = torch.randint(0, x.shape[0], (256,), generator=batches)
+        loss = F.mse_loss(model(x[index]), y[index])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        return F.mse_loss(model(x), y).item()
+
+
+def llama_loss(name: str, factory: Callable, seed: int, steps: int = 120) -> float:
+    from hf_optim.tiny import train_tiny
+
+    losses = train_tiny(lambda params: factory(params, LR["llama"]), steps=steps, seq_len=32, seed=seed)
+    return sum(losses[-10:]) / 10
+
+
+TRAINER_NAMES = {"torch AdamW": "adamw_torch", "hf AdamW32bit": "adamw_32bit", "hf AdamW8bit": "adamw_8bit",
+                 "hf AdamW4bit (blockwise4)": "adamw_4bit", RANK1_NAME: "adamw_4bit"}
+"""The optimizers the quickstart can name (torchao's ``adamw_torch_4bit`` is taken over by hf_optim)."""
+
+
+def quickstart_loss(name: str, factory: Callable, seed: int) -> float | None:
+    """``hf-optim train quickstart training.optim=NAME`` in this process (QLoRA on the builtin tiny Llama, 60
+    steps): mean training loss of the last 10 steps, None for an optimizer without a Trainer name. The rank-1 run
+    keeps every tensor off the multi-tensor path (its state has no flat form)."""
+    import json
+    import tempfile
+    from unittest import mock
+
+    from hf_optim.optim.base import HfOptimizer
+    from hf_optim.recipes.api import train
+
+    if name not in TRAINER_NAMES:
+        return None
+    per_tensor = mock.patch.object(HfOptimizer, "_multi_tensor_eligible", lambda self, full, param: False)
+    with tempfile.TemporaryDirectory() as out, per_tensor if name == RANK1_NAME else contextlib.nullcontext():
+        result = train("quickstart", [f"training.optim={TRAINER_NAMES[name]}", f"training.seed={seed}"],
+                       output_dir=out, quiet=True, overwrite=True)
+        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    if result.status != "ok":
+        raise RuntimeError(f"the quickstart with {name} ended {result.status}")
+    losses = [record["loss"] for record in records if record.get("kind") == "train" and record.get("loss") is not None]
+    return sum(losses[-10:]) / len(losses[-10:])
+
+
+PROBLEMS = {"mlp": mlp_loss, "llama": llama_loss, "quickstart": quickstart_loss}
+
+
+def torchao_importable(site: str | None) -> bool:
+    if site:
+        sys.path.append(site)
+    return importlib.util.find_spec("torchao") is not None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problems", default="mlp,llama",
+                        help="comma-separated: mlp, llama, quickstart (default mlp,llama; the quickstart takes "
+                             "about 20 s a run on an idle 2-core CPU, minutes under load)")
+    parser.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
+    parser.add_argument("--only", default="", help="comma-separated optimizer names to run besides torch AdamW")
+    parser.add_argument("--torchao-site", default=os.environ.get("HF_OPTIM_TORCHAO_SITE", ""),
+                        help="a side install of torchao (pip install --no-deps --target DIR torchao)")
+    parser.add_argument("--markdown", default="", help="write the table as markdown to this path")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # fixed, machine-independent arithmetic order; these problems are tiny
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    table = optimizers(torchao_importable(args.torchao_site))
+    problems = [name.strip() for name in args.problems.split(",") if name.strip()]
+    for name in problems:
+        if name not in PROBLEMS:
+            parser.error(f"unknown problem {name!r}; known: {sorted(PROBLEMS)}")
+    names = list(table)
+    if args.only:
+        wanted = [name.strip() for name in args.only.split(",") if name.strip()]
+        unknown = [name for name in wanted if name not in table]
+        if unknown:
+            parser.error(f"unknown optimizer(s) {unknown}; known: {names}")
+        names = ["torch AdamW", *[name for name in wanted if name != "torch AdamW"]]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    columns = [(problem, seed) for problem in problems for seed in seeds]
+    results: dict[str, dict[tuple, float]] = {name: {} for name in names}
+    start = time.perf_counter()
+    for problem, seed in columns:
+        for name in names:
+            # the rank-1 format is in the format registry only while its optimizer runs: meanwhile optim_bits=4
+            # would pick it (see hf_optim.kernels.formats.rank1_4bit.installed)
+            with installed() if name == RANK1_NAME else contextlib.nullcontext():
+                results[name][problem, seed] = PROBLEMS[problem](name, table[name], seed)
+            reference = results["torch AdamW"][problem, seed]
+            loss = results[name][problem, seed]
+            if loss is not None:
+                print(f"{problem} seed {seed}  {name:28s} {loss:.5f}  {100 * (loss / reference - 1):+6.2f}%",
+                      flush=True)
+    elapsed = time.perf_counter() - start
+
+    header = ["optimizer", *[f"{p} s{s}" for p, s in columns], "max abs %"]
+    rows = []
+    for name in names:
+        cells, worst = [], 0.0
+        for column in columns:
+            loss, reference = results[name][column], results["torch AdamW"][column]
+            if loss is None:
+                cells.append("n/a")
+                continue
+            percent = 100 * (loss / reference - 1)
+            worst = max(worst, abs(percent))
+            cells.append(f"{loss:.4f} ({percent:+.2f}%)")
+        rows.append([name, *cells, f"{worst:.2f}"])
+    notes = {name: description for name, (_, _, description) in SIMULATED.items()}
+    torchao_version = "not installed"
+    if "torchao AdamW4bit" in table:
+        import torchao
+        torchao_version = torchao.__version__
+    lines = [
+        f"torch {torch.__version__}, torchao {torchao_version}, python {platform.python_version()}, "
+        f"load average {os.getloadavg()[0]:.1f}, {elapsed:.0f} s",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] * len(header)) + "|",
+        *["| " + " | ".join(row) + " |" for row in rows],
+        "",
+        "Final loss (percent above torch AdamW's). Simulated candidates:",
+        "",
+        *[f"- `{name}`: {notes[name]}" for name in names if name in notes],
+    ]
+    print("\n".join(lines))
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
