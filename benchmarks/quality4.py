@@ -266,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for problem, seed in columns:
         for name in names:
-            # the rank-1 format is in the format registry only while its optimizer runs: meanwhile optim_bits=4
-            # would pick it (see hf_optim.kernels.formats.rank1_4bit.installed)
+            # the rank-1 format is in the format registry only while its optimizer runs (a blockwise4 first moment
+            # would be recognised as its own meanwhile: see hf_optim.kernels.formats.rank1_4bit.installed)
             with installed() if name == RANK1_NAME else contextlib.nullcontext():
                 results[name][problem, seed] = PROBLEMS[problem](name, table[name], seed)
             reference = results["torch AdamW"][problem, seed]

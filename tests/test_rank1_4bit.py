@@ -182,15 +182,17 @@ def test_a_loaded_state_with_wrong_column_scales_is_refused(rank1_installed):
 
 
 def test_the_registry_is_restored_after_use():
-    from hf_optim.kernels.formats import BLOCKWISE4, FORMATS, format_for_bits
+    from hf_optim.kernels.formats import BLOCKWISE4, FORMATS, format_for_bits, format_named
 
     before = list(FORMATS)
     with installed():
-        assert next(iter(FORMATS)) == "rank1_4bit" and format_for_bits(4) is RANK1_4BIT
+        # found by name; optim_bits=4 stays bitsandbytes'/torchao's blockwise4 (this format has no optim_bits alias)
+        assert next(iter(FORMATS)) == "rank1_4bit" and format_named("rank1_4bit") is RANK1_4BIT
+        assert format_for_bits(4) is BLOCKWISE4
         with installed():
             pass
         assert next(iter(FORMATS)) == "rank1_4bit"  # a nested use keeps the outer one's
-    assert list(FORMATS) == before and format_for_bits(4) is BLOCKWISE4
+    assert list(FORMATS) == before and "rank1_4bit" not in FORMATS
 
 
 def test_no_flat_buffer_form():

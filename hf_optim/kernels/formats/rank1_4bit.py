@@ -44,6 +44,8 @@ def col_key(spec) -> str:
 
 class Rank1Blockwise4(StateFormat):
     name, bits, code, width, block_size, packed = "rank1_4bit", 4, 3, 5, BLOCK_SIZE, True
+    # no bitsandbytes alias: optim_bits=4 stays blockwise4 (torchao's format); chosen only by state_format
+    class_suffix, optim_suffix, label, rank, optim_bits = "4bitRank1", "4bit_rank1", "4-bit rank-1", 4, None
     whole_tensor = True
     """Its column scales span the whole tensor: stepped in one piece (``multi_tensor.step_tensor``)."""
 
@@ -163,10 +165,11 @@ until then :func:`installed` makes it usable for a while in one process."""
 def installed() -> Iterator[Rank1Blockwise4]:
     """Within the block, :data:`RANK1_4BIT` is in the format registry, ahead of ``blockwise4`` (whose
     ``recognises`` also matches this format's second-moment slot), so ``loaded_format`` finds it; the registry is
-    restored after. For benchmarks and tests until the registry selects formats by name. While installed,
-    ``optim_bits=4`` (``format_for_bits(4)``) picks this format instead of ``blockwise4``, and a ``blockwise4``
-    first-moment slot is recognised as this format's (stored identically, same math): run ``blockwise4`` optimizers
-    outside the block."""
+    restored after. For benchmarks and tests until the format is registered (it needs the optimizers to route its
+    tensors to the per-tensor PyTorch path first: no flat-buffer form, no Triton twin). While installed, a
+    ``blockwise4`` first-moment slot is recognised as this format's (stored identically, same math): run
+    ``blockwise4`` optimizers outside the block. It has no ``optim_bits`` alias: ``optim_bits=4`` stays
+    ``blockwise4``."""
     from hf_optim.kernels.formats.base import FORMATS
 
     saved = dict(FORMATS)
