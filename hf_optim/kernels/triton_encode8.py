@@ -46,11 +46,10 @@ from hf_optim.kernels import encode8 as e8
 from hf_optim.kernels.triton_tile import INTERPRETED
 
 LINE_BYTES: tl.constexpr = tl.constexpr(e8.LINE_BYTES)
-ENTRY_BYTES: tl.constexpr = tl.constexpr(e8.ENTRY_BYTES)
 ENTRIES_AT: tl.constexpr = tl.constexpr(e8.ENTRIES_AT)
 SCALE_BIAS: tl.constexpr = tl.constexpr(e8.SCALE_BIAS)
 MIN_SCALE_BITS: tl.constexpr = tl.constexpr(e8.MIN_SCALE_BITS)
-ENTRY_INDEX_MASK: tl.constexpr = tl.constexpr(e8.ENTRY_MASK // e8.ENTRY_BYTES)
+ENTRY_MASK: tl.constexpr = tl.constexpr(e8.ENTRY_MASK)
 
 
 @triton.jit
@@ -58,17 +57,17 @@ def wide_offset(index, STRIDE: tl.constexpr):
     """int64 byte offset ``index * STRIDE`` of a uint32 ``index`` (below 2**31), spelled as PTX's
     ``mul.wide.u32``: ptxas folds it and the add to the table's address into one ``IMAD.WIDE.U32``. Written in
     Triton, LLVM proves such an index non-negative and emits a shift, and ptxas then adds 64 bits in two
-    instructions (``IADD3`` and ``IMAD.X``, or ``LEA`` and ``LEA.HI.X``). ``STRIDE``: 4, 8 or 16."""
+    instructions (``IADD3`` and ``IMAD.X``, or ``LEA`` and ``LEA.HI.X``). ``STRIDE``: 1 (a byte offset), 4 or 16."""
     if INTERPRETED:
         offset = index.to(tl.int64) * STRIDE
     elif STRIDE == 16:
         offset = tl.inline_asm_elementwise("mul.wide.u32 $0, $1, 16;", "=l,r", [index], dtype=tl.int64,
                                            is_pure=True, pack=1)
-    elif STRIDE == 8:
-        offset = tl.inline_asm_elementwise("mul.wide.u32 $0, $1, 8;", "=l,r", [index], dtype=tl.int64,
+    elif STRIDE == 1:
+        offset = tl.inline_asm_elementwise("mul.wide.u32 $0, $1, 1;", "=l,r", [index], dtype=tl.int64,
                                            is_pure=True, pack=1)
     else:
-        tl.static_assert(STRIDE == 4, "wide_offset: STRIDE must be 4, 8 or 16")
+        tl.static_assert(STRIDE == 4, "wide_offset: STRIDE must be 1, 4 or 16")
         offset = tl.inline_asm_elementwise("mul.wide.u32 $0, $1, 4;", "=l,r", [index], dtype=tl.int64,
                                            is_pure=True, pack=1)
     return offset
@@ -108,12 +107,13 @@ def settle8(guess, scaled, norm, tables):
     lines = wide_offset(guess.to(tl.uint32, bitcast=True) >> 23, LINE_BYTES)
     slope1, intercept1, slope2, intercept2 = _line_pair(table_bytes, lines)
     position = tl.minimum(tl.fma(guess, slope1, intercept1), tl.fma(guess, slope2, intercept2))
-    # the entry index (bits(position) & ENTRY_MASK is its byte offset)
-    entry = (position.to(tl.uint32, bitcast=True) >> 3) & ENTRY_INDEX_MASK
-    mu, hu = _words(table_bytes + ENTRIES_AT, wide_offset(entry, ENTRY_BYTES))
+    bits = position.to(tl.uint32, bitcast=True)
+    # the entry's byte offset (one LOP3; the address then one IMAD.WIDE.U32 by 1, no shift and mask)
+    mu, hu = _words(table_bytes + ENTRIES_AT, wide_offset(bits & ENTRY_MASK, 1))
     # -(scaled - norm * (mu + hu)), exact in sign; its sign bit is 1 where the pair settles on its upper code
     below = tl.fma(norm, hu, tl.fma(norm, mu, -scaled))
-    return (entry + (below.to(tl.uint32, bitcast=True) >> 31)).to(tl.uint8)
+    # entry index + 1 where settling up; bits >> 3 holds the index in its low byte, which the uint8 cast keeps
+    return ((bits >> 3) + (below.to(tl.uint32, bitcast=True) >> 31)).to(tl.uint8)
 
 
 @triton.jit
