@@ -80,7 +80,6 @@ import collections
 import contextlib
 import datetime
 import functools
-import inspect
 import io
 import json
 import math
@@ -906,9 +905,9 @@ def llama_numels() -> list[int]:
 
 
 def min_8bit_size() -> int:
-    from hf_optim.optim.base import HfOptimizer  # noqa: PLC0415
+    from hf_optim.optim.options import BY_NAME  # noqa: PLC0415
 
-    return inspect.signature(HfOptimizer.__init__).parameters["min_8bit_size"].default
+    return BY_NAME["min_8bit_size"].default
 
 
 def predict(rows: list[dict], configs: dict[str, LaunchConfig], numels: Sequence[int]) -> None:
