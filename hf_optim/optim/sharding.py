@@ -213,3 +213,14 @@ def import_state(param_state: dict, param, local_param: torch.Tensor, state_dims
         else:
             out[key] = value
     return out
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor to compute on: a DTensor's local shard, or the tensor itself."""
+    if type(tensor) in _PLAIN_TENSORS:  # the common case, without the failed attribute lookup below
+        return tensor
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor

@@ -1,0 +1,233 @@
+"""Updating parameters: the update hooks subclasses override, lazy state creation and the three-way dispatch.
+
+:class:`Dispatch` is a mixin of :class:`~hf_optim.optim.base.HfOptimizer`. A group's parameters go to one fused
+Triton launch (:mod:`hf_optim.kernels.triton_step`), the multi-tensor PyTorch path over flat state buffers
+(:mod:`hf_optim.kernels.multi_tensor`), or the PyTorch path tensor by tensor (:meth:`Dispatch._update`); the
+PyTorch paths also run the tensors whose Triton kernels failed on this machine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hf_optim.kernels import backend as kernel_backend
+from hf_optim.kernels import multi_tensor, rounding
+from hf_optim.kernels.flat_state import FlatState
+from hf_optim.kernels.formats import FP32, SlotLayout, StateFormat, settings_format, with_overrides
+from hf_optim.kernels.state_store import init_slot, slot_layouts, slot_tensors
+from hf_optim.optim.sharding import local_tensor
+from hf_optim.optim.stepping import SR_KEY
+
+
+class Dispatch:
+    """Mixin of :class:`~hf_optim.optim.base.HfOptimizer`: the update of each parameter (see the module)."""
+
+    # ----------------------------------------------------------------------------------------------------
+    # Hooks for subclasses: the update
+    def rule(self, param, grad, states, hyper):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _hyper(self, group: dict, step: int) -> tuple:  # pragma: no cover - abstract
+        """Scalars for the rule at ``step`` (host math: bias corrections, schedules): ``definition.hyper``."""
+        raise NotImplementedError
+
+    def _state_format(self, param: torch.Tensor, group: dict) -> StateFormat:
+        """The format of ``param``'s state: the group's (``state_format``, or ``optim_bits`` where an override set it)
+        when it is not quantized or the WHOLE parameter (a DTensor's global numel) has ``min_8bit_size`` elements,
+        fp32 otherwise, so the precision of a parameter's state never depends on how many ranks share it."""
+        fmt = settings_format(group)
+        if fmt.quantized and param.numel() < group["min_8bit_size"]:
+            return FP32
+        return fmt
+
+    def _init_state(self, full: torch.Tensor, group: dict, state: dict) -> None:
+        """Create the state of parameter ``full`` (a DTensor or a tensor) on its local tensor."""
+        param = local_tensor(full)
+        state["step"] = 0
+        fmt = self._state_format(full, group)
+        for spec in self.state_specs:
+            init_slot(state, spec, param, fmt, self._allocate)
+
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
+        """Update the local tensor ``param``; ``full`` is the parameter itself (a DTensor when sharded), for
+        algorithms that reduce across shards."""
+        hyper = self._hyper(group, state["step"])
+        self._run_rule(self.rule, param, grad, state, hyper, stream=self._stream(group, state, param))
+
+    def _step_flat(self, group: dict, flat: FlatState, members: list, hyper: dict,
+                   stream: rounding.Stream | None = None) -> None:
+        """Update ``members`` = ``[(index in flat, local param, local grad)]``, sorted by index, whose state is in
+        ``flat``: the multi-tensor path (``hf_optim.kernels.multi_tensor``), one call per chunk of flat state.
+        ``stream``: bf16 stochastic rounding of the new parameters (its ``ordinals`` by member index)."""
+        for run, params, grads in multi_tensor.runs_of(flat, members):
+            multi_tensor.step_run(self.rule, flat, multi_tensor.cached_chunks(flat, run), params, grads, hyper,
+                                  self._scratch, stream=stream)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Dispatch
+    @property
+    def backend(self) -> str:
+        """The kernels that update this optimizer's parameters: ``triton``, ``torch-compile`` (the multi-tensor path
+        compiled by inductor, CPU and CUDA) or ``torch`` (eager), per device type when they differ (see
+        ``hf_optim.kernels.backend``). Configurations whose Triton kernels failed on this machine are listed by
+        ``hf_optim.kernels.triton_guard.failures()``."""
+        devices = {local_tensor(p).device for group in self.param_groups for p in group["params"]}
+        return kernel_backend.describe(devices)
+
+    def _on_multi_tensor_path(self, full: torch.Tensor, param: torch.Tensor) -> bool:
+        """Whether ``full``'s state lives in flat buffers: :meth:`_multi_tensor_eligible` tensors the backend does not
+        assign to Triton (Triton has its own multi-tensor kernels)."""
+        return self._multi_tensor_eligible(full, param) and not kernel_backend.uses_triton(param.device)
+
+    def _multi_tensor_eligible(self, full: torch.Tensor, param: torch.Tensor) -> bool:
+        """Whether ``full`` can step on the multi-tensor PyTorch path: whole (unsharded) contiguous float tensors on
+        a device it runs on (CPU, CUDA)."""
+        return (
+            _multi_tensor_capable(type(self))
+            and param is full
+            and param.device.type in multi_tensor.DEVICE_TYPES
+            and param.is_contiguous()
+            and param.dtype in multi_tensor.PARAM_DTYPES
+        )
+
+    def _create_states(self, group: dict, fresh: list) -> None:
+        """Create the state of ``fresh`` = ``[(param, local param, per-parameter overrides)]``: in flat buffers for
+        the multi-tensor path, per tensor otherwise."""
+        flat_entries = []
+        for p, param, overrides in fresh:
+            settings = with_overrides(group, overrides) if overrides else group
+            state = self.state[p]
+            if not self._on_multi_tensor_path(p, param):
+                self._init_state(p, settings, state)
+                continue
+            state["step"] = 0
+            fmt = self._state_format(p, settings)
+            flat_entries.append((p, param, state, [SlotLayout(fmt, spec.signed) for spec in self.state_specs]))
+        if flat_entries:
+            self._flat.create(self.state_specs, flat_entries, self._allocate)
+
+    def _update_group(self, group: dict, group_index: int, items: list) -> None:
+        """Update a group's ``(local param, local grad, state, param)`` items: one fused Triton launch (per pass)
+        for the tensors the backend assigns to Triton, the multi-tensor PyTorch path for those whose state is in
+        flat buffers, the PyTorch path tensor by tensor for the rest."""
+        fused, flat_items, fused_full = [], [], {}
+        triton_devices: dict[torch.device, bool] = {}  # the backend choice reads the environment: once per device
+        for param, grad, state, full in items:
+            if param.device not in triton_devices:
+                triton_devices[param.device] = kernel_backend.uses_triton(param.device)
+            if triton_devices[param.device]:
+                from hf_optim.kernels import triton_step  # imports triton: only when a Triton step runs
+
+                if triton_step.supported(self, param, param is not full):
+                    fused.append((param, grad, state))
+                    fused_full[id(state)] = full
+                    continue
+            if self._on_multi_tensor_path(full, param):
+                flat_items.append((param, grad, state, full))
+                continue
+            self._update(param, grad, state, group, full=full)
+        if flat_items:
+            self._update_flat(group, flat_items)
+        if fused:
+            if group[SR_KEY]:
+                skipped = triton_step.step_group(self, group, group_index, fused, ordinals=self._ordinals)
+            else:
+                skipped = triton_step.step_group(self, group, group_index, fused)
+            if skipped:  # their kernels failed to compile or load on this GPU (hf_optim.kernels.triton_guard)
+                self._update_fallback(group, [(param, grad, state, fused_full[id(state)])
+                                              for param, grad, state in skipped])
+
+    def _update_fallback(self, group: dict, items: list) -> None:
+        """The PyTorch path for ``(local param, local grad, state, param)`` items whose Triton kernels failed: the
+        multi-tensor path where it applies (their per-tensor state, created for Triton, moves into flat buffers at
+        the first such step), tensor by tensor otherwise. The same math as their Triton kernels."""
+        flat_items = []
+        for param, grad, state, full in items:
+            if self._multi_tensor_eligible(full, param):
+                flat_items.append((param, grad, state, full))
+            else:
+                self._update(param, grad, state, group, full=full)
+        if flat_items:
+            self._update_flat(group, flat_items)
+
+    # The multi-tensor path runs its own compiled kernels: under an outer torch.compile(optimizer.step) it runs as
+    # it is (dynamo would otherwise specialize on every step's learning rate and bias corrections).
+    @torch._disable_dynamo
+    def _update_flat(self, group: dict, items: list) -> None:
+        """The multi-tensor path for ``items`` (as :meth:`_update_group`'s): state that a loaded state dict
+        replaced is first moved into flat buffers; then one :meth:`_step_flat` per flat buffer and step count."""
+        located = [self._flat.locate(full, state) for _, _, state, full in items]
+        homeless = [
+            (full, param, state, slot_layouts(state, self.state_specs))
+            for (param, _, state, full), place in zip(items, located)
+            if place is None
+        ]
+        if homeless:  # a loaded state dict (or the Triton path, before a fallback) made their state: move it in
+            for piece in _adoption_pieces(homeless):
+                self._flat.adopt(self.state_specs, piece, self._allocate)
+            located = [place or self._flat.locate(full, state) for (_, _, state, full), place in zip(items, located)]
+        batches: dict[tuple, tuple[FlatState, list]] = {}
+        ordinals: dict[int, dict[int, int]] = {}  # per flat buffer: member index -> parameter ordinal
+        for (param, grad, state, _), (flat, index) in zip(items, located):
+            batches.setdefault((id(flat), state["step"]), (flat, []))[1].append((index, param, grad))
+            if group[SR_KEY]:
+                ordinals.setdefault(id(flat), {})[index] = self._ordinals[id(state)]
+        for (_, step), (flat, members) in batches.items():
+            members.sort(key=lambda member: member[0])
+            stream = self._flat_stream(group, step, members[0][1], ordinals.get(id(flat), {}))
+            if stream is None:  # the call as it was before stochastic rounding (subclasses may not take it)
+                self._step_flat(group, flat, members, self._hyper(group, step))
+            else:
+                self._step_flat(group, flat, members, self._hyper(group, step), stream=stream)
+
+    @functools.cached_property
+    def _scratch(self) -> multi_tensor.Scratch:
+        return multi_tensor.Scratch()
+
+    def _run_rule(self, rule, param, grad, state, hyper, out: torch.Tensor | None = None,
+                  stream: rounding.Stream | None = None) -> None:
+        """Apply an elementwise rule to one parameter, in place, on its device (``stream``: round a bf16 result
+        stochastically)."""
+        if param.numel() == 0:  # an empty local shard of a sharded parameter
+            return
+        flat_param = param.view(-1) if param.is_contiguous() else param.contiguous().view(-1)
+        layouts = slot_layouts(state, self.state_specs)
+        tensors = [t for spec in self.state_specs for t in slot_tensors(state, spec)]
+        multi_tensor.step_tensor(rule, layouts, flat_param, grad.reshape(-1), out, tensors, hyper, stream=stream)
+        if not param.is_contiguous():
+            param.copy_(flat_param.view_as(param))
+
+
+ADOPT_BYTES = 256 << 20
+"""Most bytes of state moved into flat buffers at once: until a parameter's old state is released, it exists twice,
+so adopting a whole model's state in one piece would briefly double it (on a GPU, that can fail for lack of memory
+at the very step that falls back from a failed Triton kernel)."""
+
+
+def _adoption_pieces(entries: list) -> list[list]:
+    """``entries`` (``FlatStates.adopt``'s) in consecutive pieces of at most :data:`ADOPT_BYTES` of state each (a
+    larger parameter's state is a piece by itself)."""
+    pieces, size = [], 0
+    for entry in entries:
+        state = entry[2]
+        nbytes = sum(t.nbytes for t in state.values() if isinstance(t, torch.Tensor))
+        if not pieces or size + nbytes > ADOPT_BYTES:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(entry)
+        size += nbytes
+    return pieces
+
+
+def _owner(cls: type, name: str) -> type:
+    """The class in ``cls``'s MRO that defines attribute ``name``."""
+    return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+
+@functools.cache
+def _multi_tensor_capable(cls: type) -> bool:
+    """Whether ``cls`` steps on the multi-tensor path: its state is the default slots, and whoever defines its
+    update also defines (or inherits from a class that knows it) the flat step."""
+    return _owner(cls, "_init_state") is Dispatch and issubclass(_owner(cls, "_step_flat"), _owner(cls, "_update"))
