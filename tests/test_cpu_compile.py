@@ -105,19 +105,19 @@ def stand_in(monkeypatch, tmp_path):
     cpu_compile.forget()
 
 
+class _LogLines:
+    """(level, message) of the ``hf_optim`` logger's records at INFO and above (any thread), read when iterated."""
+
+    def __init__(self, records: list[logging.LogRecord]):
+        self.records = records
+
+    def __iter__(self):
+        return iter([(r.levelno, r.getMessage()) for r in self.records if r.levelno >= logging.INFO])
+
+
 @pytest.fixture
-def log_lines():
-    """Messages of the ``hf_optim`` logger at INFO and above, from any thread."""
-    lines = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append((record.levelno, record.getMessage()))
-    logger = logging.getLogger("hf_optim")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+def log_lines(hf_optim_records):
+    return _LogLines(hf_optim_records)
 
 
 def steps(cls, count, after_step=lambda step: None, **kwargs):
