@@ -126,7 +126,8 @@ def test_steps_stay_within_the_format_bound_of_the_fp32_class(family, fmt, paged
     """Each slot's values differ from the fp32 class's by at most ``STEPS`` quantization errors (each within the
     format's bound relative to its block's scale: the state's update is linear in the old state with coefficients
     at most 1, and the gradients do not depend on the parameters); fp32 state and the parameters' direction of
-    travel agree. fp32 itself, paged or not, named class or not, equals the fp32 reference bit for bit."""
+    travel agree (cosine > 0.95; measured >= 0.987). fp32 itself, paged or not, named class or not, equals the fp32
+    reference bit for bit, and a paged class equals its unpaged twin bit for bit."""
     ref_opt, ref_params = fp32_run(family)
     params = make_params(SHAPES)
     opt = make(family, fmt, paged, params)
@@ -150,12 +151,18 @@ def test_steps_stay_within_the_format_bound_of_the_fp32_class(family, fmt, paged
             assert worst <= bound, f"{spec.key} {tuple(p.shape)}: {worst:.4g} of the block scale > {bound:.4g}"
         if not quantized and fmt is FP32:
             assert torch.equal(p, ref_p), f"{tuple(p.shape)}: fp32 parameters differ from the fp32 class's"
+    if paged:  # on CPU a paged class runs exactly as its unpaged twin
+        twin_params = make_params(SHAPES)
+        twin = make(family, fmt, False, twin_params)
+        run(twin, twin_params, STEPS)
+        for p, q in zip(params, twin_params):
+            assert torch.equal(p, q) and same_state(opt.state[p], twin.state[q]), f"{tuple(p.shape)}: paged differs"
     start = make_params(SHAPES)
     for p, ref_p, p0 in zip(params, ref_params, start):
         moved, ref_moved = (p - p0).flatten(), (ref_p - p0).flatten()
         if fmt.quantized and p.numel() >= MIN_8BIT_SIZE:
             cosine = torch.nn.functional.cosine_similarity(moved, ref_moved, dim=0).item()
-            assert cosine > 0.9, f"{tuple(p.shape)}: update direction {cosine:.3f} from the fp32 class's"
+            assert cosine > 0.95, f"{tuple(p.shape)}: update direction {cosine:.3f} from the fp32 class's"
         else:
             assert torch.equal(p, ref_p) if fmt is FP32 else ref_moved.abs().max() > 0
 
