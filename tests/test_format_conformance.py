@@ -1,0 +1,240 @@
+"""One conformance suite over every registered state format (:func:`hf_optim.kernels.formats.formats_by_rank`), plus
+the not yet registered ``rank1_4bit`` format's slot-level checks (inside its ``installed()`` block).
+
+Per format and slot kind (signed / unsigned map, one row / AdEMAMix's two stacked rows): quantize then dequantize
+stays within the bound derived from the format's own map (fp32: exact); a slot survives ``torch.save`` /
+``torch.load(weights_only=True)`` and the format's load checks, bit for bit; slots allocated through the
+optimizers' allocator (paged or not: on CPU paged allocation is ordinary memory) have the format's dtypes, decode to
+zero and occupy exactly ``state_bytes``; and where the format has a Triton branch, the fused kernel in Triton's
+interpreter equals the PyTorch path bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import warnings
+
+import pytest
+import torch
+from test_triton_kernels import cuda_scalars, launched, use_triton  # noqa: F401 (fixtures)
+
+from hf_optim.kernels.formats import FORMATS, StateFormat, formats_by_rank, loaded_format
+from hf_optim.kernels.formats import rank1_4bit as rank1
+from hf_optim.kernels.formats.base import StateDictError
+from hf_optim.kernels.rank1_quant4 import matrix_shape
+from hf_optim.kernels.state_store import StateSpec
+from hf_optim.kernels.triton_configs import fused_configs
+from hf_optim.optim import registry
+from hf_optim.paging import is_paged_tensor, state_allocator
+
+REGISTERED = [fmt.name for fmt in formats_by_rank()]
+UNREGISTERED = [] if rank1.RANK1_4BIT.name in FORMATS else [rank1.RANK1_4BIT.name]
+SLOTS = [StateSpec("state1", signed=True), StateSpec("state2", signed=False), StateSpec("state1", True, rows=2)]
+FP32_ROUNDING = 4 * torch.finfo(torch.float32).eps
+"""Slack, relative to the scale, for the fp32 roundings of normalizing (``v / absmax``) and decoding
+(``qmap * absmax``): a value exactly at a gap's midpoint may land a few ulps of the scale past half the gap."""
+SHAPE = (25, 41)
+"""1025 elements: odd, a partial last block for every block size, a matrix for rank-1 scales."""
+
+
+@contextlib.contextmanager
+def format_context(name: str):
+    """The format named ``name``; an unregistered one is installed for the block."""
+    if name in FORMATS:
+        yield FORMATS[name]
+    else:
+        with rank1.installed() as fmt:
+            assert fmt.name == name
+            yield fmt
+
+
+@pytest.fixture(params=REGISTERED + UNREGISTERED)
+def fmt(request):
+    with format_context(request.param) as chosen:
+        yield chosen
+
+
+def slot_id(spec: StateSpec) -> str:
+    return f"{'signed' if spec.signed else 'unsigned'}-{spec.rows}row"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bounds derived from the format
+def round_trip_bound(state: dict, spec: StateSpec, fmt: StateFormat) -> float:
+    """Largest round-trip error of one element relative to its scale (the block absmax; a rank-1 slot's
+    ``min(row, col)``), from the map stored in the slot: half the widest gap between neighbouring map values, the
+    whole gap next to 0 (tiny negatives keep a negative code), and the distance from the range's ends ([-1, 1]
+    signed, [0, 1] unsigned) to the nearest map value. fp32: 0."""
+    if not fmt.quantized:
+        return 0.0
+    qmap = state[spec.qmap_key].detach().double().sort().values
+    low = -1.0 if spec.signed else 0.0
+    bound = max((qmap[1:] - qmap[:-1]).max().item() / 2, qmap[0].item() - low, 1.0 - qmap[-1].item())
+    if spec.signed and bool((qmap == 0).any()):
+        zero = int((qmap == 0).nonzero()[0])
+        bound = max(bound, (qmap[zero] - qmap[zero - 1]).item(), (qmap[zero + 1] - qmap[zero]).item())
+    return bound
+
+
+def element_scale(fmt: StateFormat, values: torch.Tensor, signed: bool, shape: tuple[int, ...]) -> torch.Tensor:
+    """Each element's quantization scale for ``values`` ``(rows, n)``: its block's absmax, or for a rank-1 unsigned
+    slot (a whole-tensor format) ``min(row max, column max)`` of the parameter seen as a matrix."""
+    rows, n = values.shape
+    magnitude = values.detach().abs().float()
+    if getattr(fmt, "whole_tensor", False) and not signed:
+        r, c = matrix_shape(shape)
+        matrix = magnitude.view(rows, r, c)
+        return torch.minimum(matrix.amax(2, keepdim=True), matrix.amax(1, keepdim=True)).view(rows, n)
+    size = fmt.block_size or 1
+    blocks = fmt.num_blocks(n) if fmt.quantized else n
+    padded = torch.nn.functional.pad(magnitude, (0, blocks * size - n))
+    return padded.view(rows, blocks, size).amax(2).repeat_interleave(size, dim=1)[:, :n]
+
+
+def probe_values(spec: StateSpec, n: int) -> torch.Tensor:
+    """``(rows, n)`` values over nine decades, zeros, a negative zero and an all-zero block (|v| for unsigned)."""
+    gen = torch.Generator().manual_seed(7)
+    values = torch.randn(spec.rows, n, generator=gen) * torch.logspace(-6, 3, n)[torch.randperm(n, generator=gen)]
+    values[:, 256:512] = 0.0  # an all-zero block (of 256 or 128 elements)
+    values[:, 41 * 20 : 41 * 21] = 0.0  # an all-zero row of the (25, 41) matrix (rank-1 scales)
+    values[0, 3] = -0.0
+    return values if spec.signed else values.abs()
+
+
+def allocate_slot(fmt: StateFormat, spec: StateSpec, paged: bool, device: str = "cpu") -> dict:
+    param = torch.zeros(SHAPE, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # paged allocation on CPU says once that it is ordinary memory
+        allocate = state_allocator(paged, "ConformanceTest")
+        state: dict = {}
+        fmt.init_slot(state, spec, param, allocate)
+    return state
+
+
+def store(fmt: StateFormat, state: dict, spec: StateSpec, values: torch.Tensor) -> torch.Tensor:
+    """Quantize ``values`` into the slot and return its dequantized contents."""
+    raw = fmt.raw(state, spec)
+    fmt.store(values, raw, spec.signed)
+    return fmt.dequantize(fmt.raw(state, spec), spec.signed, values.shape[1])
+
+
+def slot_bytes(fmt: StateFormat, spec: StateSpec) -> int:
+    """``fmt.state_bytes`` of the slot, passing the signedness and shape to a format whose size depends on them."""
+    extra = {"signed": spec.signed, "shape": SHAPE}
+    accepted = inspect.signature(fmt.state_bytes).parameters
+    n = torch.Size(SHAPE).numel()
+    return fmt.state_bytes(n, spec.rows, **{key: value for key, value in extra.items() if key in accepted})
+
+
+# --------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", SLOTS, ids=slot_id)
+def test_round_trip_is_within_the_bound_of_the_format(fmt, spec):
+    n = torch.Size(SHAPE).numel()
+    state = allocate_slot(fmt, spec, paged=False)
+    values = probe_values(spec, n)
+    decoded = store(fmt, state, spec, values.clone())
+    assert decoded.shape == values.shape and decoded.dtype == torch.float32
+    if not fmt.quantized:
+        assert torch.equal(decoded, values)
+        return
+    bound = round_trip_bound(state, spec, fmt)
+    assert 0 < bound < 0.5
+    scale = element_scale(fmt, values, spec.signed, SHAPE)
+    error = (decoded - values).abs()
+    allowed = (bound + FP32_ROUNDING) * scale
+    assert torch.all(error <= allowed), f"worst {(error / scale).nan_to_num().max():.6g} > {bound:.6g}"
+    assert bool((scale == 0).any()) and torch.all(decoded[scale == 0] == 0), "zero scale must decode to exactly 0"
+    if spec.signed:
+        assert torch.all(decoded * values >= 0), "a value changed sign"
+    # the bound is not vacuous: the widest error is more than half the bound
+    assert (error / scale.clamp(min=1e-30)).max() > bound / 2
+
+
+@pytest.mark.parametrize("spec", SLOTS, ids=slot_id)
+def test_state_dict_round_trip_of_a_slot(fmt, spec):
+    n = torch.Size(SHAPE).numel()
+    state = allocate_slot(fmt, spec, paged=False)
+    decoded = store(fmt, state, spec, probe_values(spec, n))
+    buffer = io.BytesIO()
+    torch.save({key: state[key] for key in fmt.keys(spec)}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded.keys() == {key for key in fmt.keys(spec)}
+    param = torch.zeros(SHAPE)
+    assert loaded_format(loaded, spec) is fmt
+    fmt.check_loaded(param, loaded, spec, "conformance")
+    for key in fmt.keys(spec):
+        assert loaded[key].dtype == state[key].dtype and torch.equal(loaded[key], state[key]), key
+    assert torch.equal(fmt.dequantize(fmt.raw(loaded, spec), spec.signed, n), decoded)
+    # a slot saved for another parameter is refused by the format's load check
+    with pytest.raises(StateDictError):
+        fmt.check_loaded(torch.zeros(n + 300), loaded, spec, "conformance")
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["unpaged", "paged"])
+@pytest.mark.parametrize("spec", SLOTS, ids=slot_id)
+def test_allocation_dtypes_zero_values_and_state_bytes(fmt, spec, paged):
+    state = allocate_slot(fmt, spec, paged)
+    n = torch.Size(SHAPE).numel()
+    assert set(state) == set(fmt.keys(spec))
+    main = state[spec.key]
+    assert main.dtype == fmt.main_dtype() and main.device.type == "cpu"
+    assert main.shape[-1] == (fmt.main_length(n) if fmt.packed else SHAPE[-1])
+    assert not any(is_paged_tensor(t) for t in state.values())  # CPU: paged allocation is ordinary memory
+    held = sum(t.numel() * t.element_size() for t in state.values())
+    assert held == slot_bytes(fmt, spec), f"allocated {held} bytes, state_bytes says {slot_bytes(fmt, spec)}"
+    decoded = fmt.dequantize(fmt.raw(state, spec), spec.signed, n)
+    assert decoded.shape == (spec.rows, n) and torch.all(decoded == 0), "a new slot must decode to zeros"
+    assert loaded_format(state, spec) is fmt
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Triton branch: the fused kernel in the interpreter against the PyTorch path
+def twin_family(fmt: StateFormat):
+    """The first registered elementwise algorithm with a Triton rule that runs with ``fmt``, or None."""
+    for family in registry.families():
+        algorithm = family.algorithm
+        if (fmt in family.base._supported_formats() and algorithm.triton_plan.elementwise
+                and fused_configs(algorithm, (fmt,))):
+            return family
+    return None
+
+
+TWIN_SHAPES = [(600,), (45,)]
+TWIN_MIN_8BIT = 512
+
+
+def run_twin(cls, fmt, backend_name, monkeypatch):
+    monkeypatch.setenv("HF_OPTIM_BACKEND", backend_name)
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in TWIN_SHAPES]
+    opt = cls(params, lr=1e-2, state_format=fmt.name, min_8bit_size=TWIN_MIN_8BIT)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return opt, params
+
+
+@pytest.mark.parametrize("name", REGISTERED)
+def test_triton_interpreter_twin_equals_pytorch(name, monkeypatch, use_triton, cuda_scalars, launched):  # noqa: F811
+    fmt = FORMATS[name]
+    family = twin_family(fmt)
+    if family is None:
+        pytest.skip(f"no registered algorithm has a Triton rule for {name}")  # not a registered format's case today
+    ref_opt, ref_params = run_twin(family.base, fmt, "torch", monkeypatch)
+    assert launched == []
+    opt, params = run_twin(family.base, fmt, "triton", monkeypatch)
+    assert "backend=triton" in repr(opt)
+    assert {code for config in launched for code in config.formats} == {fmt.code, FORMATS["fp32"].code}
+    for ref_p, p in zip(ref_params, params):
+        assert torch.equal(p, ref_p), f"{tuple(p.shape)}: parameters differ"
+        assert ref_opt.state[ref_p].keys() == opt.state[p].keys()
+        for key, ref in ref_opt.state[ref_p].items():
+            value = opt.state[p][key]
+            if isinstance(ref, torch.Tensor):
+                assert value.dtype == ref.dtype and torch.equal(value, ref), f"{tuple(p.shape)}: {key} differs"
+        quantized = p.numel() >= TWIN_MIN_8BIT and fmt.quantized
+        assert loaded_format(opt.state[p], family.base.state_specs[0]).name == (name if quantized else "fp32")
