@@ -203,16 +203,17 @@ class FusedConfig:
         sm_80: with bf16 parameters, 4-bit state and stochastic rounding it takes 69 registers at width 4 (under 50%
         occupancy on its 64-warp SM), and ptxas fits it in 64 without spills. 64 also for whole tiles of width 8
         with 4-bit state on sm_90: AdamW with bf16 parameters takes 68 registers there without a limit (Triton 3.9),
-        none spilled with it. And 64 for whole tiles on sm_86 and sm_89 with fp32 parameters or one state row:
-        without a limit ptxas held two of them (AdamW fp32 8-bit, Lion fp16 4-bit) to 48 registers with a 4-byte
-        spill; with 64 they take 60-63 registers, no spill, 67% occupancy on those 48-warp SMs (the others, up to 72
-        registers, spill with a limit of 64 or even 80 and not without one). Nowhere else: a limit above a kernel's
-        natural count is not free (ptxas then spends registers up to it: AdamW bf16 8-bit SR on sm_80, 48 without,
-        64 with), and every other configuration is within its arch's limit without one (``benchmarks/gpu_static.py``
-        measures every configuration)."""
+        none spilled with it. And 64 for whole tiles on sm_86 and sm_89 with fp32 parameters, and for Lion's:
+        without a limit ptxas held two of them (AdamW fp32 8-bit, Lion fp16 4-bit) to 48 registers with a
+        4-byte spill; with 64 they take 60-63 registers, no spill, 67% occupancy on those 48-warp SMs. The others
+        (up to 72 registers; RMSprop bf16, with one state row as Lion, among them) spill with a limit of 64, some
+        even with 80, and not without one: measured per configuration, not a rule ptxas documents. Nowhere else: a
+        limit above a kernel's natural count is not free (ptxas then spends registers up to it: AdamW bf16 8-bit SR
+        on sm_80, 48 without, 64 with), and every other configuration is within its arch's limit without one
+        (``benchmarks/gpu_static.py`` measures every configuration)."""
         if self.arch == 80 and len(self.formats) > 2:
             return 64
-        if self.arch in (86, 89) and self.full and (self.param_dtype == 0 or len(self.formats) == 1):
+        if self.arch in (86, 89) and self.full and (self.param_dtype == 0 or self.algorithm == "lion"):
             return 64
         if self.arch == 90 and self.full and BLOCKWISE4.code in self.formats and self.whole_tile_width == 8:
             return 64
