@@ -3,6 +3,7 @@ class names, ``optim=`` names and labels derive from what each format declares."
 
 import inspect
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,3 +177,11 @@ def test_the_state_format_table_lists_every_registered_format():
     table = str(hf_optim.available_state_formats())
     assert [line.split()[0] for line in table.splitlines()[1:]] == ["fp32", "blockwise8", "blockwise4"]
     assert isinstance(hf_optim.available_state_formats()[0], StateFormat)
+    # bytes per element of a 2^20-element slot, from the formats' layouts: codes, an fp32 scale per block, the map
+    n = 1 << 20
+    expected = {"fp32": 4.0, "blockwise8": (n + 4 * n / 256 + 4 * 256) / n,
+                "blockwise4": (n / 2 + 4 * n / 128 + 4 * 16) / n}
+    shown = {line.split()[0]: float(line.split()[-1]) for line in table.splitlines()[1:]}
+    assert shown == pytest.approx(expected, rel=1e-3)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert table in readme  # the README shows the table as it prints
