@@ -80,10 +80,11 @@ def slot_tensors(state: dict, spec: StateSpec) -> list[torch.Tensor]:
     return slot_format(state, spec).raw(state, spec)
 
 
-def read_slot(state: dict, spec: StateSpec) -> torch.Tensor:
-    """The slot's values as fp32 ``(rows, n)`` (a view for fp32 slots, a dequantized copy otherwise)."""
+def read_slot(state: dict, spec: StateSpec, n: int | None = None) -> torch.Tensor:
+    """The slot's values as fp32 ``(rows, n)`` (a view for fp32 slots, a dequantized copy otherwise). ``n``: the
+    parameter's element count (a packed 4-bit slot of an odd count cannot tell it from its bytes)."""
     fmt = slot_format(state, spec)
-    return fmt.dequantize(fmt.raw(state, spec), spec.signed)
+    return fmt.dequantize(fmt.raw(state, spec), spec.signed, n)
 
 
 def write_slot(state: dict, spec: StateSpec, values: torch.Tensor) -> None:

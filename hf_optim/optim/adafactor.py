@@ -288,7 +288,7 @@ class Adafactor(HfOptimizer):
             return
 
         if group["beta1"] is not None:
-            old = read_slot(state, FIRST_MOMENT).view_as(update)
+            old = read_slot(state, FIRST_MOMENT, update.numel()).view_as(update)
             exp_avg = old * group["beta1"] + update * (1.0 - group["beta1"])
             if finite is not None:
                 exp_avg = torch.where(finite, exp_avg, old)
