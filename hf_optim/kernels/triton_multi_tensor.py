@@ -134,6 +134,15 @@ class Launch:
                 ((True, self.whole_tiles, self.num_whole), (False, self.partial_tiles, self.num_partial)) if count]
 
 
+def launch_tables(table: list[list[int]], host: torch.Tensor, tile_blocks: int, device: torch.device) -> Launch:
+    """The device tables of one launch from its ``meta`` rows (``table``, and ``host``: the same as an int64
+    tensor)."""
+    whole, partial = split_tile_tables(tuple(row[NUMEL] for row in table), tile_blocks)
+    return Launch(to_device(host, torch.int64, device), to_device(whole, torch.int32, device), whole.numel() // 2,
+                  to_device(partial, torch.int32, device), partial.numel() // 2, [row[FIRST_TILE] for row in table],
+                  tile_blocks, all_aligned(table))
+
+
 class PlanCache:
     """Keeps the device tables of recent launches, so unchanged addresses cost no copy at all."""
 
