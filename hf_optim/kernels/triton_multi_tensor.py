@@ -11,8 +11,9 @@ A launch gets two small device tables instead of one tensor per argument:
   tile (a masked kernel); ``FIRST_TILE`` numbers each tensor's tiles, whole then partial, for per-tile outputs.
 
 Both tables are built on the host from values the host already knows (addresses, sizes, dtypes), so building
-them never synchronizes with the device. ``meta`` is rebuilt only when an address changes (e.g. new gradient
-buffers) and sent with a non-blocking copy from pinned memory; ``tiles`` depends only on the sizes and is cached.
+them never synchronizes with the device. They are sent with non-blocking copies from pinned memory; the fused
+kernel's are kept between steps by ``triton_step.TritonPlans`` (which rewrites only the gradient column of ``meta``
+when gradients move), those of LAMB's and Adafactor's passes by :class:`PlanCache` (re-sent when a value changes).
 """
 
 from __future__ import annotations
