@@ -68,7 +68,7 @@ class TritonPlan:
 
     Args:
         step: :data:`ELEMENTWISE` (one launch of the shared fused kernel with the algorithm's Triton rule), or a
-            function (or ``"module:function"``) ``step(optimizer, algorithm, group, key, batch, step, hyper, cache,
+            function (or ``"module:function"``) ``step(algorithm, group, key, batch, step, hyper, cache,
             device, stochastic)`` running its own passes over ``batch`` = ``[(param, grad, state), ...]`` (LAMB's
             trust ratio, Adafactor's factored statistics); ``stochastic``: bf16 stochastic rounding's
             ``(ordinals, key)`` or None.

@@ -387,7 +387,7 @@ def _meta_rows(items: list, first_moment) -> tuple[list[list[int]], int, int, li
     return table, row_offset, col_offset, tiles
 
 
-def step(optimizer, algorithm, group: dict, key, items: list, step: int, hyper, cache: mt.PlanCache,
+def step(algorithm, group: dict, key, items: list, step: int, hyper, cache: mt.PlanCache,
          device: torch.device, stochastic=None) -> None:
     """One Adafactor step of ``items`` = [(param, grad, state), ...] (contiguous local tensors on ``device``, all
     with step counter ``step``, already counted, of one kernel group; ``hyper`` its ``AdafactorHyper``): the six

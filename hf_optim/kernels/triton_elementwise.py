@@ -9,10 +9,10 @@ direction output is 0.
 Specialized: everything that decides the kernel's path is a compile-time constant of a :class:`FusedConfig`
 (parameter and gradient dtype, each state row's format and map, whole or partial tiles, stochastic rounding,
 LAMB's direction output), so each binary is one straight path with no run-time branch. The host groups a param
-group's tensors by configuration (:func:`group_by_config`) and launches once per distinct configuration present:
+group's tensors by configuration (``triton_step.kernel_group``) and launches once per distinct configuration present:
 the whole tiles of all its tensors in one launch, each tensor's last, partial tile in another. An 8-bit optimizer
 usually has two groups (its 8-bit tensors, and those under ``min_8bit_size`` with fp32 state), so up to four
-launches a step; the tables of each launch are cached (:class:`triton_multi_tensor.PlanCache`).
+launches a step; the tables of each launch are kept between steps (:class:`triton_step.TritonPlans`).
 
 With ``NORMS`` (LAMB) each program also writes the sums of squares of its parameter and output tile to
 ``partials[2 * slot]`` and ``[2 * slot + 1]``, ``slot`` being the tile's index in its tensor's run of tiles

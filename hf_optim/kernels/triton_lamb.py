@@ -187,7 +187,7 @@ def _buckets(batch: list, limit: int) -> list[list]:
     return buckets
 
 
-def step(optimizer, algorithm, group: dict, key, batch: list, step: int, hyper, cache: mt.PlanCache,
+def step(algorithm, group: dict, key, batch: list, step: int, hyper, cache: mt.PlanCache,
          device: torch.device, stochastic=None) -> None:
     """LAMB's passes over ``batch`` = [(param, grad, state), ...] (one device, one step counter, one kernel group:
     see ``triton_step.kernel_group``): the direction pass (moments, direction, per-tile sums of squares: the fused

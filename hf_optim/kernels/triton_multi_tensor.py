@@ -11,8 +11,9 @@ A launch gets two small device tables instead of one tensor per argument:
   tile (a masked kernel); ``FIRST_TILE`` numbers each tensor's tiles, whole then partial, for per-tile outputs.
 
 Both tables are built on the host from values the host already knows (addresses, sizes, dtypes), so building
-them never synchronizes with the device. ``meta`` is rebuilt only when an address changes (e.g. new gradient
-buffers) and sent with a non-blocking copy from pinned memory; ``tiles`` depends only on the sizes and is cached.
+them never synchronizes with the device. They are sent with non-blocking copies from pinned memory; the fused
+kernel's are kept between steps by ``triton_step.TritonPlans`` (which rewrites only the gradient column of ``meta``
+when gradients move), those of LAMB's and Adafactor's passes by :class:`PlanCache` (re-sent when a value changes).
 """
 
 from __future__ import annotations
@@ -132,6 +133,15 @@ class Launch:
         """``(whole, tiles table, number of tiles)`` for each non-empty kind of tile."""
         return [(whole, table, count) for whole, table, count in
                 ((True, self.whole_tiles, self.num_whole), (False, self.partial_tiles, self.num_partial)) if count]
+
+
+def launch_tables(table: list[list[int]], host: torch.Tensor, tile_blocks: int, device: torch.device) -> Launch:
+    """The device tables of one launch from its ``meta`` rows (``table``, and ``host``: the same as an int64
+    tensor)."""
+    whole, partial = split_tile_tables(tuple(row[NUMEL] for row in table), tile_blocks)
+    return Launch(to_device(host, torch.int64, device), to_device(whole, torch.int32, device), whole.numel() // 2,
+                  to_device(partial, torch.int32, device), partial.numel() // 2, [row[FIRST_TILE] for row in table],
+                  tile_blocks, all_aligned(table))
 
 
 class PlanCache:

@@ -112,37 +112,59 @@ class Dispatch:
         """Update a group's ``(local param, local grad, state, param)`` items: one fused Triton launch (per pass)
         for the tensors the backend assigns to Triton, the multi-tensor PyTorch path for those whose state is in
         flat buffers, the PyTorch path tensor by tensor for the rest."""
-        fused, flat_items, fused_full = [], [], {}
-        triton_devices: dict[torch.device, bool] = {}  # the backend choice reads the environment: once per device
-        for param, grad, state, full in items:
-            if param.device not in triton_devices:
-                triton_devices[param.device] = kernel_backend.uses_triton(param.device)
-            if triton_devices[param.device]:
-                from hf_optim.kernels import triton_step  # imports triton: only when a Triton step runs
-
-                if triton_step.supported(self, param, param is not full):
-                    fused.append((param, grad, state))
-                    fused_full[id(state)] = full
-                    continue
+        rest, flat_items, triton = items, [], None
+        if _triton_capable(type(self)):
+            on_triton, rest = [], []
+            triton_devices: dict[torch.device, bool] = {}  # the backend choice reads the environment: once per device
+            for item in items:
+                device = item[0].device
+                if device not in triton_devices:
+                    triton_devices[device] = kernel_backend.uses_triton(device)
+                (on_triton if triton_devices[device] else rest).append(item)
+            if on_triton:
+                triton = self._triton_plans.prepare(group_index, on_triton, stochastic=bool(group[SR_KEY]))
+                rest.extend(triton.unsupported)
+        for param, grad, state, full in rest:
             if self._on_multi_tensor_path(full, param):
                 flat_items.append((param, grad, state, full))
                 continue
             self._update(param, grad, state, group, full=full)
         if flat_items:
             self._update_flat(group, flat_items)
-        if fused:
-            if group[SR_KEY]:
-                skipped = triton_step.step_group(self, group, group_index, fused, ordinals=self._ordinals)
-            else:
-                skipped = triton_step.step_group(self, group, group_index, fused)
+        if triton is not None:
+            hypers = {step: self._hyper(group, step) for step in triton.steps}
+            skipped = triton.run(group, hypers, self._ordinals if group[SR_KEY] else None)
             if skipped:  # their kernels failed to compile or load on this GPU (hf_optim.kernels.triton_guard)
-                self._update_fallback(group, [(param, grad, state, fused_full[id(state)])
-                                              for param, grad, state in skipped])
+                self._update_fallback(group, skipped)
+
+    @functools.cached_property
+    def _triton_plans(self):
+        """The Triton path's launch plans, kept between steps (``hf_optim.kernels.triton_step.TritonPlans``); state
+        reallocation clears them (:meth:`_state_reallocated`)."""
+        from hf_optim.kernels import triton_step  # imports triton: only when a Triton step runs
+
+        return triton_step.TritonPlans(self.definition)
+
+    def _state_reallocated(self) -> None:
+        """State tensors were replaced (a loaded state dict, state moved into flat buffers): the Triton path's
+        cached tables name their old addresses."""
+        plans = self.__dict__.get("_triton_plans")
+        if plans is not None:
+            plans.clear()
+
+    def _triton_eligible(self, param: torch.Tensor, sharded: bool) -> bool:
+        """Whether this optimizer's Triton kernels can update the local tensor ``param``."""
+        if not _triton_capable(type(self)):
+            return False
+        from hf_optim.kernels import triton_step
+
+        return triton_step.supported(self.definition, param, sharded)
 
     def _update_fallback(self, group: dict, items: list) -> None:
         """The PyTorch path for ``(local param, local grad, state, param)`` items whose Triton kernels failed: the
         multi-tensor path where it applies (their per-tensor state, created for Triton, moves into flat buffers at
         the first such step), tensor by tensor otherwise. The same math as their Triton kernels."""
+        self._state_reallocated()  # the multi-tensor path moves their state into flat buffers
         flat_items = []
         for param, grad, state, full in items:
             if self._multi_tensor_eligible(full, param):
@@ -231,3 +253,14 @@ def _multi_tensor_capable(cls: type) -> bool:
     """Whether ``cls`` steps on the multi-tensor path: its state is the default slots, and whoever defines its
     update also defines (or inherits from a class that knows it) the flat step."""
     return _owner(cls, "_init_state") is Dispatch and issubclass(_owner(cls, "_step_flat"), _owner(cls, "_update"))
+
+
+@functools.cache
+def _triton_capable(cls: type) -> bool:
+    """Whether ``cls`` can step on the Triton kernels: its algorithm has a Triton rule or plan, and the class did not
+    replace the algorithm's rule or update (the kernels would not run that code)."""
+    algorithm = getattr(cls, "definition", None)
+    if algorithm is None or not algorithm.runs_on_triton:
+        return False
+    base = _owner(cls, "definition")
+    return cls._update is base._update and cls.rule is base.rule

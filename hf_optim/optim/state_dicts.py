@@ -198,6 +198,7 @@ class StateDicts:
         self._flat.clear()  # the loaded state moves into new flat buffers at its first step
         self.state.update(new_state)
         self.param_groups = new_groups
+        self._state_reallocated()  # the Triton path's cached tables name the old state's addresses
         if self._release is not None:
             self._release.groups_changed()
             self._release.step_done()
