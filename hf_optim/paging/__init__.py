@@ -11,7 +11,7 @@ bitsandbytes' semantics, with its resume and CPU problems fixed:
   per device and step): the first step whose device has room again after a step that found it short enqueues the
   migration of every managed buffer to the GPU on the *current* stream before its update (``cudaMemPrefetchAsync``:
   stream-ordered, no device synchronize), bringing evicted pages back in bulk. Other steps do not prefetch (measured
-  on an H200 with a Llama-3.2-1B's 2.3 GiB of 8-bit state, ``docs/benchmarks.md``): with room to spare the pages
+  on an H200 with a Llama-3.2-1B's 2.3 GiB of 8-bit state and about 0.9 GiB of it evicted): with room to spare the pages
   are resident, and a prefetch costs about 40 us of host time per buffer even then (226 of them made the step
   1.86x slower than unpaged; skipped, 1.00x); while the device is short, prefetching every buffer before the
   group's one fused launch evicts the buffers prefetched first, and the kernel's page faults alone were faster
