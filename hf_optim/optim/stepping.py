@@ -61,7 +61,7 @@ class Stepping:
                 if p.numel() == 0:  # an empty local shard still joins its shard group's reductions
                     continue
                 if self.is_paged:
-                    self._allocate.prefetch(state, param.device)  # when the device is short of memory: no sync
+                    self._allocate.prefetch(state, param.device)  # only right after a memory shortage: no sync
                 hyper = update_overrides(overrides) if overrides else None
                 if hyper:  # per-parameter hyperparameters (bitsandbytes' manager): updated with its own group
                     overridden.setdefault(_override_key(hyper), ({**group, **hyper}, []))[1].append(

@@ -10,12 +10,13 @@ bitsandbytes' semantics, with its resume and CPU problems fixed:
 * A step prefetches only at the end of a memory shortage (:func:`short_of_memory`, from one ``cudaMemGetInfo``
   per device and step): the first step whose device has room again after a step that found it short enqueues the
   migration of every managed buffer to the GPU on the *current* stream before its update (``cudaMemPrefetchAsync``:
-  stream-ordered, no device synchronize), bringing evicted pages back in bulk. Other steps do not prefetch (measured
-  on an H200 with a Llama-3.2-1B's 2.3 GiB of 8-bit state and about 0.9 GiB of it evicted): with room to spare the pages
-  are resident, and a prefetch costs about 40 us of host time per buffer even then (226 of them made the step
-  1.86x slower than unpaged; skipped, 1.00x); while the device is short, prefetching every buffer before the
-  group's one fused launch evicts the buffers prefetched first, and the kernel's page faults alone were faster
-  (about 330 against 470 ms a step); once memory is back, the bulk prefetch took 42 ms against 110 ms of faults.
+  stream-ordered, no device synchronize), bringing evicted pages back in bulk. Other steps do not prefetch
+  (measured on an H200 with a Llama-3.2-1B's 2.3 GiB of 8-bit state, about 0.9 GiB of it evicted under pressure):
+  with room to spare the pages are resident, and a prefetch costs about 40 us of host time per buffer even then
+  (226 of them made the step 1.86x slower than unpaged; skipped, 1.00x); while the device is short, prefetching
+  every buffer before the group's one fused launch evicts the buffers prefetched first, and the kernel's page
+  faults alone were faster (about 330 against 470 ms a step); once memory is back, the bulk prefetch took 42 ms
+  against 110 ms of faults.
   bitsandbytes prefetches every paged tensor before every parameter's update and synchronizes after it.
 * Torch's allocator counters (``torch.cuda.memory_allocated`` / ``max_memory_allocated``) do not see managed
   memory; :func:`is_paged_tensor` and ``hf_optim.state_memory(...).paged_bytes`` do (a registry of live buffers).
