@@ -9,15 +9,16 @@ Parts:
 
 * ``speed``: with everything fitting, ``PagedAdamW8bit.step()`` vs ``AdamW8bit.step()`` on the parameters of a
   Llama-3.2-1B-shaped model (bf16), interleaved rounds timed with CUDA events; prints the paged / unpaged ratio
-  (the project's target: within 5%).
+  (the project's target: within 5%) and the host time of each step (the time ``step()`` takes to return).
 * ``peak``: ``torch.cuda.max_memory_allocated`` of a full fine-tuning step (forward, backward, optimizer step) of
   that model, built from its config with random weights in bf16, for each optimizer; the paged run should be
   lower by about the paged state size, which torch's allocator does not see (it is managed memory).
 * ``resume``: save the paged optimizer's state dict with ``torch.save``, ``torch.load(weights_only=True)`` it
   into a new paged optimizer, and check with ``cudaPointerGetAttributes`` that the state is still managed memory;
   then compare the peak of a step before and after the resume.
-* ``pressure``: fill the card with ordinary device allocations until the paged state cannot stay resident and
-  time the paged step against the same step without pressure.
+* ``pressure``: fill the card with ordinary device allocations until about half of the paged state is evicted to
+  host and time the paged step against the same step without pressure, then the first step after the fillers are
+  freed (which prefetches the state back: ``hf_optim.paging.short_of_memory``) and the steps after it.
 
 Managed memory is never requested beyond half of what ``torch.cuda.mem_get_info`` reports free: a shared GPU can
 hang when managed memory is oversubscribed. Pressure is made with ordinary allocations only.
@@ -116,18 +117,38 @@ def random_grads(params: list[torch.Tensor], seed: int) -> None:
 
 def timed_steps(opt: torch.optim.Optimizer, steps: int, device: str) -> float:
     """Milliseconds per step over ``steps`` steps."""
+    return timed_steps_with_host(opt, steps, device)[0]
+
+
+def timed_steps_with_host(opt: torch.optim.Optimizer, steps: int, device: str) -> tuple[float, float]:
+    """(milliseconds per step, host milliseconds per step: the time ``step()`` takes to return, before waiting for
+    the device) over ``steps`` steps. A step is host-bound when its host time reaches its step time."""
     if device.startswith("cuda"):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        begin = time.perf_counter()
         for _ in range(steps):
             opt.step()
+        host = (time.perf_counter() - begin) * 1000 / steps
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / steps
+        return start.elapsed_time(end) / steps, host
     begin = time.perf_counter()
     for _ in range(steps):
         opt.step()
-    return (time.perf_counter() - begin) * 1000 / steps
+    wall = (time.perf_counter() - begin) * 1000 / steps
+    return wall, wall
+
+
+def shortage(device: str) -> str:
+    """Whether the device is short of memory now (``hf_optim.paging.short_of_memory``: a paged step prefetches only
+    at the first step after a shortage), with the numbers it is decided from."""
+    if not device.startswith("cuda"):
+        return "no (no paging off CUDA)"
+    free, _ = torch.cuda.mem_get_info()
+    paged = hf_optim.paging.managed_bytes()
+    short = hf_optim.paging.short_of_memory(free, paged)
+    return f"{'yes' if short else 'no'} ({free / GIB:.2f} GiB free, {paged / GIB:.3f} GiB paged)"
 
 
 def part_speed(args) -> None:
@@ -138,19 +159,23 @@ def part_speed(args) -> None:
     optimizers = {cls.__name__: make_optimizer(cls, params) for cls in (hf_optim.AdamW8bit, hf_optim.PagedAdamW8bit)}
     for opt in optimizers.values():
         timed_steps(opt, args.warmup, args.device)  # creates the state; warms kernels and caches
-    times: dict[str, list[float]] = {name: [] for name in optimizers}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in optimizers}
     for _ in range(args.rounds):  # interleaved, so drift in clocks or neighbours hits both alike
         for name, opt in optimizers.items():
-            times[name].append(timed_steps(opt, args.steps, args.device))
-    unpaged, paged = (statistics.median(times[name]) for name in ("AdamW8bit", "PagedAdamW8bit"))
+            times[name].append(timed_steps_with_host(opt, args.steps, args.device))
+    (unpaged, unpaged_host), (paged, paged_host) = (
+        (statistics.median(t for t, _ in times[name]), statistics.median(h for _, h in times[name]))
+        for name in ("AdamW8bit", "PagedAdamW8bit")
+    )
     elements = sum(p.numel() for p in params)
     print(f"\n## speed: optimizer step, {args.model} parameters ({elements / 1e9:.3f}B elements, bf16), "
           f"median of {args.rounds} rounds x {args.steps} steps")
-    print("| optimizer | ms/step | paged / unpaged |\n|---|---:|---:|")
-    print(f"| AdamW8bit | {unpaged:.2f} | |")
-    print(f"| PagedAdamW8bit | {paged:.2f} | {paged / unpaged:.3f}x |")
+    print("| optimizer | ms/step | host ms/step | paged / unpaged |\n|---|---:|---:|---:|")
+    print(f"| AdamW8bit | {unpaged:.2f} | {unpaged_host:.2f} | |")
+    print(f"| PagedAdamW8bit | {paged:.2f} | {paged_host:.2f} | {paged / unpaged:.3f}x |")
     memory = hf_optim.state_memory(optimizers["PagedAdamW8bit"])
     print(f"paged state: {memory.paged_bytes / GIB:.3f} GiB managed of {memory.total_bytes / GIB:.3f} GiB")
+    print(f"device short of memory (a step prefetches only right after a shortage): {shortage(args.device)}")
     print(f"target paged / unpaged <= 1.05: {'met' if paged / unpaged <= 1.05 else 'NOT met'}")
     del optimizers, model, params
     cleanup(args.device)
@@ -263,26 +288,41 @@ def part_pressure(args) -> None:
     timed_steps(opt, args.warmup, args.device)
     relaxed = statistics.median(timed_steps(opt, args.steps, args.device) for _ in range(3))
     paged = hf_optim.state_memory(opt).paged_bytes
-    # The step's temporaries are cached by torch's allocator after the warm-up, so what stays free is for the
-    # managed pages: about half of them can be resident, the rest is evicted and prefetched back every step.
+    relaxed_short = shortage(args.device)
+    # The step's temporaries are cached by torch's allocator after the warm-up. Free memory does not include the
+    # resident managed pages, so the fillers take all of it (less the headroom) and half the paged state's size on
+    # top: the driver evicts about that much to host, and every step faults pages back (and evicts others).
     sync(args.device)
     free, _ = torch.cuda.mem_get_info()
-    fillers, remaining = [], free - (paged // 2 + int(args.headroom_gib * GIB))
-    while remaining > 2**20:
-        size = min(remaining, GIB)
-        fillers.append(torch.empty(size, dtype=torch.uint8, device=args.device))  # ordinary device memory only
-        remaining -= size
+    fillers, remaining, chunk = [], free + paged // 2 - int(args.headroom_gib * GIB), GIB
+    while remaining > 2**20 and chunk >= 2**24:
+        size = min(remaining, chunk)
+        try:
+            fillers.append(torch.empty(size, dtype=torch.uint8, device=args.device))  # ordinary memory only
+            remaining -= size
+        except torch.OutOfMemoryError:  # the driver would not evict that much: smaller pieces
+            chunk //= 2
     filled = sum(f.numel() for f in fillers)
     try:
+        pressed_short = shortage(args.device)
         pressed = statistics.median(timed_steps(opt, args.steps, args.device) for _ in range(3))
     finally:
         del fillers
         cleanup(args.device)
-    print(f"\n## pressure: PagedAdamW8bit step, {args.model}; {filled / GIB:.2f} GiB of ordinary allocations leave "
-          f"room for about half of the {paged / GIB:.3f} GiB paged state")
-    print("| condition | ms/step |\n|---|---:|")
-    print(f"| everything fits | {relaxed:.2f} |\n| under pressure | {pressed:.2f} |")
-    print(f"pressure / fits = {pressed / relaxed:.2f}x (pages move over PCIe/NVLink-C2C every step)")
+    sync(args.device)
+    recovered_short = shortage(args.device)
+    first = timed_steps(opt, 1, args.device)  # prefetches the whole state back: the shortage has just ended
+    after = statistics.median(timed_steps(opt, args.steps, args.device) for _ in range(3))
+    print(f"\n## pressure: PagedAdamW8bit step, {args.model}; {filled / GIB:.2f} GiB of ordinary allocations "
+          f"({(filled - free) / GIB:+.2f} GiB beyond what was free) crowd out about half of the "
+          f"{paged / GIB:.3f} GiB paged state")
+    print("| condition | ms/step | device short of memory |\n|---|---:|---|")
+    print(f"| everything fits | {relaxed:.2f} | {relaxed_short} |")
+    print(f"| under pressure (page faults, no prefetch) | {pressed:.2f} | {pressed_short} |")
+    print(f"| first step after the fillers are freed (prefetch) | {first:.2f} | {recovered_short} |")
+    print(f"| the steps after it | {after:.2f} | |")
+    print(f"pressure / fits = {pressed / relaxed:.2f}x (pages move over PCIe/NVLink-C2C every step); "
+          f"after / fits = {after / relaxed:.2f}x (should be about 1: the state is resident again)")
     del opt, model, params
     cleanup(args.device)
 
@@ -301,7 +341,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--headroom-gib", type=float, default=0.25,
-                        help="free memory left beyond half the paged state (pressure)")
+                        help="room left for managed pages beyond half the paged state (pressure)")
     args = parser.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]

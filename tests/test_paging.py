@@ -97,6 +97,11 @@ def test_paged_state_dict_round_trip_is_bit_exact(cls):
 
 # ----------------------------------------------------------------------------------------------------------------
 # The paging wiring, with managed allocation replaced by CPU tensors registered as live managed buffers.
+PLENTY = 1 << 40
+FREE = {"bytes": PLENTY}
+"""Free device memory that the fake_managed fixture reports (tests set it to 0 for a memory shortage)."""
+
+
 @pytest.fixture
 def fake_managed(monkeypatch):
     made, prefetched = [], []
@@ -118,6 +123,8 @@ def fake_managed(monkeypatch):
     monkeypatch.setattr(HfOptimizer, "_on_multi_tensor_path", lambda self, full, param: False)
     monkeypatch.setattr(managed, "managed_zeros", fake_zeros)
     monkeypatch.setattr(managed, "prefetch", fake_prefetch)
+    FREE["bytes"] = PLENTY
+    monkeypatch.setattr(paging, "free_device_bytes", lambda device: FREE["bytes"])
     before = dict(managed._live)
     yield made, prefetched
     managed._live.clear()
@@ -151,12 +158,48 @@ def test_32bit_paged_state_counts_four_bytes_per_element(fake_managed):
     assert memory.paged_bytes == memory.total_bytes == (2 + 1) * 400 * 250 * 4  # stacked m1/m2, nu
 
 
-def test_paged_buffers_are_prefetched_before_every_update(fake_managed):
+def run_with_free(opt, params, free_bytes, steps, start):
+    FREE["bytes"] = free_bytes
+    run_steps(opt, params, steps, start=start)
+    return start + steps
+
+
+def test_paged_buffers_are_prefetched_once_when_a_memory_shortage_ends(fake_managed):
+    """No prefetch while the device has room (the pages are resident) nor while it is short (page faults bring them
+    back faster than prefetching every buffer before the group's launch); the first step with room again
+    prefetches every managed buffer, once."""
     _, prefetched = fake_managed
     params = make_params([(400, 250), (80, 70)])
     opt = hf_optim.PagedLion8bit(params)
-    run_steps(opt, params, 3)
-    assert prefetched == [opt.state[params[0]]["state1"].untyped_storage().data_ptr()] * 3
+    step = run_with_free(opt, params, PLENTY, 2, 0)
+    step = run_with_free(opt, params, 0, 2, step)
+    assert prefetched == []
+    step = run_with_free(opt, params, PLENTY, 2, step)
+    assert prefetched == [opt.state[params[0]]["state1"].untyped_storage().data_ptr()]
+    step = run_with_free(opt, params, 100_000 - 1, 1, step)  # less free than the 100,000-byte paged state: short
+    run_with_free(opt, params, 100_000, 1, step)  # room for all of it again
+    assert len(prefetched) == 2
+
+
+@pytest.mark.parametrize(
+    ("free", "paged", "short"),
+    [
+        (0, 0, False),  # no paged state: nothing to evict
+        (0, 1, True),
+        (2**20 - 1, 2**20, True),  # less free than a small paged state
+        (2**20, 2**20, False),  # room for all of it
+        (2**30 - 1, 50 * 2**30, True),  # below the 1 GiB floor with a large paged state
+        (2**30, 50 * 2**30, False),
+        (80 * 2**30, 2 * 2**30, False),  # an idle H100 with a Llama-3.2-1B's 8-bit state
+    ],
+)
+def test_short_of_memory_from_free_memory(free, paged, short):
+    assert paging.SHORT_BELOW_FREE_BYTES == 2**30
+    assert paging.short_of_memory(free, paged) is short
+
+
+def test_free_device_bytes_is_none_off_cuda():
+    assert paging.free_device_bytes(torch.device("cpu")) is None
 
 
 def test_load_state_dict_pages_the_loaded_state_again(fake_managed):
@@ -196,14 +239,16 @@ def test_a_copy_of_a_paged_optimizer_pages_its_state_again(fake_managed, how):
     for key, value in original.items():
         assert torch.equal(state[key], value) if isinstance(value, torch.Tensor) else state[key] == value, key
     prefetched.clear()
-    run_steps(copied, copied_params, 1, start=2)
+    step = run_with_free(copied, copied_params, 0, 1, 2)
+    run_with_free(copied, copied_params, PLENTY, 1, step)  # the first step after a shortage prefetches
     assert prefetched == buffers
 
 
 def test_unpaged_optimizer_never_pages(fake_managed):
     made, prefetched = fake_managed
     params = make_params([(400, 250)])
-    run_steps(hf_optim.AdamW8bit(params), params, 2)
+    opt = hf_optim.AdamW8bit(params)
+    run_with_free(opt, params, PLENTY, 1, run_with_free(opt, params, 0, 1, 0))
     assert made == [] and prefetched == []
 
 

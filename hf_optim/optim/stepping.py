@@ -46,6 +46,8 @@ class Stepping:
     # Planning and running a step
     def _run_plan(self, plan: list[tuple[int, dict, list[tuple]]]) -> None:
         """Step the parameters of a :meth:`_plan_step` plan."""
+        if self.is_paged:
+            self._allocate.begin_step()
         for group_index, group, entries in plan:
             # State is created lazily, for all of a step's new parameters at once (flat buffers hold them together).
             fresh = [(p, param, overrides) for p, param, _, overrides in entries if not self.state[p]]
@@ -59,7 +61,7 @@ class Stepping:
                 if p.numel() == 0:  # an empty local shard still joins its shard group's reductions
                     continue
                 if self.is_paged:
-                    self._allocate.prefetch(state)  # managed buffers to the GPU, on the current stream: no sync
+                    self._allocate.prefetch(state, param.device)  # only right after a memory shortage: no sync
                 hyper = update_overrides(overrides) if overrides else None
                 if hyper:  # per-parameter hyperparameters (bitsandbytes' manager): updated with its own group
                     overridden.setdefault(_override_key(hyper), ({**group, **hyper}, []))[1].append(
