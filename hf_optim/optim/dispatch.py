@@ -9,16 +9,21 @@ PyTorch paths also run the tensors whose Triton kernels failed on this machine.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from hf_optim.kernels import backend as kernel_backend
 from hf_optim.kernels import multi_tensor, rounding
 from hf_optim.kernels.flat_state import FlatState
-from hf_optim.kernels.formats import FP32, SlotLayout, StateFormat, settings_format, with_overrides
+from hf_optim.kernels.formats import FORMATS, FP32, SlotLayout, StateFormat, settings_format, with_overrides
 from hf_optim.kernels.state_store import init_slot, slot_layouts, slot_tensors
 from hf_optim.optim.sharding import local_tensor
 from hf_optim.optim.stepping import SR_KEY
+
+logger = logging.getLogger("hf_optim")
+_told_no_triton: set[tuple[str, str]] = set()
+"""(format name, device type) pairs already logged as stepping on the PyTorch path instead of Triton."""
 
 
 class Dispatch:
@@ -99,11 +104,11 @@ class Dispatch:
         for p, param, overrides in fresh:
             settings = with_overrides(group, overrides) if overrides else group
             state = self.state[p]
-            if not self._on_multi_tensor_path(p, param):
+            fmt = self._state_format(p, settings)
+            if fmt.whole_tensor or not self._on_multi_tensor_path(p, param):
                 self._init_state(p, settings, state)
                 continue
             state["step"] = 0
-            fmt = self._state_format(p, settings)
             flat_entries.append((p, param, state, [SlotLayout(fmt, spec.signed) for spec in self.state_specs]))
         if flat_entries:
             self._flat.create(self.state_specs, flat_entries, self._allocate)
@@ -114,9 +119,14 @@ class Dispatch:
         flat buffers, the PyTorch path tensor by tensor for the rest."""
         fused, flat_items, fused_full = [], [], {}
         triton_devices: dict[torch.device, bool] = {}  # the backend choice reads the environment: once per device
+        restricted = _restricted_formats(type(self), len(FORMATS))
         for param, grad, state, full in items:
             if param.device not in triton_devices:
                 triton_devices[param.device] = kernel_backend.uses_triton(param.device)
+            off_paths = restricted and self._off_fast_paths(state, restricted, param.device, triton_devices)
+            if off_paths:  # a whole-tensor format, or one without a Triton branch: the PyTorch path, per tensor
+                self._update(param, grad, state, group, full=full)
+                continue
             if triton_devices[param.device]:
                 from hf_optim.kernels import triton_step  # imports triton: only when a Triton step runs
 
@@ -138,6 +148,21 @@ class Dispatch:
             if skipped:  # their kernels failed to compile or load on this GPU (hf_optim.kernels.triton_guard)
                 self._update_fallback(group, [(param, grad, state, fused_full[id(state)])
                                               for param, grad, state in skipped])
+
+    def _off_fast_paths(self, state: dict, restricted: tuple[StateFormat, ...], device: torch.device,
+                        triton_devices: dict) -> bool:
+        """Whether ``state`` holds a slot in one of the ``restricted`` formats (:func:`_restricted_formats`): such a
+        tensor steps on the PyTorch path tensor by tensor, also where Triton runs the rest (said once per format
+        and device type). Such formats recognise only their own slots (rank1_4bit: by its column scales), so asking
+        them is enough, and cheaper than finding each slot's format."""
+        for fmt in restricted:
+            if any(fmt.recognises(state, spec) for spec in self.state_specs):
+                if not fmt.triton and triton_devices[device] and (fmt.name, device.type) not in _told_no_triton:
+                    _told_no_triton.add((fmt.name, device.type))
+                    logger.warning("state_format %r has no Triton kernels: its tensors step on the PyTorch path, one "
+                                   "by one, on %s (the other tensors stay on Triton)", fmt.name, device.type)
+                return True
+        return False
 
     def _update_fallback(self, group: dict, items: list) -> None:
         """The PyTorch path for ``(local param, local grad, state, param)`` items whose Triton kernels failed: the
@@ -224,6 +249,16 @@ def _adoption_pieces(entries: list) -> list[list]:
 def _owner(cls: type, name: str) -> type:
     """The class in ``cls``'s MRO that defines attribute ``name``."""
     return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+
+@functools.cache
+def _restricted_formats(cls: type, registered: int) -> tuple[StateFormat, ...]:
+    """The formats ``cls`` runs with that leave the fast paths: whole-tensor formats (no flat-buffer form, so not the
+    multi-tensor path) and those without a Triton branch. Empty for most classes, which then pay nothing per
+    tensor for the check. ``registered``: how many formats are registered (a later registration is a new key)."""
+    supported = getattr(cls, "_supported_formats", None)
+    formats = supported() if supported is not None else ()
+    return tuple(fmt for fmt in formats if fmt.whole_tensor or not fmt.triton)
 
 
 @functools.cache
