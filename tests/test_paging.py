@@ -40,6 +40,8 @@ def test_every_algorithm_has_paged_classes():
         f"Paged{name}{bits}" for name in ("AdamW", "AdEMAMix", "LAMB", "Lion") for bits in ("", "8bit", "32bit")
     } | {
         f"Paged{name}4bit" for name in ("AdamW", "AdEMAMix", "Lion")
+    } | {
+        f"Paged{name}4bitRank1" for name in ("AdamW", "AdEMAMix")
     }
 
 
