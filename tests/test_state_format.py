@@ -128,16 +128,6 @@ def test_a_bitsandbytes_state_dict_without_state_format_loads_as_its_optim_bits(
     assert formats_of(loader) == ["blockwise8"]
 
 
-def test_class_names_optim_names_and_labels_come_from_the_format():
-    for name, entry in OPTIMIZER_NAMES.items():
-        fmt, paged = parse_name(name)
-        assert (entry.state_format, entry.paged) == (fmt, paged)
-        assert entry.precision == fmt.label
-    assert OPTIMIZER_NAMES["paged_lion_4bit"].cls is hf_optim.PagedLion4bit
-    assert OPTIMIZER_NAMES["adamw_bnb_8bit"].state_format.name == "blockwise8"
-    assert OPTIMIZER_NAMES["ademamix"].state_format.name == "fp32"
-
-
 class _Test8(Blockwise8):
     """A second 8-bit format (its own name, code and suffixes; no optim_bits alias): 8 bits no longer name a format."""
 
