@@ -242,3 +242,39 @@ def test_paged_class_and_trainer_names():
 def test_no_flat_buffer_form():
     with pytest.raises(NotImplementedError, match="no flat-buffer"):
         RANK1_4BIT.flat_buffers(1, 256, False, torch.device("cpu"), torch.zeros)
+
+
+@pytest.mark.gpu
+def test_on_cuda_triton_leaves_its_tensors_to_the_pytorch_path_says_so_once_and_matches_it(monkeypatch):
+    """On a GPU the rank-1 tensors step on the PyTorch path (no Triton twin) with the same result as the torch
+    backend, bit for bit; the small fp32-state tensor still runs on Triton."""
+    from hf_optim.optim import dispatch
+
+    shapes = [(256, 384), (37,)]
+    gen = torch.Generator().manual_seed(5)
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+
+    def run(backend):
+        monkeypatch.setenv("HF_OPTIM_BACKEND", backend)
+        params = [torch.nn.Parameter(t.cuda()) for t in start]
+        opt = hf_optim.AdamW4bitRank1(params, lr=1e-2)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.cuda()
+            opt.step()
+        return opt, params
+
+    monkeypatch.setattr(dispatch, "_told_no_triton", set())
+    told: list[str] = []
+    monkeypatch.setattr(dispatch.logger, "warning", lambda message, *args: told.append(message % args))
+    ref_opt, ref = run("torch")
+    assert told == []
+    opt, got = run("triton")
+    assert "backend=triton" in repr(opt)
+    assert len(told) == 1 and "'rank1_4bit'" in told[0] and "cuda" in told[0]
+    for p, q in zip(ref, got):
+        assert torch.equal(p, q)
+    for key, value in ref_opt.state[ref[0]].items():
+        other = opt.state[got[0]][key]
+        assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
