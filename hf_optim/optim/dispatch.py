@@ -151,17 +151,20 @@ class Dispatch:
 
     def _off_fast_paths(self, state: dict, restricted: tuple[StateFormat, ...], device: torch.device,
                         triton_devices: dict) -> bool:
-        """Whether ``state`` holds a slot in one of the ``restricted`` formats (:func:`_restricted_formats`): such a
-        tensor steps on the PyTorch path tensor by tensor, also where Triton runs the rest (said once per format
-        and device type). Such formats recognise only their own slots (rank1_4bit: by its column scales), so asking
-        them is enough, and cheaper than finding each slot's format."""
+        """Whether ``state`` holds a slot in one of the ``restricted`` formats (:func:`_restricted_formats`) that keeps
+        it off the fast paths here: a whole-tensor format always, one without a Triton branch where Triton runs the
+        rest (said once per format and device type). Such a tensor steps on the PyTorch path tensor by tensor.
+        These formats recognise only their own slots (rank1_4bit: by its column scales), so asking them is enough,
+        and cheaper than finding each slot's format."""
         for fmt in restricted:
-            if any(fmt.recognises(state, spec) for spec in self.state_specs):
-                if not fmt.triton and triton_devices[device] and (fmt.name, device.type) not in _told_no_triton:
-                    _told_no_triton.add((fmt.name, device.type))
-                    logger.warning("state_format %r has no Triton kernels: its tensors step on the PyTorch path, one "
-                                   "by one, on %s (the other tensors stay on Triton)", fmt.name, device.type)
-                return True
+            if not any(fmt.recognises(state, spec) for spec in self.state_specs):
+                continue
+            off_triton = not fmt.triton and triton_devices[device]
+            if off_triton and (fmt.name, device.type) not in _told_no_triton:
+                _told_no_triton.add((fmt.name, device.type))
+                logger.warning("state_format %r has no Triton kernels: its tensors step on the PyTorch path, one by "
+                               "one, on %s (the other tensors stay on Triton)", fmt.name, device.type)
+            return fmt.whole_tensor or off_triton  # a chunkable format without Triton keeps the multi-tensor path
         return False
 
     def _update_fallback(self, group: dict, items: list) -> None:
