@@ -15,9 +15,10 @@ Problems:
   optimizers the Trainer can name (n/a for the others).
 
 Optimizers: torch AdamW (the reference), hf_optim AdamW32bit / AdamW8bit / AdamW4bit (the torchao-compatible
-``blockwise4`` format), torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_optim AdamW
-with the ``rank1_4bit`` format, and candidate 4-bit formats simulated by :class:`SimulatedAdamW` (torch AdamW's math,
-each moment quantized and dequantized after every step, exactly what storing it does): ``sim:`` names below.
+``blockwise4`` format), torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_optim
+AdamW4bitRank1 (the ``rank1_4bit`` format; Trainer name ``adamw_4bit_rank1``), and candidate 4-bit formats
+simulated by :class:`SimulatedAdamW` (torch AdamW's math, each moment quantized and dequantized after every step,
+exactly what storing it does): ``sim:`` names below.
 
 Run: ``HF_OPTIM_COMPILE=0 python benchmarks/quality4.py --markdown quality4.md`` (eager steps: the rank-1 format has no
 compiled form, and compiled and eager steps compute the same values).
@@ -26,7 +27,6 @@ compiled form, and compiled and eager steps compute the same values).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import os
 import platform
@@ -42,11 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_optim  # noqa: E402
 from hf_optim.kernels import blockwise4, rank1_quant4  # noqa: E402
-from hf_optim.kernels.formats.rank1_4bit import RANK1_4BIT, installed  # noqa: E402
 
 LR = {"mlp": 1e-3, "llama": 3e-3}
 WEIGHT_DECAY = 1e-2
-RANK1_NAME = "hf AdamW rank1_4bit"
+RANK1_NAME = "hf AdamW4bitRank1 (rank1_4bit)"
 MIN_SIZE = 4096  # hf_optim's min_8bit_size default and torchao's smallest quantized tensor
 
 # -- simulated formats: quantize-dequantize functions of one moment ---------------------------------------------
@@ -133,21 +132,6 @@ class SimulatedAdamW(torch.optim.Optimizer):
                 state["v"] = self.quantize_v(v) if self.quantize_v and quantized else v
 
 
-class AdamWRank1(hf_optim.AdamW):
-    """hf_optim AdamW storing 4-bit state in the ``rank1_4bit`` format (until the registry selects formats by
-    name: issue 24 item 1). Its state has no flat-buffer form, so it steps tensor by tensor."""
-
-    def __init__(self, params, **kwargs):
-        super().__init__(params, optim_bits=4, **kwargs)
-
-    def _state_format(self, param, group):
-        fmt = super()._state_format(param, group)
-        return RANK1_4BIT if fmt.bits == 4 else fmt
-
-    def _multi_tensor_eligible(self, full, param):
-        return False
-
-
 def optimizers(torchao_available: bool) -> dict[str, Callable]:
     """name -> factory(params, lr)."""
     kw = dict(weight_decay=WEIGHT_DECAY)
@@ -162,7 +146,7 @@ def optimizers(torchao_available: bool) -> dict[str, Callable]:
             from torchao.optim import AdamW4bit
             return AdamW4bit(p, lr=lr, **kw)
         table["torchao AdamW4bit"] = torchao4
-    table[RANK1_NAME] = lambda p, lr: AdamWRank1(p, lr=lr, **kw)
+    table[RANK1_NAME] = lambda p, lr: hf_optim.AdamW4bitRank1(p, lr=lr, **kw)
     for name, (qm, qv, _) in SIMULATED.items():
         table[name] = lambda p, lr, qm=qm, qv=qv: SimulatedAdamW(p, qm, qv, lr=lr)
     return table
@@ -198,25 +182,21 @@ def llama_loss(name: str, factory: Callable, seed: int, steps: int = 120) -> flo
 
 
 TRAINER_NAMES = {"torch AdamW": "adamw_torch", "hf AdamW32bit": "adamw_32bit", "hf AdamW8bit": "adamw_8bit",
-                 "hf AdamW4bit (blockwise4)": "adamw_4bit", RANK1_NAME: "adamw_4bit"}
+                 "hf AdamW4bit (blockwise4)": "adamw_4bit", RANK1_NAME: "adamw_4bit_rank1"}
 """The optimizers the quickstart can name (torchao's ``adamw_torch_4bit`` is taken over by hf_optim)."""
 
 
 def quickstart_loss(name: str, factory: Callable, seed: int) -> float | None:
     """``hf-optim train quickstart training.optim=NAME`` in this process (QLoRA on the builtin tiny Llama, 60
-    steps): mean training loss of the last 10 steps, None for an optimizer without a Trainer name. The rank-1 run
-    keeps every tensor off the multi-tensor path (its state has no flat form)."""
+    steps): mean training loss of the last 10 steps, None for an optimizer without a Trainer name."""
     import json
     import tempfile
-    from unittest import mock
 
-    from hf_optim.optim.base import HfOptimizer
     from hf_optim.recipes.api import train
 
     if name not in TRAINER_NAMES:
         return None
-    per_tensor = mock.patch.object(HfOptimizer, "_multi_tensor_eligible", lambda self, full, param: False)
-    with tempfile.TemporaryDirectory() as out, per_tensor if name == RANK1_NAME else contextlib.nullcontext():
+    with tempfile.TemporaryDirectory() as out:
         result = train("quickstart", [f"training.optim={TRAINER_NAMES[name]}", f"training.seed={seed}"],
                        output_dir=out, quiet=True, overwrite=True)
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
@@ -266,10 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for problem, seed in columns:
         for name in names:
-            # the rank-1 format is in the format registry only while its optimizer runs (a blockwise4 first moment
-            # would be recognised as its own meanwhile: see hf_optim.kernels.formats.rank1_4bit.installed)
-            with installed() if name == RANK1_NAME else contextlib.nullcontext():
-                results[name][problem, seed] = PROBLEMS[problem](name, table[name], seed)
+            results[name][problem, seed] = PROBLEMS[problem](name, table[name], seed)
             reference = results["torch AdamW"][problem, seed]
             loss = results[name][problem, seed]
             if loss is not None:

@@ -6,11 +6,17 @@ the optimizer is read (torch's AdamW is measured the same way: its ``exp_avg``/`
 dtype, plus its step tensors).
 
     python benchmarks/state_memory.py [--dtype bf16]
+    python benchmarks/state_memory.py --sets 4096x4096,llama-3.2-1b-lora   # step_time.py's shape sets instead
+
+With ``--sets``, each set's tensors (``benchmarks/step_time.py``'s presets, fp32) get one step of random gradients
+with each optimizer instead of the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
@@ -24,13 +30,47 @@ OPTIMIZERS = {
     "hf_optim AdamW4bit": lambda params: hf_optim.AdamW4bit(params, lr=1e-5),
     "hf_optim Lion4bit": lambda params: hf_optim.Lion4bit(params, lr=1e-5),
     "hf_optim AdEMAMix4bit": lambda params: hf_optim.AdEMAMix4bit(params, lr=1e-5),
+    "hf_optim AdamW4bitRank1": lambda params: hf_optim.AdamW4bitRank1(params, lr=1e-5),
+    "hf_optim AdEMAMix4bitRank1": lambda params: hf_optim.AdEMAMix4bitRank1(params, lr=1e-5),
 }
+
+
+def row(name: str, optimizer, n: int) -> str:
+    memory = hf_optim.state_memory(optimizer)
+    by_dtype = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(memory.by_dtype.items()))
+    return f"| {name} | {memory.total_bytes / 2**20:.1f} | {memory.total_bytes / n:.4f} | {by_dtype} |"
+
+
+def shape_sets(sets: str) -> None:
+    """One step of each optimizer on each of step_time.py's shape sets."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from step_time import shape_set
+
+    for spec in sets.split(","):
+        shapes = shape_set(spec)
+        n = sum(torch.Size(shape).numel() for shape in shapes)
+        print(f"\n{spec}: {len(shapes)} tensors, {n:,} elements, fp32, one step\n")
+        print("| optimizer | state MiB | state bytes / param | by dtype |")
+        print("|---|---:|---:|---|")
+        gen = torch.Generator().manual_seed(0)
+        for name, factory in OPTIMIZERS.items():
+            params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in shapes]
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            optimizer = factory(params)
+            optimizer.step()
+            print(row(name, optimizer, n), flush=True)
+            del optimizer, params
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="parameter dtype (default bf16)")
+    parser.add_argument("--sets", default="", help="step_time.py's shape sets (comma-separated) instead of the model")
     args = parser.parse_args()
+    if args.sets:
+        shape_sets(args.sets)
+        return
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     from transformers import LlamaForCausalLM
 
@@ -48,10 +88,7 @@ def main() -> None:
         model(input_ids=tokens, labels=tokens).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        memory = hf_optim.state_memory(optimizer)
-        by_dtype = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(memory.by_dtype.items()))
-        print(f"| {name} | {memory.total_bytes / 2**20:.1f} | {memory.total_bytes / n:.3f} | {by_dtype} |",
-              flush=True)
+        print(row(name, optimizer, n), flush=True)
         del optimizer
 
 

@@ -140,13 +140,13 @@ def test_steps_stay_within_the_format_bound_of_the_fp32_class(family, fmt, paged
         for spec in specs:
             if spec.key not in ref_state:
                 continue
-            assert slot_format(state, spec) is (fmt if quantized else FP32), (spec.key, p.shape)
+            assert slot_format(state, spec) is (fmt.stored_as(spec) if quantized else FP32), (spec.key, p.shape)
             values, ref = slot_values(state, spec, p.numel()), slot_values(ref_state, spec, p.numel())
             if not quantized:
                 assert torch.equal(values, ref), f"{spec.key} {tuple(p.shape)}: fp32 state differs"
                 continue
             bound = round_trip_bound(state, spec, fmt) * STEPS * (1 + 1e-3)
-            scale = element_scale(fmt, ref, spec.signed, tuple(p.shape))
+            scale = element_scale(fmt.stored_as(spec), ref, spec.signed, tuple(p.shape))
             worst = ((values - ref).abs() / scale.clamp(min=1e-30)).max().item()
             assert worst <= bound, f"{spec.key} {tuple(p.shape)}: {worst:.4g} of the block scale > {bound:.4g}"
         if not quantized and fmt is FP32:

@@ -15,6 +15,7 @@ import hf_optim
 NO_NAMESAKE = {
     # hf_optim's own precisions and algorithms, which bitsandbytes does not have
     "AdamW4bit", "PagedAdamW4bit", "AdEMAMix4bit", "PagedAdEMAMix4bit", "Lion4bit", "PagedLion4bit",
+    "AdamW4bitRank1", "PagedAdamW4bitRank1", "AdEMAMix4bitRank1", "PagedAdEMAMix4bitRank1",
     "PagedLAMB", "PagedLAMB8bit", "PagedLAMB32bit", "Adafactor",
 }
 LAMB_FAMILY = {"LAMB", "LAMB8bit", "LAMB32bit"}

@@ -35,18 +35,19 @@ def save_and_load(state_dict):
     return torch.load(buffer, weights_only=True)
 
 
-def test_every_algorithm_has_paged_classes():
-    assert {cls.__name__ for cls in PAGED} == {
-        f"Paged{name}{bits}" for name in ("AdamW", "AdEMAMix", "LAMB", "Lion") for bits in ("", "8bit", "32bit")
-    } | {
-        f"Paged{name}4bit" for name in ("AdamW", "AdEMAMix", "Lion")
-    }
+def test_bitsandbytes_paged_class_names_exist_and_unpaged_algorithms_have_none():
+    """bitsandbytes' paged names (the registry-derived classes are checked by tests/test_algorithm_conformance.py)."""
+    names = {cls.__name__ for cls in PAGED}
+    assert {f"Paged{name}{bits}" for name in ("AdamW", "AdEMAMix", "LAMB", "Lion") for bits in ("", "8bit", "32bit")
+            } <= names
+    assert not [name for name in names if name.startswith(("PagedRMSprop", "PagedAdafactor"))]
 
 
 @pytest.mark.parametrize("cls", PAGED, ids=lambda c: c.__name__)
-def test_paged_on_cpu_warns_once_and_runs_as_its_twin(cls):
+def test_paged_on_cpu_warns_once(cls):
+    """The warning (paged equals its unpaged twin bit for bit: tests/test_algorithm_conformance.py)."""
     paging._warned.clear()
-    paged_params, plain_params = make_params(SHAPES), make_params(SHAPES)
+    paged_params = make_params(SHAPES)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         paged = cls(paged_params)
@@ -58,41 +59,6 @@ def test_paged_on_cpu_warns_once_and_runs_as_its_twin(cls):
     assert f"{cls.__name__} has state on cpu" in messages[0]
     assert f"runs exactly as {twin.__name__}." in messages[0]
     assert caught[0].filename.endswith("helpers.py")  # the opt.step() call, not hf_optim/torch internals
-
-    plain = twin(plain_params)
-    run_steps(plain, plain_params, 3)
-    for a, b in zip(paged_params, plain_params):
-        assert torch.equal(a, b)
-    for a, b in zip(paged_params, plain_params):
-        for key, value in plain.state[b].items():
-            other = paged.state[a][key]
-            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
-    assert hf_optim.state_memory(paged).paged_bytes == 0
-
-
-@pytest.mark.parametrize("cls", PAGED, ids=lambda c: c.__name__)
-def test_paged_state_dict_round_trip_is_bit_exact(cls):
-    """Save after 2 steps, torch.save / torch.load(weights_only=True), load, 2 more: same as 4 uninterrupted."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        straight = make_params(SHAPES)
-        straight_opt = cls(straight)
-        run_steps(straight_opt, straight, 4)
-        first = make_params(SHAPES)
-        first_opt = cls(first)
-        run_steps(first_opt, first, 2)
-        saved = first_opt.state_dict()
-        resumed = [torch.nn.Parameter(p.detach().clone()) for p in first]
-        resumed_opt = cls(resumed)
-        resumed_opt.load_state_dict(save_and_load(saved))
-        run_steps(resumed_opt, resumed, 2, start=2)
-
-    tensors = [v for s in saved["state"].values() for v in [*s.values(), *s.get(QUANT_STATE_KEY, {}).values()]]
-    assert all(t.device.type == "cpu" for t in tensors if isinstance(t, torch.Tensor))
-    if "8bit" in cls.__name__:
-        assert saved["state"][0][QUANT_STATE_KEY]["state1"].dtype == torch.uint8
-    for a, b in zip(straight, resumed):
-        assert torch.equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -81,12 +81,3 @@ def test_dequantize_matches_bitsandbytes(signed):
     assert torch.equal(ours, theirs)
 
 
-def test_quantize_roundtrip_error_is_within_one_gap():
-    """Half a gap for interior values; -absmax maps to -0.99297 (-1 is not representable), just over half."""
-    values = torch.randn(1, 10_000)
-    table = encoder_table(True, torch.device("cpu"))
-    codes, absmax = blockwise.quantize(values, table, True)
-    back = blockwise.dequantize(codes, absmax, dynamic_map(True))
-    largest_gap = (dynamic_map(True)[1:] - dynamic_map(True)[:-1]).max()
-    per_block_bound = (largest_gap * absmax).repeat_interleave(256, dim=1)[:, : values.shape[1]]
-    assert ((back - values).abs() <= per_block_bound * (1 + 1e-6)).all()

@@ -6,24 +6,21 @@ map value by brute-force argmin, AdamW's update from its formula.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import hf_optim
 from hf_optim.kernels import rank1_quant4
 from hf_optim.kernels.blockwise4 import encoder_thresholds, qmap4
+from hf_optim.kernels.formats import BLOCKWISE4, FORMATS, format_for_bits, format_named
 from hf_optim.kernels.formats.base import StateDictError
-from hf_optim.kernels.formats.rank1_4bit import RANK1_4BIT, installed
+from hf_optim.kernels.formats.rank1_4bit import RANK1_4BIT
+from hf_optim.kernels.state_store import slot_format
+from hf_optim.optim.overrides import PARAM_OVERRIDES_ATTR
 
 LINEAR = qmap4(False)
-
-
-@pytest.fixture
-def rank1_installed(monkeypatch):
-    """The format in the registry for the test (the registry does not select formats by name yet)."""
-    monkeypatch.setenv("HF_OPTIM_COMPILE", "0")
-    with installed():
-        yield
 
 
 def second_moment_like(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -104,21 +101,7 @@ def test_bad_shapes_are_refused_with_the_numbers():
         rank1_quant4.dequantize(codes, row, col, LINEAR, 7)
 
 
-class AdamWRank1(hf_optim.AdamW):
-    """AdamW with the rank1_4bit format, wired by hand until the registry selects formats by name."""
-
-    def __init__(self, params, **kwargs):
-        super().__init__(params, optim_bits=4, **kwargs)
-
-    def _state_format(self, param, group):
-        fmt = super()._state_format(param, group)
-        return RANK1_4BIT if fmt.bits == 4 else fmt
-
-    def _multi_tensor_eligible(self, full, param):
-        return False
-
-
-def test_adamw_steps_follow_the_formula_with_the_stored_moments(rank1_installed):
+def test_adamw_steps_follow_the_formula_with_the_stored_moments():
     """Two AdamW steps on a (64, 96) weight: the stored v is the rank-1 quantization of the exact v, the stored m
     blockwise4's, and the second step uses exactly the dequantized moments."""
     torch.manual_seed(0)
@@ -126,7 +109,7 @@ def test_adamw_steps_follow_the_formula_with_the_stored_moments(rank1_installed)
     grads = [torch.randn(64, 96) * torch.exp(torch.randn(64, 1)) for _ in range(2)]
     lr, b1, b2, eps, wd = 1e-2, 0.9, 0.999, 1e-8, 0.0
     param = torch.nn.Parameter(p0.clone())
-    opt = AdamWRank1([param], lr=lr, weight_decay=wd)
+    opt = hf_optim.AdamW4bitRank1([param], lr=lr, weight_decay=wd)
     fmt, specs = RANK1_4BIT, opt.state_specs
     expected, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
     for t, g in enumerate(grads, start=1):
@@ -142,10 +125,10 @@ def test_adamw_steps_follow_the_formula_with_the_stored_moments(rank1_installed)
         m, v = stored_m, stored_v
 
 
-def test_state_bytes_are_what_the_state_holds_and_the_state_dict_round_trips(rank1_installed):
+def test_state_bytes_are_what_the_state_holds_and_the_state_dict_round_trips():
     torch.manual_seed(1)
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(256, 64), (5001,), (10,)]]
-    opt = AdamWRank1(params, lr=1e-3)
+    opt = hf_optim.AdamW4bitRank1(params, lr=1e-3)
     for _ in range(2):
         for p in params:
             p.grad = torch.randn_like(p)
@@ -159,7 +142,7 @@ def test_state_bytes_are_what_the_state_holds_and_the_state_dict_round_trips(ran
     assert RANK1_4BIT.state_bytes(4096 * 4096, shape=(4096, 4096)) == 4096 * 4096 // 2 + 4 * 8192 + 64
 
     clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    resumed = AdamWRank1(clones, lr=1e-3)
+    resumed = hf_optim.AdamW4bitRank1(clones, lr=1e-3)
     resumed.load_state_dict(opt.state_dict())
     grads = [torch.randn_like(p) for p in params]
     for a, b, g in zip(params, clones, grads):
@@ -170,9 +153,9 @@ def test_state_bytes_are_what_the_state_holds_and_the_state_dict_round_trips(ran
         assert torch.equal(a, b)
 
 
-def test_a_loaded_state_with_wrong_column_scales_is_refused(rank1_installed):
+def test_a_loaded_state_with_wrong_column_scales_is_refused():
     param = torch.nn.Parameter(torch.randn(64, 80))
-    opt = AdamWRank1([param], lr=1e-3)
+    opt = hf_optim.AdamW4bitRank1([param], lr=1e-3)
     param.grad = torch.randn_like(param)
     opt.step()
     state, spec = dict(opt.state[param]), opt.state_specs[1]
@@ -181,20 +164,117 @@ def test_a_loaded_state_with_wrong_column_scales_is_refused(rank1_installed):
         RANK1_4BIT.check_loaded(param, state, spec, "param 0")
 
 
-def test_the_registry_is_restored_after_use():
-    from hf_optim.kernels.formats import BLOCKWISE4, FORMATS, format_for_bits, format_named
+def test_registered_by_name_with_no_optim_bits_alias_and_ahead_of_blockwise4():
+    assert format_named("rank1_4bit") is RANK1_4BIT
+    assert format_for_bits(4) is BLOCKWISE4  # optim_bits=4 stays torchao's / bitsandbytes' blockwise4
+    names = list(FORMATS)
+    assert names.index("rank1_4bit") < names.index("blockwise4")  # blockwise4 also accepts its second moment
+    assert hf_optim.AdamW(torch.nn.Linear(2, 2).parameters(), state_format="rank1_4bit").param_groups[0][
+        "state_format"] == "rank1_4bit"
 
-    before = list(FORMATS)
-    with installed():
-        # found by name; optim_bits=4 stays bitsandbytes'/torchao's blockwise4 (this format has no optim_bits alias)
-        assert next(iter(FORMATS)) == "rank1_4bit" and format_named("rank1_4bit") is RANK1_4BIT
-        assert format_for_bits(4) is BLOCKWISE4
-        with installed():
-            pass
-        assert next(iter(FORMATS)) == "rank1_4bit"  # a nested use keeps the outer one's
-    assert list(FORMATS) == before and "rank1_4bit" not in FORMATS
+
+@pytest.mark.parametrize("cls", [hf_optim.Lion, hf_optim.RMSprop])
+def test_algorithms_without_a_second_moment_do_not_take_it(cls):
+    """Their only slot is signed, which this format stores exactly as blockwise4: it would be blockwise4 renamed."""
+    with pytest.raises(ValueError, match=r"Invalid state_format: 'rank1_4bit'; .* runs with .*'blockwise4'"):
+        cls(torch.nn.Linear(2, 2).parameters(), state_format="rank1_4bit")
+    assert not any(name.startswith(cls.__name__) and name.endswith("Rank1") for name in hf_optim.__all__)
+
+
+def steps(opt, params, count, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+def test_its_tensors_step_one_by_one_beside_flat_buffers_and_equal_the_per_tensor_path(monkeypatch):
+    """On CPU the other tensors of the same optimizer keep the multi-tensor path (flat buffers); the rank-1 tensor's
+    state is its own, and its result equals a run where every tensor steps one by one."""
+    shapes = [(80, 96), (5000,), (37,)]
+    gen = torch.Generator().manual_seed(4)
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    params[1].__dict__[PARAM_OVERRIDES_ATTR] = {"state_format": "blockwise8"}
+    opt = hf_optim.AdamW4bitRank1(params, lr=1e-2)
+    steps(opt, params, 3)
+    located = [opt._flat.locate(p, opt.state[p]) is not None for p in params]
+    assert located == [False, True, True]  # rank1 (per tensor), blockwise8 override and fp32 (flat buffers)
+    assert slot_format(opt.state[params[0]], opt.state_specs[1]) is RANK1_4BIT
+    assert slot_format(opt.state[params[1]], opt.state_specs[1]).name == "blockwise8"
+
+    monkeypatch.setattr(hf_optim.HfOptimizer, "_on_multi_tensor_path", lambda self, full, param: False)
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    ref[1].__dict__[PARAM_OVERRIDES_ATTR] = {"state_format": "blockwise8"}
+    ref_opt = hf_optim.AdamW4bitRank1(ref, lr=1e-2)
+    steps(ref_opt, ref, 3)
+    for p, q in zip(params, ref):
+        assert torch.equal(p, q)
+
+
+def test_a_group_override_to_rank1_on_an_8bit_optimizer_steps_it_per_tensor():
+    """The routing follows the state each tensor holds, not only the group's format."""
+    params = [torch.nn.Parameter(torch.randn(70, 64)), torch.nn.Parameter(torch.randn(70, 64))]
+    params[0].__dict__[PARAM_OVERRIDES_ATTR] = {"state_format": "rank1_4bit"}
+    opt = hf_optim.AdamW8bit(params, lr=1e-2)
+    steps(opt, params, 2)
+    assert slot_format(opt.state[params[0]], opt.state_specs[1]) is RANK1_4BIT
+    assert [opt._flat.locate(p, opt.state[p]) is not None for p in params] == [False, True]
+
+
+def test_paged_class_and_trainer_names():
+    from hf_optim.integrations.names import OPTIMIZER_NAMES
+
+    assert OPTIMIZER_NAMES["adamw_4bit_rank1"].cls is hf_optim.AdamW4bitRank1
+    assert OPTIMIZER_NAMES["paged_adamw_4bit_rank1"].cls is hf_optim.PagedAdamW4bitRank1
+    assert OPTIMIZER_NAMES["ademamix_4bit_rank1"].cls is hf_optim.AdEMAMix4bitRank1
+    assert OPTIMIZER_NAMES["paged_ademamix_4bit_rank1"].cls is hf_optim.PagedAdEMAMix4bitRank1
+    params = [torch.nn.Parameter(torch.randn(64, 72))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # paged state on CPU is ordinary memory (said once per process)
+        opt = hf_optim.PagedAdamW4bitRank1(params, lr=1e-3)
+        steps(opt, params, 1)
+    assert opt.is_paged and opt.param_groups[0]["state_format"] == "rank1_4bit"
+    assert slot_format(opt.state[params[0]], opt.state_specs[1]) is RANK1_4BIT
 
 
 def test_no_flat_buffer_form():
     with pytest.raises(NotImplementedError, match="no flat-buffer"):
         RANK1_4BIT.flat_buffers(1, 256, False, torch.device("cpu"), torch.zeros)
+
+
+@pytest.mark.gpu
+def test_on_cuda_triton_leaves_its_tensors_to_the_pytorch_path_says_so_once_and_matches_it(monkeypatch):
+    """On a GPU the rank-1 tensors step on the PyTorch path (no Triton twin) with the same result as the torch
+    backend, bit for bit; the small fp32-state tensor still runs on Triton."""
+    from hf_optim.optim import dispatch
+
+    shapes = [(256, 384), (37,)]
+    gen = torch.Generator().manual_seed(5)
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+
+    def run(backend):
+        monkeypatch.setenv("HF_OPTIM_BACKEND", backend)
+        params = [torch.nn.Parameter(t.cuda()) for t in start]
+        opt = hf_optim.AdamW4bitRank1(params, lr=1e-2)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.cuda()
+            opt.step()
+        return opt, params
+
+    monkeypatch.setattr(dispatch, "_told_no_triton", set())
+    told: list[str] = []
+    monkeypatch.setattr(dispatch.logger, "warning", lambda message, *args: told.append(message % args))
+    ref_opt, ref = run("torch")
+    assert told == []
+    opt, got = run("triton")
+    assert "backend=triton" in repr(opt)
+    assert len(told) == 1 and "'rank1_4bit'" in told[0] and "cuda" in told[0]
+    for p, q in zip(ref, got):
+        assert torch.equal(p, q)
+    for key, value in ref_opt.state[ref[0]].items():
+        other = opt.state[got[0]][key]
+        assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key

@@ -220,18 +220,16 @@ def test_one_log_line_says_what_runs(tmp_path):
                      + ("torch-compile on CPU)" if hf_optim.kernels.multi_tensor.compile_enabled() else "torch)")]
 
 
-def test_available_optimizers_lists_every_name():
+def test_available_optimizers_lists_the_names_transformers_has():
     table = {e.name: e for e in hf_optim.available_optimizers()}
     transformers_bnb = {"adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "ademamix",
                         "ademamix_8bit", "paged_ademamix_8bit", "paged_ademamix_32bit", "lion_8bit", "lion_32bit",
                         "paged_lion_8bit", "paged_lion_32bit", "rmsprop_bnb", "rmsprop_bnb_8bit",
                         "rmsprop_bnb_32bit", "adafactor"}
     transformers_torchao = {"adamw_torch_4bit", "adamw_torch_8bit"}
-    assert transformers_bnb | transformers_torchao == set(TAKEN_OVER)
-    assert {"adamw_4bit", "paged_adamw_4bit", "ademamix_4bit", "lion_4bit"} <= set(table)
+    assert transformers_bnb | transformers_torchao == set(TAKEN_OVER) <= set(table)
+    # the names transformers gives other meanings to (the registry-derived names are checked by
+    # tests/test_algorithm_conformance.py)
     assert table["adamw_torch_4bit"].cls is hf_optim.AdamW4bit and table["adamw_torch_4bit"].optim_bits == 4
-    assert {"lamb", "lamb_8bit", "paged_lamb_8bit", "paged_lamb_32bit", "adamw_32bit"} <= set(table)
-    assert table["paged_lamb_8bit"].cls is hf_optim.PagedLAMB8bit and table["paged_lamb_8bit"].paged
+    assert table["adamw_torch_8bit"].cls is hf_optim.AdamW8bit
     assert table["ademamix"].optim_bits == 32 and table["rmsprop_bnb"].optim_bits == 32
-    for entry in table.values():
-        assert issubclass(entry.cls, torch.optim.Optimizer)

@@ -164,4 +164,4 @@ class Algorithm:
         if self.state_bytes is not None:
             return self.state_bytes(shape, quantized, fmt)
         numel = math.prod(shape)
-        return sum(slot_bytes(spec, numel, fmt if quantized else FP32) for spec in self.slots)
+        return sum(slot_bytes(spec, numel, fmt if quantized else FP32, shape) for spec in self.slots)

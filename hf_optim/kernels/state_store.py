@@ -98,7 +98,7 @@ def slot_layouts(state: dict, specs: tuple[StateSpec, ...]) -> tuple[SlotLayout,
     return tuple(SlotLayout(slot_format(state, spec), spec.signed) for spec in specs)
 
 
-def slot_bytes(spec: StateSpec, numel: int, fmt: StateFormat) -> int:
-    """Bytes one slot takes for a tensor of ``numel`` elements in format ``fmt``, as :func:`init_slot` allocates
-    it (values or codes, absmax per block, the slot's own map)."""
-    return fmt.state_bytes(numel, spec.rows)
+def slot_bytes(spec: StateSpec, numel: int, fmt: StateFormat, shape: tuple[int, ...] | None = None) -> int:
+    """Bytes one slot takes for a tensor of ``numel`` elements (of ``shape``; None: 1-D) in format ``fmt``, as
+    :func:`init_slot` allocates it (values or codes, absmax per block, the slot's own map)."""
+    return fmt.slot_bytes(spec, (numel,) if shape is None else tuple(shape))

@@ -154,7 +154,8 @@ def fused_configs(algorithm: Algorithm, formats: Iterable[StateFormat | str | in
                   include_unaligned: bool = False, arch: int = 90) -> list[FusedConfig]:
     """Every fused-kernel configuration ``algorithm`` launches with state in ``formats`` (fp32 included: tensors
     under ``min_8bit_size``) on compute capability ``arch``: per parameter dtype (gradients of the same dtype), state
-    format, whole or partial tile and, for bf16 parameters of elementwise algorithms, stochastic rounding."""
+    format, whole or partial tile and, for bf16 parameters of elementwise algorithms, stochastic rounding. A format
+    without a Triton branch (``StateFormat.triton`` False: ``rank1_4bit``) has none."""
     if algorithm.triton_rule is None:
         return []
     rule = resolve(algorithm.triton_rule)
@@ -162,6 +163,8 @@ def fused_configs(algorithm: Algorithm, formats: Iterable[StateFormat | str | in
     signed = tuple(spec.signed for spec in algorithm.slots for _ in range(spec.rows))
     configs = []
     for fmt in as_formats([*formats, FP32]):
+        if not fmt.triton:  # stepped on the PyTorch path (optim/dispatch.py): no kernel of its own
+            continue
         codes = (fmt.code,) * len(signed)
         for dtype in DTYPES:
             for stochastic in (False, True) if dtype == BF16 and not write_out else (False,):

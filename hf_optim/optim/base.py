@@ -57,7 +57,7 @@ class HfOptimizer(Stepping, Dispatch, StateDicts, torch.optim.Optimizer):
     state_specs: ClassVar[tuple[StateSpec, ...]] = ()
     supported_formats: ClassVar[tuple[str, ...] | None] = None
     """The names of the state formats the algorithm runs with; None (elementwise algorithms): every registered
-    format (``hf_optim.kernels.formats``), so a new format needs no change to any algorithm."""
+    format that suits its slots (``hf_optim.kernels.formats``), so a new format needs no change to any algorithm."""
     pages: ClassVar[bool] = True
     """Whether the class takes ``is_paged`` (and has ``Paged*`` twins)."""
     bitsandbytes_order: ClassVar[tuple[str, ...]] = ("optim_bits", "min_8bit_size", "is_paged")
@@ -122,8 +122,12 @@ class HfOptimizer(Stepping, Dispatch, StateDicts, torch.optim.Optimizer):
 
     @classmethod
     def _supported_formats(cls) -> tuple[StateFormat, ...]:
-        """The formats the class runs with, in table order."""
-        return tuple(formats_by_rank(cls.supported_formats))
+        """The formats the class runs with, in table order: its :attr:`supported_formats`, or every registered format
+        that suits its state slots (``StateFormat.suits``: ``rank1_4bit`` only changes second moments, so Lion and
+        RMSprop, whose only slot is a signed first moment, do not get it)."""
+        if cls.supported_formats is not None:
+            return tuple(formats_by_rank(cls.supported_formats))
+        return tuple(fmt for fmt in formats_by_rank() if fmt.suits(getattr(cls, "state_specs", ())))
 
     # ----------------------------------------------------------------------------------------------------
     # The public step and param groups

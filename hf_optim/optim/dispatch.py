@@ -9,16 +9,21 @@ PyTorch paths also run the tensors whose Triton kernels failed on this machine.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from hf_optim.kernels import backend as kernel_backend
 from hf_optim.kernels import multi_tensor, rounding
 from hf_optim.kernels.flat_state import FlatState
-from hf_optim.kernels.formats import FP32, SlotLayout, StateFormat, settings_format, with_overrides
+from hf_optim.kernels.formats import FORMATS, FP32, SlotLayout, StateFormat, settings_format, with_overrides
 from hf_optim.kernels.state_store import init_slot, slot_layouts, slot_tensors
 from hf_optim.optim.sharding import local_tensor
 from hf_optim.optim.stepping import SR_KEY
+
+logger = logging.getLogger("hf_optim")
+_told_no_triton: set[tuple[str, str]] = set()
+"""(format name, device type) pairs already logged as stepping on the PyTorch path instead of Triton."""
 
 
 class Dispatch:
@@ -99,11 +104,11 @@ class Dispatch:
         for p, param, overrides in fresh:
             settings = with_overrides(group, overrides) if overrides else group
             state = self.state[p]
-            if not self._on_multi_tensor_path(p, param):
+            fmt = self._state_format(p, settings)
+            if fmt.whole_tensor or not self._on_multi_tensor_path(p, param):
                 self._init_state(p, settings, state)
                 continue
             state["step"] = 0
-            fmt = self._state_format(p, settings)
             flat_entries.append((p, param, state, [SlotLayout(fmt, spec.signed) for spec in self.state_specs]))
         if flat_entries:
             self._flat.create(self.state_specs, flat_entries, self._allocate)
@@ -112,18 +117,23 @@ class Dispatch:
         """Update a group's ``(local param, local grad, state, param)`` items: one fused Triton launch (per pass)
         for the tensors the backend assigns to Triton, the multi-tensor PyTorch path for those whose state is in
         flat buffers, the PyTorch path tensor by tensor for the rest."""
-        rest, flat_items, triton = items, [], None
-        if _triton_capable(type(self)):
-            on_triton, rest = [], []
-            triton_devices: dict[torch.device, bool] = {}  # the backend choice reads the environment: once per device
-            for item in items:
-                device = item[0].device
-                if device not in triton_devices:
-                    triton_devices[device] = kernel_backend.uses_triton(device)
-                (on_triton if triton_devices[device] else rest).append(item)
-            if on_triton:
-                triton = self._triton_plans.prepare(group_index, on_triton, stochastic=bool(group[SR_KEY]))
-                rest.extend(triton.unsupported)
+        restricted = _restricted_formats(type(self), len(FORMATS))
+        capable = _triton_capable(type(self))
+        triton_devices: dict[torch.device, bool] = {}  # the backend choice reads the environment: once per device
+        rest, on_triton, flat_items, triton = [], [], [], None
+        for item in items:
+            param, grad, state, full = item
+            device = param.device
+            if device not in triton_devices:
+                triton_devices[device] = capable and kernel_backend.uses_triton(device)
+            if restricted and self._off_fast_paths(state, restricted, device, triton_devices):
+                # a whole-tensor format, or one without a Triton branch: the PyTorch path, per tensor
+                self._update(param, grad, state, group, full=full)
+                continue
+            (on_triton if triton_devices[device] else rest).append(item)
+        if on_triton:
+            triton = self._triton_plans.prepare(group_index, on_triton, stochastic=bool(group[SR_KEY]))
+            rest.extend(triton.unsupported)
         for param, grad, state, full in rest:
             if self._on_multi_tensor_path(full, param):
                 flat_items.append((param, grad, state, full))
@@ -159,6 +169,24 @@ class Dispatch:
         from hf_optim.kernels import triton_step
 
         return triton_step.supported(self.definition, param, sharded)
+
+    def _off_fast_paths(self, state: dict, restricted: tuple[StateFormat, ...], device: torch.device,
+                        triton_devices: dict) -> bool:
+        """Whether ``state`` holds a slot in one of the ``restricted`` formats (:func:`_restricted_formats`) that keeps
+        it off the fast paths here: a whole-tensor format always, one without a Triton branch where Triton runs the
+        rest (said once per format and device type). Such a tensor steps on the PyTorch path tensor by tensor.
+        These formats recognise only their own slots (rank1_4bit: by its column scales), so asking them is enough,
+        and cheaper than finding each slot's format."""
+        for fmt in restricted:
+            if not any(fmt.recognises(state, spec) for spec in self.state_specs):
+                continue
+            off_triton = not fmt.triton and triton_devices[device]
+            if off_triton and (fmt.name, device.type) not in _told_no_triton:
+                _told_no_triton.add((fmt.name, device.type))
+                logger.warning("state_format %r has no Triton kernels: its tensors step on the PyTorch path, one by "
+                               "one, on %s (the other tensors stay on Triton)", fmt.name, device.type)
+            return fmt.whole_tensor or off_triton  # a chunkable format without Triton keeps the multi-tensor path
+        return False
 
     def _update_fallback(self, group: dict, items: list) -> None:
         """The PyTorch path for ``(local param, local grad, state, param)`` items whose Triton kernels failed: the
@@ -246,6 +274,16 @@ def _adoption_pieces(entries: list) -> list[list]:
 def _owner(cls: type, name: str) -> type:
     """The class in ``cls``'s MRO that defines attribute ``name``."""
     return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+
+@functools.cache
+def _restricted_formats(cls: type, registered: int) -> tuple[StateFormat, ...]:
+    """The formats ``cls`` runs with that leave the fast paths: whole-tensor formats (no flat-buffer form, so not the
+    multi-tensor path) and those without a Triton branch. Empty for most classes, which then pay nothing per
+    tensor for the check. ``registered``: how many formats are registered (a later registration is a new key)."""
+    supported = getattr(cls, "_supported_formats", None)
+    formats = supported() if supported is not None else ()
+    return tuple(fmt for fmt in formats if fmt.whole_tensor or not fmt.triton)
 
 
 @functools.cache

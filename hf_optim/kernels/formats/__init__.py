@@ -12,6 +12,8 @@ format     code  storage of one slot (``rows`` stacked EMAs, ``n`` elements each
 fp32       0     fp32 values, the slot's shape
 blockwise8 1     bitsandbytes' 8-bit blockwise format: uint8 codes (slot's shape), absmax per 256 elements
 blockwise4 2     4-bit blockwise (Li et al. 2023): two codes per byte, absmax per 128 elements
+rank1_4bit 3     first moment as blockwise4; second moment 4-bit, scaled by min(row max, column max) of
+                 the parameter as a matrix (Li et al. 2023's rank-1 normalization): whole-tensor, no Triton
 ========== ===== ======================================================================================
 """
 
@@ -31,12 +33,14 @@ from hf_optim.kernels.formats.base import (
 from hf_optim.kernels.formats.blockwise4 import BLOCKWISE4
 from hf_optim.kernels.formats.blockwise8 import BLOCKWISE8
 from hf_optim.kernels.formats.fp32 import FP32
+from hf_optim.kernels.formats.rank1_4bit import RANK1_4BIT
 
 __all__ = [
     "BLOCKWISE4",
     "BLOCKWISE8",
     "FORMATS",
     "FP32",
+    "RANK1_4BIT",
     "SlotLayout",
     "StateFormat",
     "available_state_formats",

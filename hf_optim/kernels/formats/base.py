@@ -4,6 +4,7 @@ map signedness: the static description of a slot that kernels are specialized on
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -47,6 +48,26 @@ class StateFormat:
     """How many raw tensors a slot passes to the kernels."""
     packed: ClassVar[bool] = False
     """Whether the main tensor is not shaped like the parameter (several codes per byte)."""
+    whole_tensor: ClassVar[bool] = False
+    """Whether a slot's scales span the whole tensor, so that it cannot be quantized in independent chunks: such a
+    format has no flat-buffer (multi-tensor) form, and its tensors step one by one on the PyTorch path."""
+    triton: ClassVar[bool] = True
+    """Whether the fused Triton kernels have a branch for the format (selected by :attr:`code`). Tensors whose state
+    is in a format without one step on the PyTorch path, also on a GPU; ``triton_configs`` lists no kernel for it."""
+    ahead_of: ClassVar[str | None] = None
+    """The name of a registered format whose :meth:`recognises` also accepts some slot of this format (a format that
+    adds scales to another's slot): this one is registered ahead of it, so that :func:`loaded_format` asks it first."""
+
+    def suits(self, slots: Sequence) -> bool:
+        """Whether the format is worth offering to an algorithm with state slots ``slots`` (``StateSpec``s): a
+        format that stores some kinds of slot as another format does offers nothing new to an algorithm whose slots
+        are all of those kinds."""
+        return True
+
+    def stored_as(self, spec) -> StateFormat:
+        """The format slot ``spec`` is actually stored in (what :func:`loaded_format` finds): the format itself, or
+        the format it shares that kind of slot with."""
+        return self
 
     @property
     def quantized(self) -> bool:
@@ -128,6 +149,12 @@ class StateFormat:
         """Bytes of one slot of ``rows`` x ``numel`` elements (what ``state_memory`` measures)."""
         raise NotImplementedError
 
+    def slot_bytes(self, spec, shape: tuple[int, ...]) -> int:
+        """Bytes of slot ``spec`` for a parameter of ``shape``: :meth:`state_bytes`, for formats whose size
+        depends only on the element count; a format whose size depends on the slot's signedness or the parameter's
+        shape overrides this."""
+        return self.state_bytes(math.prod(shape), spec.rows)
+
     def keys(self, spec) -> tuple[str, ...]:
         """The slot's keys in a parameter's state."""
         raise NotImplementedError
@@ -177,14 +204,23 @@ _UNIQUE = ("name", "code", "class_suffix", "optim_suffix")
 
 def register_format(fmt: StateFormat) -> StateFormat:
     """Add ``fmt`` to :data:`FORMATS`. Its name, code, class and ``optim=`` suffixes and ``optim_bits`` alias
-    (when it has one) must be new: the rest of hf_optim derives class and Trainer names from them."""
+    (when it has one) must be new: the rest of hf_optim derives class and Trainer names from them. A format with
+    :attr:`StateFormat.ahead_of` goes in ahead of that format (which must be registered)."""
     for other in FORMATS.values():
         same = [key for key in _UNIQUE if getattr(other, key) == getattr(fmt, key)]
         if fmt.optim_bits is not None and other.optim_bits == fmt.optim_bits:
             same.append("optim_bits")
         if same:
             raise ValueError(f"state format {fmt.name!r} clashes with {other.name!r} ({', '.join(same)})")
-    FORMATS[fmt.name] = fmt
+    if fmt.ahead_of is None:
+        FORMATS[fmt.name] = fmt
+        return fmt
+    if fmt.ahead_of not in FORMATS:
+        raise ValueError(f"state format {fmt.name!r} goes ahead of {fmt.ahead_of!r}, which is not registered")
+    order = list(FORMATS.values())
+    order.insert(list(FORMATS).index(fmt.ahead_of), fmt)
+    FORMATS.clear()
+    FORMATS.update((f.name, f) for f in order)
     return fmt
 
 

@@ -11,25 +11,30 @@ the torchao-compatible format ends 5-8% off 32-bit AdamW's final loss, this one 
 fine-tunes both are within 1.5%. State: v costs 0.5 byte/element plus ``4 * (rows + cols)`` bytes, less than
 ``blockwise4``'s 4 bytes per 128 elements for large matrices, more for small or thin ones.
 
-Limits: the column scales span the whole matrix, so a slot cannot be quantized in independent chunks: this format
-has no flat-buffer (multi-tensor) form and no Triton twin; it steps on the per-tensor PyTorch path only, and its
-:meth:`flat_buffers` and friends raise. ``multi_tensor.step_tensor`` steps it eagerly over the whole tensor, with
-several fp32 temporaries the size of the parameter (the chunked paths bound theirs). Kernels take a slot as
+Limits: the column scales span the whole matrix, so a slot cannot be quantized in independent chunks
+(:attr:`whole_tensor`): this format has no flat-buffer (multi-tensor) form and no Triton twin (:attr:`triton` is
+False); the optimizers step its tensors one by one on the PyTorch path (``optim/dispatch.py``), also on a GPU, and
+its :meth:`flat_buffers` and friends raise. ``multi_tensor.step_tensor`` steps it eagerly over the whole tensor, with
+fp32 temporaries the size of the parameter (the chunked paths bound theirs). Kernels take a slot as
 ``[codes as int8, scale A, scale B, qmap, encoder thresholds]``: for a signed slot A is the per-block absmax and B is
 empty, for an unsigned slot A and B are the row and column scales.
+
+Which algorithms: only those with an unsigned (second-moment) slot (:meth:`suits`): AdamW, AdEMAMix and LAMB. A
+signed slot is stored exactly as ``blockwise4`` stores it (:meth:`stored_as`; a loaded state's first moment is
+recognised as ``blockwise4``), so for Lion and RMSprop, whose only slot is signed, this format would be
+``blockwise4`` under another name.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from hf_optim.kernels import rank1_quant4
 from hf_optim.kernels.blockwise4 import BLOCK_SIZE, encoder_thresholds, packed_length, qmap4
-from hf_optim.kernels.formats.base import StateDictError, StateFormat
+from hf_optim.kernels.formats.base import StateDictError, StateFormat, register_format
 from hf_optim.kernels.formats.blockwise4 import BLOCKWISE4
 from hf_optim.kernels.rank1_quant4 import matrix_shape
 
@@ -46,8 +51,15 @@ class Rank1Blockwise4(StateFormat):
     name, bits, code, width, block_size, packed = "rank1_4bit", 4, 3, 5, BLOCK_SIZE, True
     # no bitsandbytes alias: optim_bits=4 stays blockwise4 (torchao's format); chosen only by state_format
     class_suffix, optim_suffix, label, rank, optim_bits = "4bitRank1", "4bit_rank1", "4-bit rank-1", 4, None
-    whole_tensor = True
-    """Its column scales span the whole tensor: stepped in one piece (``multi_tensor.step_tensor``)."""
+    whole_tensor = True  # its column scales span the whole tensor: stepped in one piece (multi_tensor.step_tensor)
+    triton = False
+    ahead_of = "blockwise4"  # whose recognises() also accepts this format's second-moment slot
+
+    def suits(self, slots) -> bool:
+        return any(not spec.signed for spec in slots)
+
+    def stored_as(self, spec) -> StateFormat:
+        return BLOCKWISE4 if spec.signed else self
 
     def main_length(self, numel: int) -> int:
         return packed_length(numel)
@@ -128,15 +140,18 @@ class Rank1Blockwise4(StateFormat):
         scales = rank1_quant4.scale_count(shape if shape is not None else (numel,))
         return rows * (packed_length(numel) + 4 * scales) + 4 * 16
 
+    def slot_bytes(self, spec, shape: tuple[int, ...]) -> int:
+        return self.state_bytes(math.prod(shape), spec.rows, signed=spec.signed, shape=tuple(shape))
+
     def keys(self, spec) -> tuple[str, ...]:
         if spec.signed:
             return BLOCKWISE4.keys(spec)
         return (spec.key, spec.absmax_key, col_key(spec), spec.qmap_key)
 
     def recognises(self, state: dict, spec) -> bool:
-        if spec.signed:
-            return BLOCKWISE4.recognises(state, spec)
-        return BLOCKWISE4.recognises(state, spec) and isinstance(state.get(col_key(spec)), torch.Tensor)
+        if spec.signed:  # stored as blockwise4 stores it, and recognised as blockwise4's (stored_as)
+            return False
+        return isinstance(state.get(col_key(spec)), torch.Tensor) and BLOCKWISE4.recognises(state, spec)
 
     def check_loaded(self, param: torch.Tensor, state: dict, spec, where: str) -> None:
         if spec.signed:
@@ -156,31 +171,7 @@ class Rank1Blockwise4(StateFormat):
             raise StateDictError(f"{where}: {spec.qmap_key} is not the 4-bit unsigned linear map this format uses")
 
 
-RANK1_4BIT = Rank1Blockwise4()
-"""The format object. Not registered here: the registry that selects formats by name (issue 24 item 1) wires it;
-until then :func:`installed` makes it usable for a while in one process."""
-
-
-@contextlib.contextmanager
-def installed() -> Iterator[Rank1Blockwise4]:
-    """Within the block, :data:`RANK1_4BIT` is in the format registry, ahead of ``blockwise4`` (whose
-    ``recognises`` also matches this format's second-moment slot), so ``loaded_format`` finds it; the registry is
-    restored after. For benchmarks and tests until the format is registered (it needs the optimizers to route its
-    tensors to the per-tensor PyTorch path first: no flat-buffer form, no Triton twin). While installed, a
-    ``blockwise4`` first-moment slot is recognised as this format's (stored identically, same math): run
-    ``blockwise4`` optimizers outside the block. It has no ``optim_bits`` alias: ``optim_bits=4`` stays
-    ``blockwise4``."""
-    from hf_optim.kernels.formats.base import FORMATS
-
-    saved = dict(FORMATS)
-    FORMATS.clear()
-    FORMATS[RANK1_4BIT.name] = RANK1_4BIT
-    FORMATS.update(saved)
-    try:
-        yield RANK1_4BIT
-    finally:
-        FORMATS.clear()
-        FORMATS.update(saved)
+RANK1_4BIT = register_format(Rank1Blockwise4())
 
 
 def bytes_per_element(shape: tuple[int, ...]) -> float:
