@@ -192,7 +192,6 @@ class Dispatch:
         """The PyTorch path for ``(local param, local grad, state, param)`` items whose Triton kernels failed: the
         multi-tensor path where it applies (their per-tensor state, created for Triton, moves into flat buffers at
         the first such step), tensor by tensor otherwise. The same math as their Triton kernels."""
-        self._state_reallocated()  # the multi-tensor path moves their state into flat buffers
         flat_items = []
         for param, grad, state, full in items:
             if self._multi_tensor_eligible(full, param):
@@ -215,6 +214,7 @@ class Dispatch:
             if place is None
         ]
         if homeless:  # a loaded state dict (or the Triton path, before a fallback) made their state: move it in
+            self._state_reallocated()  # their state tensors are replaced by views of flat buffers
             for piece in _adoption_pieces(homeless):
                 self._flat.adopt(self.state_specs, piece, self._allocate)
             located = [place or self._flat.locate(full, state) for (_, _, state, full), place in zip(items, located)]
