@@ -12,6 +12,7 @@ format     code  storage of one slot (``rows`` stacked EMAs, ``n`` elements each
 fp32       0     fp32 values, the slot's shape
 blockwise8 1     bitsandbytes' 8-bit blockwise format: uint8 codes (slot's shape), absmax per 256 elements
 blockwise4 2     4-bit blockwise (Li et al. 2023): two codes per byte, absmax per 128 elements
+fp8        4     float8 codes (e4m3; second moments as sqrt in e4m3), absmax per 256 elements
 ========== ===== ======================================================================================
 """
 
@@ -30,6 +31,7 @@ from hf_optim.kernels.formats.base import (
 )
 from hf_optim.kernels.formats.blockwise4 import BLOCKWISE4
 from hf_optim.kernels.formats.blockwise8 import BLOCKWISE8
+from hf_optim.kernels.formats.fp8 import FP8
 from hf_optim.kernels.formats.fp32 import FP32
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "BLOCKWISE8",
     "FORMATS",
     "FP32",
+    "FP8",
     "SlotLayout",
     "StateFormat",
     "available_state_formats",
