@@ -15,7 +15,7 @@ Problems:
   optimizers the Trainer can name (n/a for the others).
 
 Optimizers: torch AdamW (the reference), hf_optim AdamW32bit / AdamW8bit / AdamW4bit (the torchao-compatible
-``blockwise4`` format), torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_optim AdamW
+``blockwise4`` format), AdamWFp8 (the ``fp8`` format) and the fp8 choices it was picked from (:data:`FP8_VARIANTS`), torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_optim AdamW
 with the ``rank1_4bit`` format, and candidate 4-bit formats simulated by :class:`SimulatedAdamW` (torch AdamW's math,
 each moment quantized and dequantized after every step, exactly what storing it does): ``sim:`` names below.
 
@@ -42,11 +42,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_optim  # noqa: E402
 from hf_optim.kernels import blockwise4, rank1_quant4  # noqa: E402
+from hf_optim.kernels.formats import FORMATS  # noqa: E402
+from hf_optim.kernels.formats import fp8 as fp8_format  # noqa: E402
 from hf_optim.kernels.formats.rank1_4bit import RANK1_4BIT, installed  # noqa: E402
 
 LR = {"mlp": 1e-3, "llama": 3e-3}
 WEIGHT_DECAY = 1e-2
 RANK1_NAME = "hf AdamW rank1_4bit"
+FP8_VARIANTS = {  # name: (second moment storage, block size) of an unregistered fp8 variant (formats/fp8.py)
+    "hf AdamWFp8 v=sqrt-e4m3": ("sqrt_e4m3", 256),
+    "hf AdamWFp8 v=e5m2": ("e5m2", 256),
+    "hf AdamWFp8 B128": (fp8_format.SECOND_MOMENT, 128),
+}
+"""The choices the registered ``fp8`` format ("hf AdamWFp8": m and v in e4m3, blocks of 256, as torchao's
+``AdamWFp8``) was picked from: sqrt(v) in e4m3, v in e5m2, blocks of 128."""
 MIN_SIZE = 4096  # hf_optim's min_8bit_size default and torchao's smallest quantized tensor
 
 # -- simulated formats: quantize-dequantize functions of one moment ---------------------------------------------
@@ -87,6 +96,16 @@ def rank1(qmap: torch.Tensor, root: bool = False) -> Callable:
     return qdq
 
 
+def fp8(signed: bool) -> Callable:
+    """The registered ``fp8`` format's round trip (e4m3, blocks of 256) of one moment."""
+    def qdq(x: torch.Tensor) -> torch.Tensor:
+        codes = torch.zeros(1, x.numel(), dtype=torch.float8_e4m3fn)
+        absmax = torch.zeros(1, fp8_format.FP8.num_blocks(x.numel()))
+        fp8_format.FP8.store(x.reshape(1, -1), [codes, absmax], signed)
+        return fp8_format.FP8.dequantize([codes, absmax], signed, x.numel()).view_as(x)
+    return qdq
+
+
 SIMULATED: dict[str, tuple[Callable | None, Callable | None, str]] = {
     # name: (first moment, second moment, what it is)
     "sim:blockwise4": (blockwise(TREE), blockwise(LINEAR), "torchao's setting (B128 tree m, B128 linear v)"),
@@ -99,6 +118,8 @@ SIMULATED: dict[str, tuple[Callable | None, Callable | None, str]] = {
     "sim:fp32-m": (None, blockwise(LINEAR), "ablation: fp32 m, B128 linear v"),
     "sim:fp32-v": (blockwise(TREE), None, "ablation: B128 tree m, fp32 v"),
     "sim:fp32-m-rank1-v": (None, rank1(LINEAR), "ablation: fp32 m, rank-1 linear v"),
+    "sim:fp8-m": (fp8(True), None, "ablation: fp8 (e4m3, B256) m, fp32 v"),
+    "sim:fp8-v": (None, fp8(False), "ablation: fp32 m, fp8 (e4m3, B256) v"),
 }
 
 
@@ -156,6 +177,8 @@ def optimizers(torchao_available: bool) -> dict[str, Callable]:
         "hf AdamW32bit": lambda p, lr: hf_optim.AdamW32bit(p, lr=lr, **kw),
         "hf AdamW8bit": lambda p, lr: hf_optim.AdamW8bit(p, lr=lr, **kw),
         "hf AdamW4bit (blockwise4)": lambda p, lr: hf_optim.AdamW4bit(p, lr=lr, **kw),
+        "hf AdamWFp8": lambda p, lr: hf_optim.AdamWFp8(p, lr=lr, **kw),
+        **{name: lambda p, lr: hf_optim.AdamWFp8(p, lr=lr, **kw) for name in FP8_VARIANTS},
     }
     if torchao_available:
         def torchao4(p, lr):
@@ -198,7 +221,7 @@ def llama_loss(name: str, factory: Callable, seed: int, steps: int = 120) -> flo
 
 
 TRAINER_NAMES = {"torch AdamW": "adamw_torch", "hf AdamW32bit": "adamw_32bit", "hf AdamW8bit": "adamw_8bit",
-                 "hf AdamW4bit (blockwise4)": "adamw_4bit", RANK1_NAME: "adamw_4bit"}
+                 "hf AdamW4bit (blockwise4)": "adamw_4bit", RANK1_NAME: "adamw_4bit", "hf AdamWFp8": "adamw_fp8"}
 """The optimizers the quickstart can name (torchao's ``adamw_torch_4bit`` is taken over by hf_optim)."""
 
 
@@ -227,6 +250,25 @@ def quickstart_loss(name: str, factory: Callable, seed: int) -> float | None:
 
 
 PROBLEMS = {"mlp": mlp_loss, "llama": llama_loss, "quickstart": quickstart_loss}
+
+
+@contextlib.contextmanager
+def fp8_variant(name: str):
+    """Within the block, ``state_format="fp8"`` means the variant ``name`` of :data:`FP8_VARIANTS` (the registry's
+    entry is swapped and restored after)."""
+    registered = FORMATS["fp8"]
+    FORMATS["fp8"] = fp8_format.variant(*FP8_VARIANTS[name])
+    try:
+        yield
+    finally:
+        FORMATS["fp8"] = registered
+
+
+def running(name: str):
+    """The registry state optimizer ``name`` runs in (see :func:`fp8_variant` and ``rank1_4bit.installed``)."""
+    if name == RANK1_NAME:
+        return installed()
+    return fp8_variant(name) if name in FP8_VARIANTS else contextlib.nullcontext()
 
 
 def torchao_importable(site: str | None) -> bool:
@@ -268,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             # the rank-1 format is in the format registry only while its optimizer runs (a blockwise4 first moment
             # would be recognised as its own meanwhile: see hf_optim.kernels.formats.rank1_4bit.installed)
-            with installed() if name == RANK1_NAME else contextlib.nullcontext():
+            with running(name):
                 results[name][problem, seed] = PROBLEMS[problem](name, table[name], seed)
             reference = results["torch AdamW"][problem, seed]
             loss = results[name][problem, seed]

@@ -332,7 +332,8 @@ def contenders(include_bnb: bool, device: str, busy: bool = False) -> list[tuple
             import bitsandbytes as bnb
 
             rows.append((f"bitsandbytes {name}", bnb_class(bnb, name)))
-    for name in ("AdamW4bit", "AdEMAMix4bit", "Lion4bit"):  # no bitsandbytes namesake (torchao's: not installed)
+    # no bitsandbytes namesake (torchao's: not installed)
+    for name in ("AdamW4bit", "AdEMAMix4bit", "Lion4bit", "AdamWFp8", "AdEMAMixFp8", "LionFp8"):
         rows.append((f"hf_optim {name}", getattr(hf_optim, name)))
     if busy:  # the rows without the thread-count choice, and the one-thread floors
         for name in ("AdamW8bit", "AdamW32bit"):

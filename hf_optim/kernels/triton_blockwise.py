@@ -104,7 +104,7 @@ def load_state(address, absmax_address, qmap_ptr, blocks, halves, rows, offs, ma
     elif FORMAT == FORMAT_FP8:
         block_mask = None if mask is None else blocks * 256 < n
         values = load_state_fp8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)),
-                                blocks, offs, mask, block_mask, not SIGNED, FP8_NATIVE)
+                                blocks, offs, mask, block_mask, SIGNED, FP8_NATIVE)
     else:
         values = masked_load(pointer(address, tl.float32, ALIGNED) + offs, mask, 0.0)
     return values
@@ -124,7 +124,7 @@ def store_state(address, absmax_address, tables, blocks, halves, rows, offs, val
                      SIGNED, ALIGNED)
     elif FORMAT == FORMAT_FP8:
         block_mask = None if mask is None else blocks * 256 < n
-        codes, absmax = quantize_fp8(values, mask, not SIGNED, FP8_NATIVE)
+        codes, absmax = quantize_fp8(values, mask, SIGNED, FP8_NATIVE)
         tl.store(pointer(address, tl.uint8, ALIGNED) + offs, codes, mask=mask)
         store_per_block(absmax_address.to(tl.pointer_type(tl.float32)), blocks, rows, absmax, block_mask)
     else:

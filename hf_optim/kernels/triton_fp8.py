@@ -1,7 +1,8 @@
 """The fp8 state format in Triton: the twin of :mod:`hf_optim.kernels.formats.fp8` (same bytes, same absmax).
 
-A row is one e4m3 byte per element and one fp32 absmax per 256-element block (the tile's block). Non-negative rows
-hold ``sqrt(v)`` (the format's second moments): decoded values are squared, stored ones square-rooted first.
+A row is one e4m3 byte per element and one fp32 absmax per 256-element block (the tile's block). If the format
+stores square roots of non-negative rows (``Fp8.stores_root``; the registered format does not), decoded values of
+such rows are squared and stored ones square-rooted first.
 
 Two conversions, chosen at compile time (``NATIVE``):
 
@@ -21,11 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_optim.kernels.formats.fp8 import FP8
 from hf_optim.kernels.triton_tile import block_max, launch_options, masked_load, zero_outside
 
 FMAX: tl.constexpr = tl.constexpr(448.0)
 SUBNORMAL_LIMIT: tl.constexpr = tl.constexpr(2.0**-6)
 """Smallest normal e4m3 magnitude; below it the step is 2**-9."""
+ROOT_UNSIGNED: tl.constexpr = tl.constexpr(FP8.stores_root(False))
+"""Whether non-negative rows hold square roots."""
 EXPONENT_REBIAS: tl.constexpr = tl.constexpr((127 - 7) << 3)
 """fp32 and e4m3 exponent biases (127, 7), in units of e4m3's 3 mantissa bits."""
 
@@ -71,21 +75,21 @@ def encode_e4m3(scaled, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def load_state_fp8(codes_ptr, absmax_ptr, blocks, offs, mask, block_mask, ROOT: tl.constexpr, NATIVE: tl.constexpr):
+def load_state_fp8(codes_ptr, absmax_ptr, blocks, offs, mask, block_mask, SIGNED: tl.constexpr, NATIVE: tl.constexpr):
     """fp32 values of an fp8 row (squared when the row holds square roots)."""
     codes = masked_load(codes_ptr + offs, mask, 0)
     absmax = masked_load(absmax_ptr + blocks, block_mask, 0.0)
     values = decode_e4m3(codes, NATIVE) * tl.div_rn(absmax, FMAX)[:, None, None, None]
-    if ROOT:
+    if ROOT_UNSIGNED and not SIGNED:
         values = values * values
     return values
 
 
 @triton.jit
-def quantize_fp8(values, mask, ROOT: tl.constexpr, NATIVE: tl.constexpr):
-    """(e4m3 bytes, absmax per 256-block) of fp32 tile ``values`` (their square roots when ``ROOT``); lanes outside
-    ``mask`` count as 0."""
-    if ROOT:
+def quantize_fp8(values, mask, SIGNED: tl.constexpr, NATIVE: tl.constexpr):
+    """(e4m3 bytes, absmax per 256-block) of fp32 tile ``values`` (their square roots for a non-negative row of a
+    format storing them); lanes outside ``mask`` count as 0."""
+    if ROOT_UNSIGNED and not SIGNED:
         values = tl.sqrt_rn(tl.maximum(values, 0.0))
     values = zero_outside(values, mask)
     absmax = block_max(tl.abs(values))

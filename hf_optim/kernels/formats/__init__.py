@@ -12,7 +12,7 @@ format     code  storage of one slot (``rows`` stacked EMAs, ``n`` elements each
 fp32       0     fp32 values, the slot's shape
 blockwise8 1     bitsandbytes' 8-bit blockwise format: uint8 codes (slot's shape), absmax per 256 elements
 blockwise4 2     4-bit blockwise (Li et al. 2023): two codes per byte, absmax per 128 elements
-fp8        4     float8 codes (e4m3; second moments as sqrt in e4m3), absmax per 256 elements
+fp8        4     float8 e4m3 codes (the slot's shape), absmax per 256 elements
 ========== ===== ======================================================================================
 """
 

@@ -8,12 +8,13 @@ the type's largest finite value, so the block's largest magnitude maps to ``FMAX
 Decoding: ``float(q) * (absmax / FMAX)``. The reciprocal and the decode scale are computed once per block in fp32, so
 every path (eager, inductor, Triton) rounds the same way.
 
-First moments (signed) are e4m3 (``torch.float8_e4m3fn``: 3 mantissa bits, 448 at most, subnormals down to 2**-9).
-Second moments (non-negative) store ``sqrt(v)`` in e4m3 (:data:`SECOND_MOMENT`): the square root halves the
-dynamic range a block must hold (a block's ``v`` spans the square of its gradients' range, more than e4m3's 2**18
-reaches, so plain e4m3 flushes small ``v`` to 0 and ``1 / sqrt(v)`` explodes), and its relative error is half of
-e4m3's on ``sqrt(v)``, the quantity the update divides by. Measured against plain e4m3 (torchao's ``AdamWFp8``
-choice) and e5m2: docs/benchmarks.md "FP8 state (issue 24)"; :func:`variant` builds those for the benchmark.
+Both moments are e4m3 (``torch.float8_e4m3fn``: 3 mantissa bits, 448 at most, subnormals down to 2**-9), as in
+torchao's ``AdamWFp8``. Chosen by measurement (docs/benchmarks.md "FP8 state (issue 24)", ``benchmarks/quality4.py``)
+over storing ``sqrt(v)`` in e4m3 (half the dynamic range, but twice the relative step on ``v``) and ``v`` in e5m2
+(more range, 2 mantissa bits): on the MLP regression their final losses moved 6-8% off 32-bit AdamW's, e4m3's 3-4%;
+on the tiny fine-tune all stay within 0.6%. The gap is the second moment's (with an fp32 ``v`` and an e4m3 ``m`` the
+MLP ends within 0.3%): re-rounding ``v`` to 3 mantissa bits every step loses its ``(1 - beta2)`` increments. Blocks of
+128 measured no better than 256. :func:`variant` builds the other choices for the benchmark.
 
 Flat buffers are all zero bytes (float8 +0.0), which decode to 0 whatever the absmax. The Triton twin is
 :mod:`hf_optim.kernels.triton_fp8` (native conversion on sm_89+, bit-exact integer conversion below).
@@ -30,15 +31,15 @@ from hf_optim.kernels.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
 from hf_optim.kernels.formats.base import StateDictError, StateFormat, in_blocks, register_format
 
 BLOCK_SIZE = 256
-"""Elements per scale block: the multi-tensor chunks' block, so block form needs no reshaping (128 measured the
-same quality: docs/benchmarks.md)."""
+"""Elements per scale block: the multi-tensor chunks' block, so block form needs no reshaping (128 measured no
+better: docs/benchmarks.md)."""
 
 FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 """Largest finite value of each float8 type."""
 
-SECOND_MOMENT = "sqrt_e4m3"
-"""How the registered format stores non-negative slots: ``"sqrt_e4m3"`` (``sqrt(v)`` in e4m3), or, for
-measurement only (:func:`variant`), ``"e4m3"`` or ``"e5m2"`` (``v`` itself)."""
+SECOND_MOMENT = "e4m3"
+"""How the registered format stores non-negative slots: ``"e4m3"`` (``v`` itself), or, for measurement only
+(:func:`variant`), ``"sqrt_e4m3"`` (``sqrt(v)`` in e4m3) or ``"e5m2"``."""
 
 
 def _blocked(values: torch.Tensor, block: int) -> torch.Tensor:
