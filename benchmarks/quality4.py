@@ -15,8 +15,9 @@ Problems:
   optimizers the Trainer can name (n/a for the others).
 
 Optimizers: torch AdamW (the reference), hf_optim AdamW32bit / AdamW8bit / AdamW4bit (the torchao-compatible
-``blockwise4`` format), AdamWFp8 (the ``fp8`` format) and the fp8 choices it was picked from (:data:`FP8_VARIANTS`), torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_optim AdamW
-with the ``rank1_4bit`` format, and candidate 4-bit formats simulated by :class:`SimulatedAdamW` (torch AdamW's math,
+``blockwise4`` format), AdamWFp8 (the ``fp8`` format) and the fp8 choices it was picked from (:data:`FP8_VARIANTS`),
+torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_optim AdamW with the ``rank1_4bit``
+format, and candidate formats simulated by :class:`SimulatedAdamW` (torch AdamW's math,
 each moment quantized and dequantized after every step, exactly what storing it does): ``sim:`` names below.
 
 Run: ``HF_OPTIM_COMPILE=0 python benchmarks/quality4.py --markdown quality4.md`` (eager steps: the rank-1 format has no

@@ -83,3 +83,21 @@ def test_compiled_cpu_step_equals_the_eager_step(monkeypatch, tmp_path):
         for key, value in eager.state[ref].items():
             if isinstance(value, torch.Tensor):
                 assert value.dtype == opt.state[p][key].dtype and torch.equal(value, opt.state[p][key]), key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("native", [False, True], ids=["software", "native"])
+def test_gpu_conversions_equal_torch_casts(native):
+    from hf_optim.kernels import triton_fp8
+
+    major, minor = torch.cuda.get_device_capability()
+    if native and major * 10 + minor < 89:
+        pytest.skip("float8 conversion instructions need sm_89 or later (the software path runs there)")
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    expected = codes.view(torch.float8_e4m3fn).float()
+    decoded = triton_fp8.convert(codes, encode=False, native=native)
+    finite = expected.isfinite()
+    assert torch.equal(decoded[finite].view(torch.int32), expected[finite].view(torch.int32))
+    values = e4m3_boundaries().cuda()
+    encoded = triton_fp8.convert(values, encode=True, native=native)
+    assert torch.equal(encoded, values.to(torch.float8_e4m3fn).view(torch.uint8))
