@@ -195,6 +195,8 @@ class FusedConfig:
             return 4
         if self.arch == 80 and (self.stochastic or (four_bit and len(self.formats) == 2)):
             return 4
+        if self.arch in SM_64_WARPS and FP8.code in self.formats and not self.fp8_native:
+            return 4  # fp8's integer conversions (sm_80): 80-85 registers at 8 with 16-bit parameters
         return 8
 
     @property
