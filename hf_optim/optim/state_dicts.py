@@ -184,7 +184,8 @@ class StateDicts:
         for group, saved in zip(groups, saved_groups):
             saved = self._from_bnb_group(saved)
             merged = {k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", ALGORITHM_KEY)}
-            if "state_format" not in merged and merged.get("optim_bits") in [f.optim_bits for f in FORMATS.values()]:
+            aliases = [f.optim_bits for f in FORMATS.values() if f.optim_bits is not None]  # None: no alias
+            if "state_format" not in merged and merged.get("optim_bits") in aliases:
                 merged["state_format"] = format_for_bits(merged["optim_bits"]).name  # bitsandbytes' (or older) dict
             for key, value in self.defaults.items():
                 merged.setdefault(key, value)
