@@ -58,7 +58,9 @@ def _unblocked(blocked: torch.Tensor, like_shape: torch.Size) -> torch.Tensor:
 
 class Fp8(StateFormat):
     name, bits, code, width, block_size = "fp8", 8, 4, 2, BLOCK_SIZE
-    class_suffix, optim_suffix, label, rank, optim_bits = "Fp8", "fp8", "8-bit float (fp8)", 1, None
+    # rank between blockwise8 (2) and blockwise4 (3): as large as blockwise8, and measured further from 32-bit
+    # AdamW (docs/benchmarks.md), so tables and the planner put bitsandbytes' format first
+    class_suffix, optim_suffix, label, rank, optim_bits = "Fp8", "fp8", "8-bit float (fp8)", 2.5, None
     second_moment = SECOND_MOMENT
 
     def dtype(self, signed: bool) -> torch.dtype:
