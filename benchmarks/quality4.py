@@ -15,10 +15,11 @@ Problems:
   optimizers the Trainer can name (n/a for the others).
 
 Optimizers: torch AdamW (the reference), hf_optim AdamW32bit / AdamW8bit / AdamW4bit (the torchao-compatible
-``blockwise4`` format), torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_optim
-AdamW4bitRank1 (the ``rank1_4bit`` format; Trainer name ``adamw_4bit_rank1``), and candidate 4-bit formats
-simulated by :class:`SimulatedAdamW` (torch AdamW's math, each moment quantized and dequantized after every step,
-exactly what storing it does): ``sim:`` names below.
+``blockwise4`` format), AdamWFp8 (the ``fp8`` format) and the fp8 choices it was picked from (:data:`FP8_VARIANTS`),
+torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_optim AdamW4bitRank1 (the
+``rank1_4bit`` format; Trainer name ``adamw_4bit_rank1``), and candidate formats simulated by :class:`SimulatedAdamW`
+(torch AdamW's math, each moment quantized and dequantized after every step, exactly what storing it does):
+``sim:`` names below.
 
 Run: ``HF_OPTIM_COMPILE=0 python benchmarks/quality4.py --markdown quality4.md`` (eager steps: the rank-1 format has no
 compiled form, and compiled and eager steps compute the same values).
@@ -27,6 +28,7 @@ compiled form, and compiled and eager steps compute the same values).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import platform
@@ -42,10 +44,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_optim  # noqa: E402
 from hf_optim.kernels import blockwise4, rank1_quant4  # noqa: E402
+from hf_optim.kernels.formats import FORMATS  # noqa: E402
+from hf_optim.kernels.formats import fp8 as fp8_format  # noqa: E402
 
 LR = {"mlp": 1e-3, "llama": 3e-3}
 WEIGHT_DECAY = 1e-2
 RANK1_NAME = "hf AdamW4bitRank1 (rank1_4bit)"
+FP8_VARIANTS = {  # name: (second moment storage, block size) of an unregistered fp8 variant (formats/fp8.py)
+    "hf AdamWFp8 v=sqrt-e4m3": ("sqrt_e4m3", 256),
+    "hf AdamWFp8 v=e5m2": ("e5m2", 256),
+    "hf AdamWFp8 B128": (fp8_format.SECOND_MOMENT, 128),
+}
+"""The choices the registered ``fp8`` format ("hf AdamWFp8": m and v in e4m3, blocks of 256, as torchao's
+``AdamWFp8``) was picked from: sqrt(v) in e4m3, v in e5m2, blocks of 128."""
 MIN_SIZE = 4096  # hf_optim's min_8bit_size default and torchao's smallest quantized tensor
 
 # -- simulated formats: quantize-dequantize functions of one moment ---------------------------------------------
@@ -86,6 +97,16 @@ def rank1(qmap: torch.Tensor, root: bool = False) -> Callable:
     return qdq
 
 
+def fp8(signed: bool) -> Callable:
+    """The registered ``fp8`` format's round trip (e4m3, blocks of 256) of one moment."""
+    def qdq(x: torch.Tensor) -> torch.Tensor:
+        codes = torch.zeros(1, x.numel(), dtype=torch.float8_e4m3fn)
+        absmax = torch.zeros(1, fp8_format.FP8.num_blocks(x.numel()))
+        fp8_format.FP8.store(x.reshape(1, -1), [codes, absmax], signed)
+        return fp8_format.FP8.dequantize([codes, absmax], signed, x.numel()).view_as(x)
+    return qdq
+
+
 SIMULATED: dict[str, tuple[Callable | None, Callable | None, str]] = {
     # name: (first moment, second moment, what it is)
     "sim:blockwise4": (blockwise(TREE), blockwise(LINEAR), "torchao's setting (B128 tree m, B128 linear v)"),
@@ -98,6 +119,8 @@ SIMULATED: dict[str, tuple[Callable | None, Callable | None, str]] = {
     "sim:fp32-m": (None, blockwise(LINEAR), "ablation: fp32 m, B128 linear v"),
     "sim:fp32-v": (blockwise(TREE), None, "ablation: B128 tree m, fp32 v"),
     "sim:fp32-m-rank1-v": (None, rank1(LINEAR), "ablation: fp32 m, rank-1 linear v"),
+    "sim:fp8-m": (fp8(True), None, "ablation: fp8 (e4m3, B256) m, fp32 v"),
+    "sim:fp8-v": (None, fp8(False), "ablation: fp32 m, fp8 (e4m3, B256) v"),
 }
 
 
@@ -140,6 +163,8 @@ def optimizers(torchao_available: bool) -> dict[str, Callable]:
         "hf AdamW32bit": lambda p, lr: hf_optim.AdamW32bit(p, lr=lr, **kw),
         "hf AdamW8bit": lambda p, lr: hf_optim.AdamW8bit(p, lr=lr, **kw),
         "hf AdamW4bit (blockwise4)": lambda p, lr: hf_optim.AdamW4bit(p, lr=lr, **kw),
+        "hf AdamWFp8": lambda p, lr: hf_optim.AdamWFp8(p, lr=lr, **kw),
+        **{name: lambda p, lr: hf_optim.AdamWFp8(p, lr=lr, **kw) for name in FP8_VARIANTS},
     }
     if torchao_available:
         def torchao4(p, lr):
@@ -182,7 +207,7 @@ def llama_loss(name: str, factory: Callable, seed: int, steps: int = 120) -> flo
 
 
 TRAINER_NAMES = {"torch AdamW": "adamw_torch", "hf AdamW32bit": "adamw_32bit", "hf AdamW8bit": "adamw_8bit",
-                 "hf AdamW4bit (blockwise4)": "adamw_4bit", RANK1_NAME: "adamw_4bit_rank1"}
+                 "hf AdamW4bit (blockwise4)": "adamw_4bit", RANK1_NAME: "adamw_4bit_rank1", "hf AdamWFp8": "adamw_fp8"}
 """The optimizers the quickstart can name (torchao's ``adamw_torch_4bit`` is taken over by hf_optim)."""
 
 
@@ -207,6 +232,18 @@ def quickstart_loss(name: str, factory: Callable, seed: int) -> float | None:
 
 
 PROBLEMS = {"mlp": mlp_loss, "llama": llama_loss, "quickstart": quickstart_loss}
+
+
+@contextlib.contextmanager
+def fp8_variant(name: str):
+    """Within the block, ``state_format="fp8"`` means the variant ``name`` of :data:`FP8_VARIANTS` (the registry's
+    entry is swapped and restored after)."""
+    registered = FORMATS["fp8"]
+    FORMATS["fp8"] = fp8_format.variant(*FP8_VARIANTS[name])
+    try:
+        yield
+    finally:
+        FORMATS["fp8"] = registered
 
 
 def torchao_importable(site: str | None) -> bool:
@@ -246,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for problem, seed in columns:
         for name in names:
-            results[name][problem, seed] = PROBLEMS[problem](name, table[name], seed)
+            with fp8_variant(name) if name in FP8_VARIANTS else contextlib.nullcontext():
+                results[name][problem, seed] = PROBLEMS[problem](name, table[name], seed)
             reference = results["torch AdamW"][problem, seed]
             loss = results[name][problem, seed]
             if loss is not None:

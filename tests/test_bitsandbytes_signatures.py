@@ -16,6 +16,7 @@ NO_NAMESAKE = {
     # hf_optim's own precisions and algorithms, which bitsandbytes does not have
     "AdamW4bit", "PagedAdamW4bit", "AdEMAMix4bit", "PagedAdEMAMix4bit", "Lion4bit", "PagedLion4bit",
     "AdamW4bitRank1", "PagedAdamW4bitRank1", "AdEMAMix4bitRank1", "PagedAdEMAMix4bitRank1",
+    "AdamWFp8", "PagedAdamWFp8", "AdEMAMixFp8", "PagedAdEMAMixFp8", "LionFp8", "PagedLionFp8",
     "PagedLAMB", "PagedLAMB8bit", "PagedLAMB32bit", "Adafactor",
 }
 LAMB_FAMILY = {"LAMB", "LAMB8bit", "LAMB32bit"}

@@ -38,7 +38,7 @@ def test_table_on_cpu(capsys):
     assert code == 0
     for title in ("Versions", "Devices", "Caches of compiled kernels", "Self-test on cpu: torch against torch (eager)"):
         assert title in out
-    assert "all 9 cases match on torch" in out  # 32/8/4-bit x fp32/bf16/fp16
+    assert "all 12 cases match on torch" in out  # 32-bit/8-bit/fp8/4-bit x fp32/bf16/fp16
     assert "One step on a" not in out  # --quick: no timings
 
 
@@ -58,16 +58,16 @@ def test_json_keys(capsys):
     assert cpu["paging"].startswith("unavailable")
     assert set(report["caches"]) == {"inductor", "triton"}
     cases = report["self_test"]["cases"]
-    # RMSprop: 32, 8 and 4-bit; Adafactor: 32 and 8-bit (its first moment); each in three parameter dtypes
+    # RMSprop: 32-bit, 8-bit, fp8 and 4-bit; Adafactor: 32 and 8-bit (its first moment); each in three dtypes
     assert [(c["algorithm"], c["state"]) for c in cases][::3] == [
-        ("rmsprop", "32-bit"), ("rmsprop", "8-bit blockwise"), ("rmsprop", "4-bit blockwise"), ("adafactor", "32-bit"),
-        ("adafactor", "8-bit blockwise")]
+        ("rmsprop", "32-bit"), ("rmsprop", "8-bit blockwise"), ("rmsprop", "8-bit float (fp8)"),
+        ("rmsprop", "4-bit blockwise"), ("adafactor", "32-bit"), ("adafactor", "8-bit blockwise")]
     assert {c["dtype"] for c in cases} == {"fp32", "bf16", "fp16"}
     assert all(c["status"] == "exact" for c in cases)
     assert any(c["codes"] > 0 for c in cases)  # the quantized cases compare codes
 
 
-def corrupt_candidate(monkeypatch, algorithm: str, bits: int, dtype: torch.dtype):
+def corrupt_candidate(monkeypatch, algorithm: str, state_format: str, dtype: torch.dtype):
     """After each step of the path under test (not the reference) for one case, move one parameter element by one
     ulp: the doctor must report exactly that case."""
     step = selftest.step
@@ -76,8 +76,8 @@ def corrupt_candidate(monkeypatch, algorithm: str, bits: int, dtype: torch.dtype
         step(optimizer, env)
         group = optimizer.param_groups[0]
         p = group["params"][0]
-        if env != selftest.REFERENCE_ENV and optimizer.algorithm == algorithm and group["optim_bits"] == bits \
-                and p.dtype == dtype:
+        chosen = optimizer.algorithm == algorithm and group["state_format"] == state_format and p.dtype == dtype
+        if env != selftest.REFERENCE_ENV and chosen:
             with torch.no_grad():
                 largest = p.view(-1).abs().argmax()  # one ulp there is one ulp at the tensor's scale
                 p.view(-1).view(torch.int16 if dtype != torch.float32 else torch.int32)[largest] += 1  # next float
@@ -87,7 +87,7 @@ def corrupt_candidate(monkeypatch, algorithm: str, bits: int, dtype: torch.dtype
 
 @cpu_only
 def test_exit_1_on_a_mismatch(capsys, monkeypatch):
-    corrupt_candidate(monkeypatch, "lion", 8, torch.bfloat16)
+    corrupt_candidate(monkeypatch, "lion", "blockwise8", torch.bfloat16)
     code, out, _ = doctor(capsys, "--json", "--algorithms", "lion")
     assert code == 1
     report = json.loads(out)
@@ -95,7 +95,7 @@ def test_exit_1_on_a_mismatch(capsys, monkeypatch):
     assert [(c["state"], c["dtype"], c["status"]) for c in bad] == [("8-bit blockwise", "bf16", "MISMATCH")]
     assert bad[0]["param_ulps"] == 1.0 and bad[0]["detail"] == "after step 1" and report["ok"] is False
     code, out, _ = doctor(capsys, "--algorithms", "lion")
-    assert code == 1 and "MISMATCH" in out and "1 of 9 cases failed: MISMATCH (exit status 1)" in out
+    assert code == 1 and "MISMATCH" in out and "1 of 12 cases failed: MISMATCH (exit status 1)" in out
 
 
 def test_tolerances():

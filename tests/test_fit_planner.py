@@ -90,9 +90,9 @@ def test_nothing_fits_says_so(capsys):
     out = capsys.readouterr().out
     assert "Nothing fits on 8.00 GiB" in out and "smallest setup" in out
     result = plan(load_recipe("llama-3.1-8b-full"), 8 * GIB)
-    # every setup tried: torch's 2 (checkpointing or not), and per AdamW format (fp32, 8-bit, 4-bit, 4-bit rank-1)
-    # and paging, 4 (gradient release, checkpointing)
-    assert not result.fits and len(result.misfits) == 2 + 4 * 2 * 4
+    # adamw_torch's 2 setups and 8 per state format (paged x release x checkpointing): fp32, blockwise8, fp8,
+    # blockwise4, rank1_4bit
+    assert not result.fits and len(result.misfits) == 2 + 8 * 5
 
 
 def test_8b_bytes_per_param_from_the_formats():

@@ -54,10 +54,29 @@ def round_trip_bound(state: dict, spec: StateSpec, fmt: StateFormat) -> float:
     signed, [0, 1] unsigned) to the nearest map value. fp32: 0."""
     if not fmt.quantized:
         return 0.0
+    if spec.qmap_key not in state:  # a float8 format: its code book is the float8 type's finite values
+        root = getattr(fmt, "stores_root", lambda _: False)(spec.signed)
+        return float8_bound(state[spec.key].dtype, spec.signed, root)
     qmap = state[spec.qmap_key].detach().double().sort().values
-    low = -1.0 if spec.signed else 0.0
+    return map_bound(qmap, spec.signed)
+
+
+def float8_bound(dtype: torch.dtype, signed: bool, root: bool) -> float:
+    """:func:`map_bound` of the map of every finite value of a float8 ``dtype`` over its largest (the block absmax
+    maps to it), from the 256 bit patterns; a slot storing square roots squares its values on decoding, so its error
+    relative to the block's absmax ``A`` is ``(r + b)**2 - r**2 <= 2b + b**2`` for ``r <= 1``."""
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).double()
+    values = values[values.isfinite()].unique()
+    qmap = values / values.max()
+    bound = map_bound(qmap if signed else qmap[qmap >= 0], signed)
+    return 2 * bound + bound * bound if root else bound
+
+
+def map_bound(qmap: torch.Tensor, signed: bool) -> float:
+    """The bound of a sorted map of values in [-1, 1] (see :func:`round_trip_bound`)."""
+    low = -1.0 if signed else 0.0
     bound = max((qmap[1:] - qmap[:-1]).max().item() / 2, qmap[0].item() - low, 1.0 - qmap[-1].item())
-    if spec.signed and bool((qmap == 0).any()):
+    if signed and bool((qmap == 0).any()):
         zero = int((qmap == 0).nonzero()[0])
         bound = max(bound, (qmap[zero] - qmap[zero - 1]).item(), (qmap[zero + 1] - qmap[zero]).item())
     return bound

@@ -47,8 +47,8 @@ def test_every_base_class_runs_every_format_it_offers_by_name(cls):
         last = fmt.stored_as(cls.state_specs[-1]).name
         assert formats_of(opt) == [last, last, "fp32"]
         assert opt.param_groups[0]["state_format"] == fmt.name
-        assert opt.param_groups[0]["optim_bits"] == fmt.group_bits
-        if fmt.optim_bits is None:  # no bitsandbytes alias (rank1_4bit): optim_bits keeps its own meaning
+        assert opt.param_groups[0]["optim_bits"] == fmt.group_bits  # fp8: 8, recorded for bitsandbytes' readers
+        if fmt.optim_bits is None:  # no bitsandbytes alias (fp8, rank1_4bit): chosen by name only
             continue
         alias_params = make_params(SHAPES)
         alias = build(cls, alias_params, optim_bits=fmt.optim_bits)
@@ -82,7 +82,7 @@ def test_state_format_and_optim_bits_that_disagree_are_one_error_naming_both(kwa
 def test_an_unknown_state_format_lists_the_names_and_the_closest_one():
     p = torch.nn.Parameter(torch.randn(8))
     with pytest.raises(ValueError, match=r"Invalid state_format: 'blockwise9'; expected one of 'fp32', "
-                                         r"'blockwise8', 'blockwise4'.*did you mean 'blockwise8'\?"):
+                                         r"'blockwise8', .*'blockwise4'.*did you mean 'blockwise8'\?"):
         hf_optim.AdamW([p], state_format="blockwise9")
     with pytest.raises(ValueError, match="Invalid state_format: 'blockwise4'; Adafactor runs with 'fp32', "
                                          "'blockwise8'"):
@@ -149,7 +149,7 @@ def test_a_second_format_with_the_same_bits_registers_and_gets_trainer_names(tes
     assert parse_name("paged_adamw_test8") == (test8, True)
     adamw = registry.lookup_algorithm("adamw")
     names = trainer_names(adamw.algorithm, [*adamw.formats, test8], pages=True)
-    assert "adamw_test8" in names and names[-1] == "paged_adamw_test8" and set(adamw.trainer_names) < set(names)
+    assert {"adamw_test8", "paged_adamw_test8"} < set(names) and set(adamw.trainer_names) < set(names)
     with pytest.raises(ValueError, match="clashes with 'blockwise8' \\(optim_suffix\\)"):
         register_format(type("Again", (_Test8,), {"name": "again", "code": 98, "class_suffix": "Again",
                                                  "optim_suffix": "8bit"})())
@@ -170,14 +170,17 @@ def test_optim_args_cannot_change_what_the_name_chooses():
 
 def test_the_state_format_table_lists_every_registered_format():
     table = str(hf_optim.available_state_formats())
-    assert [line.split()[0] for line in table.splitlines()[1:]] == ["fp32", "blockwise8", "blockwise4", "rank1_4bit"]
+    listed = [line.split()[0] for line in table.splitlines()[1:]]
+    assert listed == [fmt.name for fmt in sorted(FORMATS.values(), key=lambda fmt: fmt.rank)]
+    assert {"fp32", "blockwise8", "blockwise4", "fp8", "rank1_4bit"} <= set(listed) and listed[0] == "fp32"
     assert isinstance(hf_optim.available_state_formats()[0], StateFormat)
     # bytes per element of a 2^20-element slot, from the formats' layouts: codes, an fp32 scale per block, the map
     n = 1 << 20
     expected = {"fp32": 4.0, "blockwise8": (n + 4 * n / 256 + 4 * 256) / n,
                 "blockwise4": (n / 2 + 4 * n / 128 + 4 * 16) / n,
                 # a second-moment slot of a 1-D parameter, seen as a (n / 128, 128) matrix: a scale per row and column
-                "rank1_4bit": (n / 2 + 4 * (n / 128 + 128) + 4 * 16) / n}
+                "rank1_4bit": (n / 2 + 4 * (n / 128 + 128) + 4 * 16) / n,
+                "fp8": (n + 4 * n / 256) / n}
     shown = {line.split()[0]: float(line.split()[-1]) for line in table.splitlines()[1:]}
     assert shown == pytest.approx(expected, rel=1e-3)
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()

@@ -36,7 +36,6 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 from triton import knobs  # noqa: E402
 
 import hf_optim  # noqa: E402, F401  (registers the algorithms)
-from hf_optim.kernels.formats import BLOCKWISE8  # noqa: E402
 from hf_optim.kernels.triton_configs import LaunchSpec, kernel_specs  # noqa: E402
 from hf_optim.optim import registry  # noqa: E402
 
@@ -109,9 +108,10 @@ def check(spec: LaunchSpec, arch: int) -> str:
             vector = r"v4\.b32" if row_bytes >= 16 else r"v[24]\.b32"
             if not re.search(rf"ld\.global(\.[a-z]+)*\.{vector}", ptx):
                 problems.append(f"no {min(row_bytes, 16) * 8}-bit vector loads on a whole tile")
-            # a 256-element 8-bit block spans two warps at 4 elements per thread: its absmax reduces through
-            # shared memory (triton_elementwise.FusedConfig.whole_tile_width)
-            two_warp_blocks = spec.state_format is BLOCKWISE8 and spec.constexprs["W"] * 32 < 256
+            # a 256-element block (8-bit, fp8) spans two warps at 4 elements per thread: its absmax reduces
+            # through shared memory (triton_elementwise.FusedConfig.whole_tile_width)
+            block = spec.state_format.block_size if spec.state_format is not None else 0
+            two_warp_blocks = spec.constexprs["W"] * 32 < block
             expected = spec.writes_direction or two_warp_blocks
             if compiled.metadata.shared and not expected:
                 problems.append(f"{compiled.metadata.shared} bytes of shared memory")

@@ -1,11 +1,12 @@
 """Blockwise 8-bit quantization in Triton: the twin of :mod:`hf_optim.kernels.blockwise`, same codes and absmax;
 and :func:`load_state` / :func:`store_state`, through which every fused kernel reads and writes one state row.
 
-A state row's format (fp32, 8-bit or 4-bit: ``hf_optim.kernels.formats`` codes) is a compile-time constant, so a
+A state row's format (fp32, 8-bit, 4-bit or fp8: ``hf_optim.kernels.formats`` codes) is a compile-time constant, so a
 kernel holds only the path of its own formats. 8-bit rows dequantize as ``qmap[code] * absmax[block]`` and
 re-quantize against the new per-block absmax with :mod:`triton_encode8`'s encoder: the codes of
 :mod:`hf_optim.kernels.dynamic_map`'s nearest-code encoder (same tie and sign rules) from a 10 KiB table, without
-dividing by the absmax (``encode8`` has the method and its proof). 4-bit rows are :mod:`triton_blockwise4`'s. Tiles
+dividing by the absmax (``encode8`` has the method and its proof). 4-bit rows are :mod:`triton_blockwise4`'s, fp8
+rows :mod:`triton_fp8`'s. Tiles
 are :mod:`triton_tile`'s ``(BLOCKS, 2, ROWS, W)`` offsets; whole tiles pass ``mask=None``.
 
 The standalone :func:`quantize` / :func:`dequantize` take the arguments of their PyTorch twins (the encoder's tables
@@ -20,10 +21,11 @@ import triton.language as tl
 
 from hf_optim.kernels.blockwise import num_blocks
 from hf_optim.kernels.encode8 import encoder8_tables
-from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8
+from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8, FP8
 from hf_optim.kernels.triton_blockwise4 import load_state4, store_state4
 from hf_optim.kernels.triton_encode8 import dequantize8, quantize8_params
 from hf_optim.kernels.triton_encode8 import quantize8 as quantize8_codes
+from hf_optim.kernels.triton_fp8 import load_state_fp8, quantize_fp8
 from hf_optim.kernels.triton_tile import (
     block_max,
     launch_options,
@@ -35,6 +37,7 @@ from hf_optim.kernels.triton_tile import (
 
 FORMAT_BLOCKWISE8: tl.constexpr = tl.constexpr(BLOCKWISE8.code)
 FORMAT_BLOCKWISE4: tl.constexpr = tl.constexpr(BLOCKWISE4.code)
+FORMAT_FP8: tl.constexpr = tl.constexpr(FP8.code)
 
 
 @triton.jit
@@ -86,10 +89,11 @@ def store_state8(codes_ptr, absmax_ptr, tables, blocks, rows, offs, values, mask
 
 @triton.jit
 def load_state(address, absmax_address, qmap_ptr, blocks, halves, rows, offs, mask, n,
-               FORMAT: tl.constexpr, SIGNED: tl.constexpr, ALIGNED: tl.constexpr):
-    """fp32 values of one state row of compile-time format ``FORMAT``: fp32 values at ``address``, or 8-bit or
-    4-bit codes there with their absmax at ``absmax_address``; ``qmap_ptr``: the 8-bit map, or the signed 4-bit
-    map. ``mask`` None: a whole tile; else ``n`` is the row's length."""
+               FORMAT: tl.constexpr, SIGNED: tl.constexpr, ALIGNED: tl.constexpr, FP8_NATIVE: tl.constexpr = False):
+    """fp32 values of one state row of compile-time format ``FORMAT``: fp32 values at ``address``, or 8-bit, 4-bit
+    or fp8 codes there with their absmax at ``absmax_address``; ``qmap_ptr``: the 8-bit map, or the signed 4-bit
+    map. ``mask`` None: a whole tile; else ``n`` is the row's length. ``FP8_NATIVE``: the hardware's float8
+    conversions (sm_89+), else :mod:`triton_fp8`'s integer ones."""
     if FORMAT == FORMAT_BLOCKWISE8:
         block_mask = None if mask is None else blocks * 256 < n
         values = load_state8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)),
@@ -97,6 +101,10 @@ def load_state(address, absmax_address, qmap_ptr, blocks, halves, rows, offs, ma
     elif FORMAT == FORMAT_BLOCKWISE4:
         values = load_state4(address, absmax_address.to(tl.pointer_type(tl.float32)), qmap_ptr, halves, rows, offs,
                              mask, n, SIGNED, ALIGNED)
+    elif FORMAT == FORMAT_FP8:
+        block_mask = None if mask is None else blocks * 256 < n
+        values = load_state_fp8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)),
+                                blocks, offs, mask, block_mask, SIGNED, FP8_NATIVE)
     else:
         values = masked_load(pointer(address, tl.float32, ALIGNED) + offs, mask, 0.0)
     return values
@@ -104,9 +112,9 @@ def load_state(address, absmax_address, qmap_ptr, blocks, halves, rows, offs, ma
 
 @triton.jit
 def store_state(address, absmax_address, tables, blocks, halves, rows, offs, values, mask, n,
-                FORMAT: tl.constexpr, SIGNED: tl.constexpr, ALIGNED: tl.constexpr):
+                FORMAT: tl.constexpr, SIGNED: tl.constexpr, ALIGNED: tl.constexpr, FP8_NATIVE: tl.constexpr = False):
     """Store fp32 ``values`` into one state row of format ``FORMAT``, re-quantizing an 8-bit (encoder tables
-    ``tables``, see :func:`quantize8`) or 4-bit row against its new block absmax."""
+    ``tables``, see :func:`quantize8`), 4-bit or fp8 row against its new block absmax."""
     if FORMAT == FORMAT_BLOCKWISE8:
         block_mask = None if mask is None else blocks * 256 < n
         store_state8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)), tables,
@@ -114,6 +122,11 @@ def store_state(address, absmax_address, tables, blocks, halves, rows, offs, val
     elif FORMAT == FORMAT_BLOCKWISE4:
         store_state4(address, absmax_address.to(tl.pointer_type(tl.float32)), halves, rows, offs, values, mask, n,
                      SIGNED, ALIGNED)
+    elif FORMAT == FORMAT_FP8:
+        block_mask = None if mask is None else blocks * 256 < n
+        codes, absmax = quantize_fp8(values, mask, SIGNED, FP8_NATIVE)
+        tl.store(pointer(address, tl.uint8, ALIGNED) + offs, codes, mask=mask)
+        store_per_block(absmax_address.to(tl.pointer_type(tl.float32)), blocks, rows, absmax, block_mask)
     else:
         tl.store(pointer(address, tl.float32, ALIGNED) + offs, values, mask=mask)
 

@@ -1,7 +1,7 @@
 """The fused multi-tensor elementwise update in Triton: the twin of :func:`hf_optim.kernels.elementwise.update`.
 
 A launch runs an algorithm's rule (:mod:`triton_rules`) over many tensors of a group: each program loads a tile of
-parameter and gradient, loads its state rows (fp32, 8-bit or 4-bit), applies the non-finite-gradient rule, runs the
+parameter and gradient, loads its state rows (fp32, 8-bit, 4-bit or fp8), applies the non-finite-gradient rule, runs the
 rule and stores everything back. The rule of the PyTorch path applies: an element whose gradient is NaN or +-Inf
 keeps its parameter and state values (quantized state is re-encoded against its block's new absmax) and its
 direction output is 0.
@@ -31,7 +31,7 @@ import triton.language as tl
 from hf_optim.kernels import triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.encode8 import encoder8_tables
-from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8, FORMATS, FP32
+from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8, FORMATS, FP8, FP32
 from hf_optim.kernels.formats.blockwise4 import shared_map as shared_map4
 from hf_optim.kernels.formats.blockwise8 import shared_map as shared_map8
 from hf_optim.kernels.triton_blockwise import (
@@ -55,17 +55,17 @@ from hf_optim.kernels.triton_tile import (
 
 @triton.jit
 def _load_row(row, r: tl.constexpr, qmap, blocks, halves, rows, offs, mask, n, FORMAT: tl.constexpr,
-              SIGNED: tl.constexpr, ALIGNED: tl.constexpr):
+              SIGNED: tl.constexpr, ALIGNED: tl.constexpr, FP8_NATIVE: tl.constexpr):
     """fp32 values of state row ``r`` of a tensor's meta ``row`` (``qmap``: the row's map, see :func:`row_maps`)."""
     return load_state(tl.load(row + mt.VALUES + r), tl.load(row + mt.ABSMAX + r), qmap, blocks, halves, rows, offs,
-                      mask, n, FORMAT, SIGNED, ALIGNED)
+                      mask, n, FORMAT, SIGNED, ALIGNED, FP8_NATIVE)
 
 
 @triton.jit
 def _store_row(row, r: tl.constexpr, encoder, blocks, halves, rows, offs, values, mask, n, FORMAT: tl.constexpr,
-               SIGNED: tl.constexpr, ALIGNED: tl.constexpr):
+               SIGNED: tl.constexpr, ALIGNED: tl.constexpr, FP8_NATIVE: tl.constexpr):
     store_state(tl.load(row + mt.VALUES + r), tl.load(row + mt.ABSMAX + r), encoder, blocks, halves, rows, offs,
-                values, mask, n, FORMAT, SIGNED, ALIGNED)
+                values, mask, n, FORMAT, SIGNED, ALIGNED, FP8_NATIVE)
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def _fused_update_kernel(
     RULE: tl.constexpr, ROWS: tl.constexpr, FORMAT0: tl.constexpr, FORMAT1: tl.constexpr, FORMAT2: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr, FULL: tl.constexpr, SR: tl.constexpr, WRITE_OUT: tl.constexpr, NORMS: tl.constexpr,
-    BLOCKS: tl.constexpr, W: tl.constexpr, COLS: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCKS: tl.constexpr, W: tl.constexpr, COLS: tl.constexpr, ALIGNED: tl.constexpr, FP8_NATIVE: tl.constexpr,
 ):
     program = tl.program_id(0)
     tensor = tl.load(tiles + 2 * program)
@@ -94,13 +94,13 @@ def _fused_update_kernel(
     finite = tl.abs(g) < float("inf")  # false for NaN and +-inf: one compare
     g = tl.where(finite, g, 0.0)
 
-    s0 = _load_row(row, 0, qmap0, blocks, halves, rows, offs, mask, n, FORMAT0, SIGNED0, ALIGNED)
+    s0 = _load_row(row, 0, qmap0, blocks, halves, rows, offs, mask, n, FORMAT0, SIGNED0, ALIGNED, FP8_NATIVE)
     s1 = tl.zeros_like(p)
     s2 = tl.zeros_like(p)
     if ROWS > 1:
-        s1 = _load_row(row, 1, qmap1, blocks, halves, rows, offs, mask, n, FORMAT1, SIGNED1, ALIGNED)
+        s1 = _load_row(row, 1, qmap1, blocks, halves, rows, offs, mask, n, FORMAT1, SIGNED1, ALIGNED, FP8_NATIVE)
     if ROWS > 2:
-        s2 = _load_row(row, 2, qmap2, blocks, halves, rows, offs, mask, n, FORMAT2, SIGNED2, ALIGNED)
+        s2 = _load_row(row, 2, qmap2, blocks, halves, rows, offs, mask, n, FORMAT2, SIGNED2, ALIGNED, FP8_NATIVE)
 
     out, n0, n1, n2 = RULE(p, g, s0, s1, s2, h)
     # Every select on ``finite`` here, together: the old values die at once, and the per-element predicates are not
@@ -110,11 +110,11 @@ def _fused_update_kernel(
     n2 = tl.where(finite, n2, s2)
     out = tl.where(finite, out, 0.0 if WRITE_OUT else p)
 
-    _store_row(row, 0, encoder0, blocks, halves, rows, offs, n0, mask, n, FORMAT0, SIGNED0, ALIGNED)
+    _store_row(row, 0, encoder0, blocks, halves, rows, offs, n0, mask, n, FORMAT0, SIGNED0, ALIGNED, FP8_NATIVE)
     if ROWS > 1:
-        _store_row(row, 1, encoder1, blocks, halves, rows, offs, n1, mask, n, FORMAT1, SIGNED1, ALIGNED)
+        _store_row(row, 1, encoder1, blocks, halves, rows, offs, n1, mask, n, FORMAT1, SIGNED1, ALIGNED, FP8_NATIVE)
     if ROWS > 2:
-        _store_row(row, 2, encoder2, blocks, halves, rows, offs, n2, mask, n, FORMAT2, SIGNED2, ALIGNED)
+        _store_row(row, 2, encoder2, blocks, halves, rows, offs, n2, mask, n, FORMAT2, SIGNED2, ALIGNED, FP8_NATIVE)
 
     if WRITE_OUT:
         if not FULL:
@@ -195,6 +195,8 @@ class FusedConfig:
             return 4
         if self.arch == 80 and (self.stochastic or (four_bit and len(self.formats) == 2)):
             return 4
+        if self.arch in SM_64_WARPS and FP8.code in self.formats and not self.fp8_native:
+            return 4  # fp8's integer conversions (sm_80): 80-85 registers at 8 with 16-bit parameters
         return 8
 
     @property
@@ -253,7 +255,13 @@ class FusedConfig:
                 "PARAM_DTYPE": self.param_dtype, "GRAD_DTYPE": self.grad_dtype, "FULL": self.full,
                 "SR": self.stochastic, "WRITE_OUT": self.write_out, "NORMS": self.write_out,
                 "BLOCKS": self.tile_blocks, "W": self.width, "COLS": mt.META_COLS,
-                "ALIGNED": self.aligned and self.full}
+                "ALIGNED": self.aligned and self.full, "FP8_NATIVE": self.fp8_native}
+
+    @property
+    def fp8_native(self) -> bool:
+        """Whether fp8 rows use the hardware's float8 conversions (sm_89 and later have them; Triton refuses
+        ``float8e4nv`` below): only configurations with an fp8 row say so, the others compile as before."""
+        return self.arch >= 89 and FP8.code in self.formats
 
     @property
     def label(self) -> str:
@@ -265,7 +273,7 @@ class FusedConfig:
 
 
 def format_label(code: int) -> str:
-    return next(f"{fmt.bits}-bit" for fmt in FORMATS.values() if fmt.code == code)
+    return next("fp8" if fmt is FP8 else f"{fmt.bits}-bit" for fmt in FORMATS.values() if fmt.code == code)
 
 
 def row_formats(state: dict, specs) -> tuple[int, ...]:

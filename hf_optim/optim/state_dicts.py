@@ -184,7 +184,7 @@ class StateDicts:
         for group, saved in zip(groups, saved_groups):
             saved = self._from_bnb_group(saved)
             merged = {k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", ALGORITHM_KEY)}
-            aliases = [f.optim_bits for f in FORMATS.values() if f.optim_bits is not None]  # rank1_4bit has none
+            aliases = [f.optim_bits for f in FORMATS.values() if f.optim_bits is not None]  # None: no alias
             if "state_format" not in merged and merged.get("optim_bits") in aliases:
                 merged["state_format"] = format_for_bits(merged["optim_bits"]).name  # bitsandbytes' (or older) dict
             for key, value in self.defaults.items():
@@ -252,11 +252,18 @@ class StateDicts:
             state["state"] = defaultdict(
                 dict, {p: on_host(s) if isinstance(s, Mapping) else s for p, s in self.state.items()}
             )
+        if any(_has_float8(s) for s in state["state"].values()):  # torch cannot unpickle float8 storages: bits travel
+            state["state"] = defaultdict(
+                dict, {p: _float8_as_bits(s) if isinstance(s, Mapping) else s for p, s in state["state"].items()}
+            )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         had_differentiable = "differentiable" in state.get("defaults", {})
         super().__setstate__(state)
+        for param_state in self.state.values():
+            if isinstance(param_state, dict):
+                param_state.update({k: v.restore() for k, v in param_state.items() if isinstance(v, Float8Bits)})
         if not had_differentiable:  # torch's __setstate__ adds this key for its own optimizers; hf_optim has none
             self.defaults.pop("differentiable", None)
         self.__dict__.setdefault("is_paged", False)
@@ -283,3 +290,27 @@ class StateDicts:
                 if isinstance(value, torch.Tensor):
                     paged = key in slots and pageable
                     param_state[key] = self._allocate.copy_of(value, device) if paged else value.to(device)
+
+
+class Float8Bits:
+    """A float8 state tensor as its raw bytes, for pickling: torch saves float8 storages but cannot load them back
+    through plain ``pickle`` (``UntypedStorage`` has no ``dtype``), so ``__getstate__`` sends the bits as uint8 and
+    ``__setstate__`` views them as the float8 dtype again (the same bytes, nothing rounded)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.bits, self.dtype = tensor.view(torch.uint8), str(tensor.dtype).removeprefix("torch.")
+
+    def restore(self) -> torch.Tensor:
+        return self.bits.view(getattr(torch, self.dtype))
+
+
+def _is_float8(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype.is_floating_point and value.element_size() == 1
+
+
+def _has_float8(param_state: Any) -> bool:
+    return isinstance(param_state, Mapping) and any(_is_float8(v) for v in param_state.values())
+
+
+def _float8_as_bits(param_state: Mapping) -> dict:
+    return {k: Float8Bits(v) if _is_float8(v) else v for k, v in param_state.items()}

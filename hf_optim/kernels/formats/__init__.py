@@ -14,6 +14,7 @@ blockwise8 1     bitsandbytes' 8-bit blockwise format: uint8 codes (slot's shape
 blockwise4 2     4-bit blockwise (Li et al. 2023): two codes per byte, absmax per 128 elements
 rank1_4bit 3     first moment as blockwise4; second moment 4-bit, scaled by min(row max, column max) of
                  the parameter as a matrix (Li et al. 2023's rank-1 normalization): whole-tensor, no Triton
+fp8        4     float8 e4m3 codes (the slot's shape), absmax per 256 elements
 ========== ===== ======================================================================================
 """
 
@@ -32,6 +33,7 @@ from hf_optim.kernels.formats.base import (
 )
 from hf_optim.kernels.formats.blockwise4 import BLOCKWISE4
 from hf_optim.kernels.formats.blockwise8 import BLOCKWISE8
+from hf_optim.kernels.formats.fp8 import FP8
 from hf_optim.kernels.formats.fp32 import FP32
 from hf_optim.kernels.formats.rank1_4bit import RANK1_4BIT
 
@@ -40,6 +42,7 @@ __all__ = [
     "BLOCKWISE8",
     "FORMATS",
     "FP32",
+    "FP8",
     "RANK1_4BIT",
     "SlotLayout",
     "StateFormat",

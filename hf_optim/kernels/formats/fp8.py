@@ -1,0 +1,172 @@
+"""Blockwise-scaled float8 state: each element a float8 number, one fp32 absmax per 256 elements.
+
+A slot ``stateK`` holds the codes as a float8 tensor in the slot's shape (``(rows, *shape)`` when stacked),
+``absmaxK`` one fp32 absmax per block of :data:`BLOCK_SIZE` elements (per row). There is no map: the float8 type is
+the code book. Encoding ("saturating", like the hardware's ``satfinite`` conversions): ``q = clamp(x * (FMAX /
+absmax), -FMAX, FMAX)`` rounded to the nearest float8 (ties to even, what ``Tensor.to(float8)`` does), ``FMAX`` being
+the type's largest finite value, so the block's largest magnitude maps to ``FMAX``; an all-zero block stores zeros.
+Decoding: ``float(q) * (absmax / FMAX)``. The reciprocal and the decode scale are computed once per block in fp32, so
+every path (eager, inductor, Triton) rounds the same way.
+
+Both moments are e4m3 (``torch.float8_e4m3fn``: 3 mantissa bits, 448 at most, subnormals down to 2**-9), as in
+torchao's ``AdamWFp8``. Chosen by measurement (docs/benchmarks.md "FP8 state (issue 24)", ``benchmarks/quality4.py``)
+over storing ``sqrt(v)`` in e4m3 (half the dynamic range, but twice the relative step on ``v``) and ``v`` in e5m2
+(more range, 2 mantissa bits): on the MLP regression their final losses moved 6-8% off 32-bit AdamW's, e4m3's 3-4%;
+on the tiny fine-tune all stay within 0.6%. The gap is the second moment's (with an fp32 ``v`` and an e4m3 ``m`` the
+MLP ends within 0.3%): re-rounding ``v`` to 3 mantissa bits every step loses its ``(1 - beta2)`` increments. Blocks of
+128 measured no better than 256. :func:`variant` builds the other choices for the benchmark.
+
+Flat buffers are all zero bytes (float8 +0.0), which decode to 0 whatever the absmax. The Triton twin is
+:mod:`hf_optim.kernels.triton_fp8` (native conversion on sm_89+, bit-exact integer conversion below).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hf_optim.kernels.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
+from hf_optim.kernels.formats.base import StateDictError, StateFormat, in_blocks, register_format
+
+BLOCK_SIZE = 256
+"""Elements per scale block: the multi-tensor chunks' block, so block form needs no reshaping (128 measured no
+better: docs/benchmarks.md)."""
+
+FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+"""Largest finite value of each float8 type."""
+
+SECOND_MOMENT = "e4m3"
+"""How the registered format stores non-negative slots: ``"e4m3"`` (``v`` itself), or, for measurement only
+(:func:`variant`), ``"sqrt_e4m3"`` (``sqrt(v)`` in e4m3) or ``"e5m2"``."""
+
+
+def _blocked(values: torch.Tensor, block: int) -> torch.Tensor:
+    """``(rows, n)`` or block form ``(rows, B, 256)`` as ``(rows, blocks, block)``, zero-padded."""
+    if values.dim() == 3:
+        return values.reshape(values.shape[0], -1, block)
+    pad = -values.shape[-1] % block
+    return (F.pad(values, (0, pad)) if pad else values).view(values.shape[0], -1, block)
+
+
+def _unblocked(blocked: torch.Tensor, like_shape: torch.Size) -> torch.Tensor:
+    if len(like_shape) == 3:
+        return blocked.reshape(like_shape)
+    return blocked.flatten(1)[:, : like_shape[-1]]
+
+
+class Fp8(StateFormat):
+    name, bits, code, width, block_size = "fp8", 8, 4, 2, BLOCK_SIZE
+    # rank between blockwise8 (2) and blockwise4 (3): as large as blockwise8, and measured further from 32-bit
+    # AdamW (docs/benchmarks.md), so tables and the planner put bitsandbytes' format first
+    class_suffix, optim_suffix, label, rank, optim_bits = "Fp8", "fp8", "8-bit float (fp8)", 2.5, None
+    second_moment = SECOND_MOMENT
+
+    def dtype(self, signed: bool) -> torch.dtype:
+        """The float8 type of a slot: e4m3, or e5m2 for the ``"e5m2"`` second-moment variant."""
+        return torch.float8_e5m2 if not signed and self.second_moment == "e5m2" else torch.float8_e4m3fn
+
+    def stores_root(self, signed: bool) -> bool:
+        """Whether a slot holds ``sqrt`` of its values (non-negative slots of the ``"sqrt_e4m3"`` format)."""
+        return not signed and self.second_moment == "sqrt_e4m3"
+
+    # -- allocation -------------------------------------------------------------------------------------------
+    def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
+        shape = tuple(param.shape) if spec.rows == 1 else (spec.rows, *param.shape)
+        state[spec.key] = allocate(shape, dtype=self.dtype(spec.signed), device=param.device)
+        blocks = self.num_blocks(param.numel())
+        absmax_shape = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
+        state[spec.absmax_key] = torch.zeros(absmax_shape, dtype=torch.float32, device=param.device)
+
+    def raw(self, state: dict, spec) -> list[torch.Tensor]:
+        return [state[spec.key].view(spec.rows, -1), state[spec.absmax_key].view(spec.rows, -1)]
+
+    def slice_raw(self, raw, start, stop, block_form):
+        codes, absmax = raw
+        codes = codes[:, start:stop]
+        absmax = absmax[:, start // self.block_size : -(-stop // self.block_size)]
+        return [codes.reshape(codes.shape[0], -1, CHUNK_BLOCK) if block_form else codes, absmax]
+
+    def flat_buffers(self, rows, total, signed, device, allocate):
+        # zero bytes are float8 +0.0 in both types: the padding decodes to exactly 0
+        return [allocate((rows, total), dtype=self.dtype(signed), device=device),
+                torch.zeros((rows, total // self.block_size), dtype=torch.float32, device=device)]
+
+    def kernel_chunk(self, buffers, start, stop, signed, device):
+        blocks = buffers[1][:, start // self.block_size : stop // self.block_size]
+        return [in_blocks(buffers[0][:, start:stop], CHUNK_BLOCK), blocks]
+
+    def flat_views(self, buffers, offset, numel):
+        first = offset // self.block_size
+        return [buffers[0][:, offset : offset + numel], buffers[1][:, first : first + self.num_blocks(numel)]]
+
+    def bind(self, state, spec, views, shape):
+        codes, absmax = views
+        state[spec.key] = codes.view(shape) if spec.rows > 1 else codes[0].view(shape)
+        state[spec.absmax_key] = absmax if spec.rows > 1 else absmax[0]
+
+    def main_offset_bytes(self, offset: int) -> int:
+        return offset
+
+    def main_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    # -- math -------------------------------------------------------------------------------------------------
+    def dequantize(self, raw: Sequence[torch.Tensor], signed: bool, n: int | None = None) -> torch.Tensor:
+        codes, absmax = raw[:2]
+        fmax = FMAX[codes.dtype]
+        values = _blocked(codes.float(), self.block_size) * (absmax / fmax).unsqueeze(-1)
+        if self.stores_root(signed):
+            values = values * values
+        return _unblocked(values, codes.shape)
+
+    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:
+        codes, absmax = raw[:2]
+        fmax = FMAX[codes.dtype]
+        if self.stores_root(signed):
+            values = torch.sqrt(values.clamp_min(0.0))  # v >= 0 always; clamp keeps -0.0 and rounding noise out
+        blocked = _blocked(values, self.block_size)
+        block_max = blocked.abs().amax(dim=-1)
+        # x * (FMAX / absmax): the largest magnitude maps to FMAX (within an ulp; the clamp saturates it)
+        reciprocal = torch.where(block_max > 0, fmax / torch.where(block_max > 0, block_max, 1.0), 0.0)
+        scaled = (blocked * reciprocal.unsqueeze(-1)).clamp(-fmax, fmax)
+        codes.copy_(_unblocked(scaled, values.shape).to(codes.dtype))
+        absmax.copy_(block_max)
+
+    # -- size and checkpoints ---------------------------------------------------------------------------------
+    def state_bytes(self, numel: int, rows: int = 1) -> int:
+        return rows * (numel + 4 * self.num_blocks(numel))
+
+    def keys(self, spec) -> tuple[str, ...]:
+        return (spec.key, spec.absmax_key)
+
+    def recognises(self, state: dict, spec) -> bool:
+        value = state.get(spec.key)
+        return isinstance(value, torch.Tensor) and value.dtype in FMAX
+
+    def check_loaded(self, param: torch.Tensor, state: dict, spec, where: str) -> None:
+        shape = tuple(param.shape) if spec.rows == 1 else (spec.rows, *param.shape)
+        self.check_slot_shape(param, state[spec.key], spec, where, shape)
+        if state[spec.key].dtype != self.dtype(spec.signed):
+            raise StateDictError(f"{where}: fp8 {spec.key} is {state[spec.key].dtype}, this format stores "
+                                 f"{self.dtype(spec.signed)} (second moment: {self.second_moment})")
+        absmax = state.get(spec.absmax_key)
+        if absmax is None:
+            raise StateDictError(f"{where}: fp8 {spec.key} has no {spec.absmax_key}")
+        blocks = self.num_blocks(param.numel())
+        expected = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
+        if tuple(absmax.shape) != expected:
+            raise StateDictError(f"{where}: {spec.absmax_key} has shape {tuple(absmax.shape)}, expected {expected}")
+
+
+FP8 = register_format(Fp8())
+
+
+def variant(second_moment: str, block_size: int = BLOCK_SIZE) -> Fp8:
+    """An unregistered fp8 format storing second moments as ``second_moment`` (``"sqrt_e4m3"``, ``"e4m3"``,
+    ``"e5m2"``) with ``block_size``-element blocks (a divisor of 256), for the quality benchmark that chose
+    :data:`SECOND_MOMENT` and :data:`BLOCK_SIZE`. PyTorch paths only (the Triton twin is the registered format's)."""
+    if second_moment not in ("sqrt_e4m3", "e4m3", "e5m2") or CHUNK_BLOCK % block_size:
+        raise ValueError(f"no fp8 variant {second_moment!r} with blocks of {block_size}")
+    return type("Fp8Variant", (Fp8,), {"second_moment": second_moment, "block_size": block_size})()
