@@ -58,17 +58,19 @@ def losses(trainer) -> list[float]:
 
 
 def check_state(optimizer, model, name: str) -> None:
-    """8-bit and 4-bit names keep uint8 state (4-bit: packed, half the elements) for large non-embedding tensors,
-    fp32 for embeddings and small tensors."""
+    """8-bit and 4-bit names keep one-byte codes (uint8; float8 for fp8; 4-bit: packed, half the elements) for large
+    non-embedding tensors, fp32 for embeddings and small tensors."""
     entry = OPTIMIZER_NAMES[name]
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     saw_quantized = False
     for param, state in optimizer.state.items():
-        dtypes = {v.dtype for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1}
+        tensors = [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
+        dtypes = {v.dtype for v in tensors}
         expect_quantized = entry.optim_bits < 32 and param.numel() >= 4096 and id(param) not in embeddings
-        assert (torch.uint8 in dtypes) == expect_quantized, (name, tuple(param.shape), dtypes)
+        has_codes = any(v.element_size() == 1 for v in tensors)
+        assert has_codes == expect_quantized, (name, tuple(param.shape), dtypes)
         if expect_quantized:
-            codes = next(v for v in state.values() if isinstance(v, torch.Tensor) and v.dtype == torch.uint8)
+            codes = next(v for v in tensors if v.element_size() == 1)
             per_row = -(-param.numel() * entry.optim_bits // 8)  # AdEMAMix stacks two rows in state1
             assert codes.numel() in (per_row, 2 * per_row), (name, codes.shape)
         saw_quantized |= expect_quantized
