@@ -190,19 +190,25 @@ def runs_of(flat: FlatState, members: Sequence[tuple]) -> list[tuple[list[int], 
     return [(run, params, grads) for run in adjacent_runs(flat, list(params))]
 
 
+def consecutive_pieces(items: Sequence, size_of: Callable, limit: int) -> list[list]:
+    """``items`` in consecutive pieces of at most ``limit`` total ``size_of(item)`` (a larger item is a piece by
+    itself): how buckets, scratch batches and adoption pieces are cut."""
+    pieces: list[list] = []
+    size = 0
+    for item in items:
+        n = size_of(item)
+        if not pieces or size + n > limit:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(item)
+        size += n
+    return pieces
+
+
 def buckets(flat: FlatState, run: Sequence[int], limit: int) -> list[list[int]]:
     """Split a run of members into consecutive buckets of at most ``limit`` padded elements (a larger member
     is a bucket by itself)."""
-    result: list[list[int]] = []
-    size = 0
-    for index in run:
-        length = flat.members[index].padded_stop - flat.members[index].offset
-        if not result or size + length > limit:
-            result.append([])
-            size = 0
-        result[-1].append(index)
-        size += length
-    return result
+    return consecutive_pieces(run, lambda i: flat.members[i].padded_stop - flat.members[i].offset, limit)
 
 
 DEVICE_TYPES = ("cpu", "cuda")

@@ -22,6 +22,7 @@ from hf_optim.kernels import triton_guard
 from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import kernel_scalars
 from hf_optim.kernels.blockwise import num_blocks
+from hf_optim.kernels.multi_tensor import consecutive_pieces
 from hf_optim.kernels.triton_elementwise import launch as launch_fused
 from hf_optim.kernels.triton_rounding import store_param
 from hf_optim.kernels.triton_tile import (
@@ -173,20 +174,6 @@ def apply(launch: mt.Launch, ratios, lr: float, config: ApplyConfig, stochastic=
         )
 
 
-def _buckets(batch: list, limit: int) -> list[list]:
-    buckets, current, size = [], [], 0
-    for item in batch:
-        n = item[0].numel()
-        if current and size + n > limit:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(item)
-        size += n
-    if current:
-        buckets.append(current)
-    return buckets
-
-
 def step(algorithm, group: dict, key, batch: list, step: int, hyper, cache: mt.PlanCache,
          device: torch.device, stochastic=None) -> None:
     """LAMB's passes over ``batch`` = [(param, grad, state), ...] (one device, one step counter, one kernel group:
@@ -205,7 +192,7 @@ def step(algorithm, group: dict, key, batch: list, step: int, hyper, cache: mt.P
     update = ApplyConfig(kinds[0], full=True, tile_blocks=direction.tile_blocks,
                          stochastic=stochastic is not None and kinds[0] == BF16.value, aligned=direction.aligned)
     scalars = kernel_scalars(hyper)
-    buckets = _buckets(batch, SCRATCH_NUMEL)
+    buckets = consecutive_pieces(batch, lambda item: item[0].numel(), SCRATCH_NUMEL)
     # One direction buffer for every bucket: launches run in stream order, so a bucket's direction pass writes it
     # after the previous bucket's apply pass has read it (and the launches triton_guard records hold only this one).
     # Each tensor's direction starts on a 256-element boundary: 16-byte aligned, so whole tiles use vector accesses.

@@ -259,16 +259,8 @@ at the very step that falls back from a failed Triton kernel)."""
 def _adoption_pieces(entries: list) -> list[list]:
     """``entries`` (``FlatStates.adopt``'s) in consecutive pieces of at most :data:`ADOPT_BYTES` of state each (a
     larger parameter's state is a piece by itself)."""
-    pieces, size = [], 0
-    for entry in entries:
-        state = entry[2]
-        nbytes = sum(t.nbytes for t in state.values() if isinstance(t, torch.Tensor))
-        if not pieces or size + nbytes > ADOPT_BYTES:
-            pieces.append([])
-            size = 0
-        pieces[-1].append(entry)
-        size += nbytes
-    return pieces
+    return multi_tensor.consecutive_pieces(
+        entries, lambda entry: sum(t.nbytes for t in entry[2].values() if isinstance(t, torch.Tensor)), ADOPT_BYTES)
 
 
 def _owner(cls: type, name: str) -> type:
