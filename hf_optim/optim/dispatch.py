@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 
@@ -161,6 +162,7 @@ class Dispatch:
         plans = self.__dict__.get("_triton_plans")
         if plans is not None:
             plans.clear()
+        self.__dict__.pop("_restricted_seen", None)
 
     def _triton_eligible(self, param: torch.Tensor, sharded: bool) -> bool:
         """Whether this optimizer's Triton kernels can update the local tensor ``param``."""
@@ -176,10 +178,20 @@ class Dispatch:
         it off the fast paths here: a whole-tensor format always, one without a Triton branch where Triton runs the
         rest (said once per format and device type). Such a tensor steps on the PyTorch path tensor by tensor.
         These formats recognise only their own slots (rank1_4bit: by its column scales), so asking them is enough,
-        and cheaper than finding each slot's format."""
-        for fmt in restricted:
-            if not any(fmt.recognises(state, spec) for spec in self.state_specs):
-                continue
+        and cheaper than finding each slot's format. The answer is remembered per first state tensor (weakly; new
+        state tensors, from a load or a format change, are asked again; cleared with the Triton plans), so a
+        step does not ask every format about every tensor again."""
+        first = state.get(self.state_specs[0].key)
+        known = self.__dict__.setdefault("_restricted_seen", {})  # id(first tensor): (weak ref, restricted, format)
+        seen = known.get(id(first))
+        if seen is not None and seen[0]() is first and seen[1] is restricted:
+            fmt = seen[2]
+        else:
+            fmt = next((fmt for fmt in restricted if any(fmt.recognises(state, spec) for spec in self.state_specs)),
+                       None)
+            if isinstance(first, torch.Tensor):
+                known[id(first)] = (weakref.ref(first), restricted, fmt)
+        if fmt is not None:
             off_triton = not fmt.triton and triton_devices[device]
             if off_triton and (fmt.name, device.type) not in _told_no_triton:
                 _told_no_triton.add((fmt.name, device.type))
