@@ -167,11 +167,11 @@ class StateDicts:
             self._check_loaded_state(local_tensor(p), flat, saved_id)
             # Copy: the loaded optimizer must never share (and mutate) the caller's tensors. State buffers go
             # through the allocator, which pages them for a paged optimizer as it did when they were created.
-            device = local_tensor(p).device
+            device, elements = local_tensor(p).device, local_tensor(p).numel()
             slots = {spec.key for spec in self.state_specs}
             new_state[p] = {
                 k: (
-                    (self._allocate.copy_of(v, device) if k in slots else v.to(device, copy=True))
+                    (self._allocate.copy_of(v, device, elements) if k in slots else v.to(device, copy=True))
                     if isinstance(v, torch.Tensor)
                     else copy.deepcopy(v)
                 )
@@ -289,7 +289,8 @@ class StateDicts:
             for key, value in param_state.items():
                 if isinstance(value, torch.Tensor):
                     paged = key in slots and pageable
-                    param_state[key] = self._allocate.copy_of(value, device) if paged else value.to(device)
+                    elements = local_tensor(p).numel()
+                    param_state[key] = self._allocate.copy_of(value, device, elements) if paged else value.to(device)
 
 
 class Float8Bits:

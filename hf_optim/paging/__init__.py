@@ -147,24 +147,24 @@ class StateAllocator:
             return False
         return numel >= PAGED_MIN_NUMEL
 
-    def __call__(self, shape, *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        """A zeroed buffer of ``shape`` and ``dtype`` for state on ``device``."""
+    def __call__(self, shape, *, dtype: torch.dtype, device: torch.device | str, elements: int) -> torch.Tensor:
+        """A zeroed buffer of ``shape`` and ``dtype`` for state on ``device``, serving ``elements`` parameter
+        elements. Paging is decided on ``elements``, not on the buffer's size, as bitsandbytes decides on the
+        parameter: AdEMAMix's two-row state of a 76,800-element tensor (153,600 values) stays ordinary memory."""
         device = torch.device(device)
         shape = tuple(shape)
-        numel = 1
-        for size in shape:
-            numel *= size
-        if self._use_managed(numel, device):
+        if self._use_managed(elements, device):
             self._made_managed = True
             return managed.managed_zeros(managed.runtime(), shape, dtype, device)
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    def copy_of(self, value: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-        """A copy of ``value`` on ``device`` in this allocator's memory (``load_state_dict`` of a state buffer)."""
+    def copy_of(self, value: torch.Tensor, device: torch.device | str, elements: int) -> torch.Tensor:
+        """A copy of ``value`` on ``device`` in this allocator's memory (``load_state_dict`` of a state buffer
+        serving ``elements`` parameter elements: see :meth:`__call__`)."""
         device = torch.device(device)
-        if not self._use_managed(value.numel(), device):
+        if not self._use_managed(elements, device):
             return value.to(device, copy=True)
-        target = self(value.shape, dtype=value.dtype, device=device)
+        target = self(value.shape, dtype=value.dtype, device=device, elements=elements)
         target.copy_(value)
         return target
 

@@ -47,7 +47,7 @@ class Blockwise4(StateFormat):
     def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
         n = param.numel()
         shape = (packed_length(n),) if spec.rows == 1 else (spec.rows, packed_length(n))
-        codes = allocate(shape, dtype=torch.uint8, device=param.device)
+        codes = allocate(shape, dtype=torch.uint8, device=param.device, elements=n)
         if spec.signed:
             codes.fill_(zero_byte(True))
         state[spec.key] = codes
@@ -70,7 +70,7 @@ class Blockwise4(StateFormat):
         return [codes, absmax, qmap, thresholds]
 
     def flat_buffers(self, rows, total, signed, device, allocate):
-        codes = allocate((rows, total // 2), dtype=torch.uint8, device=device)
+        codes = allocate((rows, total // 2), dtype=torch.uint8, device=device, elements=total)
         if signed:
             codes.fill_(zero_byte(True))
         return [codes, torch.zeros((rows, total // BLOCK_SIZE), dtype=torch.float32, device=device)]

@@ -34,7 +34,7 @@ class Blockwise8(StateFormat):
     def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
         shape = tuple(param.shape) if spec.rows == 1 else (spec.rows, *param.shape)
         blocks = num_blocks(param.numel())
-        state[spec.key] = allocate(shape, dtype=torch.uint8, device=param.device)
+        state[spec.key] = allocate(shape, dtype=torch.uint8, device=param.device, elements=param.numel())
         state[spec.qmap_key] = dynamic_map(spec.signed, param.device)
         absmax_shape = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
         state[spec.absmax_key] = torch.zeros(absmax_shape, dtype=torch.float32, device=param.device)
@@ -51,7 +51,7 @@ class Blockwise8(StateFormat):
         return [codes.reshape(codes.shape[0], -1, BLOCK_SIZE) if block_form else codes, blocks, qmap, table]
 
     def flat_buffers(self, rows, total, signed, device, allocate):
-        codes = allocate((rows, total), dtype=torch.uint8, device=device)
+        codes = allocate((rows, total), dtype=torch.uint8, device=device, elements=total)
         if signed:  # the code of 0.0: 127 in the signed map (0, the allocator's zeros, in the unsigned one)
             codes.fill_(ZERO_CODE_SIGNED)
         return [codes, torch.zeros((rows, total // BLOCK_SIZE), dtype=torch.float32, device=device)]

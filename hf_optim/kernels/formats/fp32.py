@@ -16,7 +16,7 @@ class Fp32(StateFormat):
 
     def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
         shape = tuple(param.shape) if spec.rows == 1 else (spec.rows, *param.shape)
-        state[spec.key] = allocate(shape, dtype=torch.float32, device=param.device)
+        state[spec.key] = allocate(shape, dtype=torch.float32, device=param.device, elements=param.numel())
 
     def raw(self, state: dict, spec) -> list[torch.Tensor]:
         return [state[spec.key].view(spec.rows, -1)]
@@ -26,7 +26,7 @@ class Fp32(StateFormat):
         return [values.reshape(values.shape[0], -1, BLOCK_SIZE) if block_form else values]
 
     def flat_buffers(self, rows, total, signed, device, allocate):
-        return [allocate((rows, total), dtype=torch.float32, device=device)]
+        return [allocate((rows, total), dtype=torch.float32, device=device, elements=total)]
 
     def kernel_chunk(self, buffers, start, stop, signed, device):
         return [in_blocks(buffers[0][:, start:stop], BLOCK_SIZE)]

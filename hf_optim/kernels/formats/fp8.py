@@ -78,7 +78,8 @@ class Fp8(StateFormat):
     # -- allocation -------------------------------------------------------------------------------------------
     def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
         shape = tuple(param.shape) if spec.rows == 1 else (spec.rows, *param.shape)
-        state[spec.key] = allocate(shape, dtype=self.dtype(spec.signed), device=param.device)
+        state[spec.key] = allocate(shape, dtype=self.dtype(spec.signed), device=param.device,
+                                   elements=param.numel())
         blocks = self.num_blocks(param.numel())
         absmax_shape = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
         state[spec.absmax_key] = torch.zeros(absmax_shape, dtype=torch.float32, device=param.device)
@@ -94,7 +95,7 @@ class Fp8(StateFormat):
 
     def flat_buffers(self, rows, total, signed, device, allocate):
         # zero bytes are float8 +0.0 in both types: the padding decodes to exactly 0
-        return [allocate((rows, total), dtype=self.dtype(signed), device=device),
+        return [allocate((rows, total), dtype=self.dtype(signed), device=device, elements=total),
                 torch.zeros((rows, total // self.block_size), dtype=torch.float32, device=device)]
 
     def kernel_chunk(self, buffers, start, stop, signed, device):

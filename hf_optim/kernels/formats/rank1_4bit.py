@@ -73,7 +73,8 @@ class Rank1Blockwise4(StateFormat):
         rows, cols = matrix_shape(param.shape)
         lead = () if spec.rows == 1 else (spec.rows,)
         # All-zero codes and scales: code 0 times a zero scale decodes to exactly 0.
-        state[spec.key] = allocate((*lead, packed_length(n)), dtype=torch.uint8, device=param.device)
+        state[spec.key] = allocate((*lead, packed_length(n)), dtype=torch.uint8, device=param.device,
+                                   elements=n)
         state[spec.qmap_key] = qmap4(False, param.device)
         state[spec.absmax_key] = torch.zeros((*lead, rows), dtype=torch.float32, device=param.device)
         state[col_key(spec)] = torch.zeros((*lead, cols), dtype=torch.float32, device=param.device)
