@@ -97,7 +97,12 @@ def test_gpu_conversions_equal_torch_casts(native):
     expected = codes.view(torch.float8_e4m3fn).float()
     decoded = triton_fp8.convert(codes, encode=False, native=native)
     finite = expected.isfinite()
-    assert torch.equal(decoded[finite].view(torch.int32), expected[finite].view(torch.int32))
+    wrong = finite & (decoded.view(torch.int32) != expected.view(torch.int32))
+    assert not wrong.any(), [(hex(c), d, e) for c, d, e in zip(codes[wrong].tolist(), decoded[wrong].tolist(),
+                                                               expected[wrong].tolist())][:8]
     values = e4m3_boundaries().cuda()
     encoded = triton_fp8.convert(values, encode=True, native=native)
-    assert torch.equal(encoded, values.to(torch.float8_e4m3fn).view(torch.uint8))
+    reference = values.to(torch.float8_e4m3fn).view(torch.uint8)
+    wrong = encoded != reference
+    assert not wrong.any(), [(v, hex(c), hex(r)) for v, c, r in zip(values[wrong].tolist(), encoded[wrong].tolist(),
+                                                                    reference[wrong].tolist())][:8]
