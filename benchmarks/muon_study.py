@@ -196,9 +196,11 @@ def build_optimizers(setup: Setup, model, lr: float, weight_decay: float) -> tup
 
 
 def schedule(step: int, steps: int, warmup: int) -> float:
-    """transformers' linear schedule: linear warmup to 1, then linear decay to 0 at ``steps``."""
+    """Linear warmup to 1, then linear decay to 0 at ``steps``: transformers' linear schedule, except that warmup
+    starts at ``1 / warmup`` (transformers' first step trains at lr 0, a step that would only move Muon's and
+    AdamW's moments)."""
     if step < warmup:
-        return (step + 1) / warmup  # the Trainer steps the scheduler after the optimizer: step 0 trains at 1/warmup
+        return (step + 1) / warmup
     return max(0.0, (steps - step) / max(1, steps - warmup))
 
 
