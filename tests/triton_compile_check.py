@@ -4,7 +4,8 @@
     python tests/triton_compile_check.py --all --arch 75 # every configuration the optimizers launch, sm_75
 
 The CPU interpreter (test_triton_kernels.py) checks the math but accepts code the GPU compiler rejects; this compiles
-each kernel of ``hf_optim.kernels.triton_configs.kernel_specs`` (exactly what the optimizers launch) to a cubin with
+each kernel of ``hf_optim.kernels.triton_path.configs.kernel_specs`` (exactly what the optimizers launch) to a cubin
+with
 Triton's ahead-of-time compiler and checks the properties the bit-compatibility and bandwidth claims rest on:
 
 - IEEE division and square root (no ``div.full``, no ``sqrt.approx``; ``rsqrt.approx`` is the 8-bit encoder's), and
@@ -36,7 +37,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 from triton import knobs  # noqa: E402
 
 import hf_optim  # noqa: E402, F401  (registers the algorithms)
-from hf_optim.kernels.triton_configs import LaunchSpec, kernel_specs  # noqa: E402
+from hf_optim.kernels.triton_path.configs import LaunchSpec, kernel_specs  # noqa: E402
 from hf_optim.optim import registry  # noqa: E402
 
 

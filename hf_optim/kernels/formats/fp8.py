@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from hf_optim.kernels.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
 from hf_optim.kernels.formats.base import StateDictError, StateFormat, in_blocks, register_format
+from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
 
 BLOCK_SIZE = 256
 """Elements per scale block: the multi-tensor chunks' block, so block form needs no reshaping (128 measured no

@@ -1,6 +1,6 @@
 """Blockwise 4-bit quantization in pure PyTorch: the math of "Memory Efficient Optimizers with 4-bit States"
 (Li, Chen, Zhu 2023, arXiv 2309.01507) as torchao's ``AdamW4bit`` applies it, and the reference of the Triton
-twin (:mod:`hf_optim.kernels.triton_blockwise4`).
+twin (:mod:`hf_optim.kernels.triton_path.quant4`).
 
 Format of one state row of ``n`` values:
 
@@ -29,7 +29,7 @@ below 1e-12 (a second moment of gradients near 1e-7) lose their resolution; here
 as in the 8-bit format. Non-finite input makes its block's scale non-finite; the elementwise layer masks
 non-finite gradients before states are quantized, so this never happens in an optimizer step.
 
-Shapes follow :mod:`hf_optim.kernels.blockwise`: ``(rows, n)`` views (AdEMAMix stacks two rows, each with its own
+Shapes follow :mod:`hf_optim.kernels.formats.quant8`: ``(rows, n)`` views (AdEMAMix stacks two rows, each with its own
 scale row) or the multi-tensor kernels' block-aligned ``(rows, blocks, 128)``, whose codes are
 ``(rows, blocks, 64)``.
 """
@@ -56,7 +56,7 @@ def tree_map(signed: bool, exponent_bits: int, total_bits: int) -> torch.Tensor:
     ``10**(i - exponent_bits + 1)``, with both signs when signed, where ``k`` is ``2**(i + total_bits - 1 -
     exponent_bits)``, doubled for unsigned maps; fraction bits left over add one more linear group at the top
     decade's scale; then 0 and 1. The fp32 steps are bitsandbytes', so the values match it (and torchao, which
-    copies it) bit for bit. With ``(7, 8)`` this is the 8-bit map of :mod:`hf_optim.kernels.dynamic_map`.
+    copies it) bit for bit. With ``(7, 8)`` this is the 8-bit map of :mod:`hf_optim.kernels.formats.dynamic_map`.
     """
     if not 1 <= exponent_bits < total_bits:
         raise ValueError(
@@ -162,7 +162,7 @@ def _encode(normalized: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """Pairs of codes (last dimension even) into bytes, as int8 bit patterns (element ``2i`` high nibble).
-    int8 because inductor's CPU code narrows int32 to int8 much faster than to uint8 (see ``blockwise``)."""
+    int8 because inductor's CPU code narrows int32 to int8 much faster than to uint8 (see ``quant8``)."""
     pairs = codes.view(*codes.shape[:-1], codes.shape[-1] // 2, 2)  # no -1: empty tensors must work too
     return ((pairs[..., 0] << 4) | pairs[..., 1]).to(torch.int8)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_optim.kernels.dynamic_map import BLOCK_SIZE, KEY_SHIFT, LOW_MASK, encoder_keys
+from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE, KEY_SHIFT, LOW_MASK, encoder_keys
 
 
 def num_blocks(numel: int) -> int:

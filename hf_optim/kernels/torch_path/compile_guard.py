@@ -1,13 +1,13 @@
 """Where the multi-tensor PyTorch path is compiled by inductor, and its eager fallback when compiling fails there.
 
-The multi-tensor path (:mod:`hf_optim.kernels.multi_tensor`) compiles its update with ``torch.compile`` on the
-devices in :data:`COMPILED_DEVICE_TYPES` (on the CPU through :mod:`hf_optim.kernels.cpu_compile`, which decides when
-and handles a failed compilation per kernel: that kernel runs eagerly after one warning; this module records the
-failures of GPU compilations, and :func:`compiles_on` is what the backend's name reports).
+The multi-tensor path (:mod:`hf_optim.kernels.torch_path.multi_tensor`) compiles its update with ``torch.compile`` on
+the devices in :data:`COMPILED_DEVICE_TYPES` (on the CPU through :mod:`hf_optim.kernels.torch_path.cpu_compile`, which
+decides when and handles a failed compilation per kernel: that kernel runs eagerly after one warning; this module
+records the failures of GPU compilations, and :func:`compiles_on` is what the backend's name reports).
 Inductor needs a working toolchain there (a C++ compiler on the CPU; on a
 GPU, Triton, which it generates kernels for): when a compile fails on a device, that device runs the same update
 eagerly for the rest of the process (the same rule, the same bits: ``tests/test_multi_tensor.py``) after ONE warning
-on the ``hf_optim`` logger (see :mod:`hf_optim.kernels.triton_guard` for why the logger). Only compile failures
+on the ``hf_optim`` logger (see :mod:`hf_optim.kernels.triton_path.guard` for why the logger). Only compile failures
 (dynamo's and inductor's exceptions, :data:`COMPILE_ERRORS`) fall back: they are raised before the compiled code
 runs, so no state was written; any other error propagates.
 """

@@ -1,25 +1,26 @@
 """When the CPU path's update is compiled by inductor, on which inputs, and what runs meanwhile.
 
-The multi-tensor path (:mod:`hf_optim.kernels.multi_tensor`) calls :func:`hf_optim.kernels.elementwise.update` once
-per chunk. Compiled by inductor it runs several times faster than eagerly (8-bit state most), but compiling costs
-seconds to minutes the first time (docs/benchmarks.md, the first-step table): dynamo traces the rule, inductor writes
-C++ and gcc builds it; the first compilation of a process also probes the CPU's vector instructions by compiling
+The multi-tensor path (:mod:`hf_optim.kernels.torch_path.multi_tensor`) calls
+:func:`hf_optim.kernels.torch_path.elementwise.update` once per chunk. Compiled by inductor it runs several times faster
+than eagerly (8-bit state most), but compiling costs seconds to minutes the first time (docs/benchmarks.md, the
+first-step table): dynamo traces the rule, inductor writes C++ and gcc builds it; the first compilation of a process
+also probes the CPU's vector instructions by compiling
 test programs, and the first of a machine precompiles torch's headers. ``HF_OPTIM_COMPILE`` says when to pay:
 
 - ``auto`` (the default, also when unset or empty): in the background. The first chunk of a kernel starts a
-  background process (:mod:`hf_optim.kernels.cpu_compile_worker`, at a lower priority) that compiles the kernel into
-  inductor's on-disk cache and exits, and runs eagerly, as does every chunk of that kernel until that process has
-  exited; the next step then compiles the kernel in the training thread from the warm cache (a cache hit: 1-3 s
-  instead of tens) and from then on the steps use it. A short run never waits for a compiler; a long one runs
+  background process (:mod:`hf_optim.kernels.torch_path.cpu_compile_worker`, at a lower priority) that compiles the
+  kernel into inductor's on-disk cache and exits, and runs eagerly, as does every chunk of that kernel until that
+  process has exited; the next step then compiles the kernel in the training thread from the warm cache (a cache hit:
+  1-3 s instead of tens) and from then on the steps use it. A short run never waits for a compiler; a long one runs
   compiled after the first seconds (a few steps on a large model, more on a small one, whose eager steps are short).
 - ``1``: before the first step that needs it, which waits for the compilation.
 - ``0``: never; every step runs eagerly (no C++ compiler needed).
 
 Why switching in mid-run changes no result: eager and compiled updates compute the same bits (the rules use
-single-rounding operations only, see :mod:`hf_optim.kernels.exact_math`; inductor compiles without contraction; every
-reduction is within one 256-element block), and ``tests/test_multi_tensor.py`` compares them bit for bit, a run that
-switches after its first steps included. So the step at which a run switches depends on the machine's speed, the
-optimizer's results do not, and neither do the model's.
+single-rounding operations only, see :mod:`hf_optim.kernels.torch_path.exact_math`; inductor compiles without
+contraction; every reduction is within one 256-element block), and ``tests/test_multi_tensor.py`` compares them bit for
+bit, a run that switches after its first steps included. So the step at which a run switches depends on the machine's
+speed, the optimizer's results do not, and neither do the model's.
 
 Why a process and not a thread of the training process: a compilation that runs in a thread beside the training
 changes the training thread's results. Measured on the quickstart (8 steps): with an unrelated function compiled by
@@ -44,7 +45,8 @@ dynamo would specialize a dimension of size 1). The calls pass aliases of their 
 0 and are not views (:func:`canonical`, a DLPack round trip: no copy): dynamo guards on where a view starts and on the
 shape of the tensor it views, and would compile again for the first chunk of a buffer, for a tensor updated in place
 rather than gathered, and so on. The OpenMP thread count is part of a graph's guards too: the one-thread variant that
-:mod:`hf_optim.kernels.cpu_threads` may ask for is a second graph, compiled the same way when it is asked for.
+:mod:`hf_optim.kernels.torch_path.cpu_threads` may ask for is a second graph, compiled the same way when it is asked
+for.
 
 Compile options (:data:`INDUCTOR_OPTIONS`), measured as CPU seconds of the whole process tree for the quickstart's
 AdamW8bit on a cold cache (``benchmarks/first_step.py``): 34 s with inductor's defaults, 22 s with these:
@@ -86,9 +88,9 @@ from pathlib import Path
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from hf_optim.kernels import cpu_threads, elementwise
-from hf_optim.kernels.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.formats import SlotLayout
+from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
+from hf_optim.kernels.torch_path import cpu_threads, elementwise
 
 logger = logging.getLogger("hf_optim")
 
@@ -296,8 +298,8 @@ def _announce(kernel: Kernel, entry: _Entry, threads: int, background: bool) -> 
 def _run_probe(kernel: Kernel, entry: _Entry, threads: int) -> None:
     """Run ``entry``'s compiled function once on probe inputs of :data:`PROBE_BLOCKS` blocks, block dimensions
     marked dynamic, with ``threads`` OpenMP threads: this compiles its graph (or loads it from inductor's cache).
-    The background process (:mod:`hf_optim.kernels.cpu_compile_worker`) runs the same, so the cache key is the
-    same."""
+    The background process (:mod:`hf_optim.kernels.torch_path.cpu_compile_worker`) runs the same, so the cache key is
+    the same."""
     probe = entry.probe(PROBE_BLOCKS)
     _mark_block_dims(probe, entry.probe(PROBE_BLOCKS + 1))
     with cpu_threads.threads(threads), torch.no_grad():
@@ -340,14 +342,14 @@ class Warmup:
 
 def start_warmup(kernel: Kernel, hyper: tuple, key: torch.Tensor | None, threads: int) -> Warmup:
     """Start a process that compiles ``kernel``'s graph for ``threads`` threads into inductor's cache and exits
-    (:mod:`hf_optim.kernels.cpu_compile_worker`): same environment, so the same ``TORCHINDUCTOR_CACHE_DIR``. The
-    job (kernel, the probe inputs' scalars and rounding key, thread count) goes in a pickled temporary file."""
+    (:mod:`hf_optim.kernels.torch_path.cpu_compile_worker`): same environment, so the same ``TORCHINDUCTOR_CACHE_DIR``.
+    The job (kernel, the probe inputs' scalars and rounding key, thread count) goes in a pickled temporary file."""
     with tempfile.NamedTemporaryFile("wb", prefix="hf_optim_compile_", suffix=".pkl", delete=False) as job:
         pickle.dump((kernel, hyper, key, threads), job)
     errors = tempfile.TemporaryFile()
     try:
         # No inherited stdin/stdout: a caller that reads this process's output to its end does not wait for it.
-        process = subprocess.Popen([sys.executable, "-m", "hf_optim.kernels.cpu_compile_worker", job.name],
+        process = subprocess.Popen([sys.executable, "-m", "hf_optim.kernels.torch_path.cpu_compile_worker", job.name],
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors)
     except BaseException:
         errors.close()

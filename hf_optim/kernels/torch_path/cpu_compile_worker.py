@@ -1,11 +1,11 @@
 """The background process of ``HF_OPTIM_COMPILE=auto``: compiles one CPU kernel into inductor's cache and exits.
 
-``python -m hf_optim.kernels.cpu_compile_worker JOB``: ``JOB`` is a pickled ``(Kernel, hyper, key, threads)`` written
-by :func:`hf_optim.kernels.cpu_compile.start_warmup` (removed here once read). The kernel is compiled exactly as the
-training process compiles it (:func:`cpu_compile._run_probe`: the same compiled function, probe inputs, dynamic
-marks, options and thread count), so that process's own compilation afterwards is a cache hit. Exit status 0 when
-compiled (it then leaves :func:`cpu_compile.warm_marker`'s file, so later runs compile from the cache at their first
-step); 1 with the error's type and first line as the last line of stderr when not. It runs at a lower priority
+``python -m hf_optim.kernels.torch_path.cpu_compile_worker JOB``: ``JOB`` is a pickled ``(Kernel, hyper, key, threads)``
+written by :func:`hf_optim.kernels.torch_path.cpu_compile.start_warmup` (removed here once read). The kernel is compiled
+exactly as the training process compiles it (:func:`cpu_compile._run_probe`: the same compiled function, probe inputs,
+dynamic marks, options and thread count), so that process's own compilation afterwards is a cache hit. Exit status 0
+when compiled (it then leaves :func:`cpu_compile.warm_marker`'s file, so later runs compile from the cache at their
+first step); 1 with the error's type and first line as the last line of stderr when not. It runs at a lower priority
 (``nice`` +10) than the training it works beside.
 """
 
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     with contextlib.suppress(OSError, AttributeError):  # not permitted, or no nice() on this platform
         os.nice(NICENESS)
     try:
-        from hf_optim.kernels import cpu_compile
+        from hf_optim.kernels.torch_path import cpu_compile
 
         with open(argv[1], "rb") as job:
             kernel, hyper, key, threads = pickle.load(job)

@@ -1,9 +1,9 @@
 """How many OpenMP threads run the compiled CPU kernels: torch's thread count, or one when that is faster.
 
-A compiled chunk (:mod:`hf_optim.kernels.cpu_compile`) is one OpenMP parallel region with about seven barriers, and
-a step is tens of chunks. When other processes keep the cores busy (dataloader workers, a second job), a barrier
-waits for a thread the scheduler is not running, and libgomp's waiting threads spin meanwhile. Measured on a 2-core
-machine under load (docs/benchmarks.md, the busy-machine table): AdamW8bit on one 16.8M-element tensor took 10x
+A compiled chunk (:mod:`hf_optim.kernels.torch_path.cpu_compile`) is one OpenMP parallel region with about seven
+barriers, and a step is tens of chunks. When other processes keep the cores busy (dataloader workers, a second job), a
+barrier waits for a thread the scheduler is not running, and libgomp's waiting threads spin meanwhile. Measured on a
+2-core machine under load (docs/benchmarks.md, the busy-machine table): AdamW8bit on one 16.8M-element tensor took 10x
 longer per step with 2 threads than with 1, and its CPU time per element grew 10x (spinning); on an idle machine 2
 threads are about 1.3x faster than 1. Neither is right everywhere, so each kernel measures both:
 

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hf_optim.kernels import rounding
 from hf_optim.kernels.formats import SlotLayout
+from hf_optim.kernels.torch_path import rounding
 
 Rule = Callable[
     [torch.Tensor, torch.Tensor, list[torch.Tensor], tuple], tuple[torch.Tensor, list[torch.Tensor]]
@@ -53,8 +53,8 @@ def update(
     ``layouts`` holds, per slot, its format and map signedness (``state_store.slot_layouts``). If ``out`` is
     given the rule's output goes there (fp32, masked to 0 where the gradient is not finite), else into ``param``.
     ``stochastic`` (bf16 ``param`` only): ``(per-block counter bases, key words)`` of
-    :mod:`hf_optim.kernels.rounding`, which then rounds the new parameter into bf16 stochastically instead of to
-    nearest.
+    :mod:`hf_optim.kernels.torch_path.rounding`, which then rounds the new parameter into bf16 stochastically instead of
+    to nearest.
     """
     # Scalars enter the rule as fp32 0-d tensors on every path, so any scalar arithmetic inside a rule rounds
     # the same way eagerly and compiled (a Python float would be combined in double precision).

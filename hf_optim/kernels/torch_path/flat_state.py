@@ -1,7 +1,7 @@
 """The state of many tensors in one flat buffer per slot, with each tensor's state a view into it.
 
-The multi-tensor PyTorch path (:mod:`hf_optim.kernels.multi_tensor`) updates a whole group of tensors with one
-compiled call per chunk of this buffer instead of a chain of small operations per tensor. Each parameter's state
+The multi-tensor PyTorch path (:mod:`hf_optim.kernels.torch_path.multi_tensor`) updates a whole group of tensors with
+one compiled call per chunk of this buffer instead of a chain of small operations per tensor. Each parameter's state
 is still the bitsandbytes layout of :mod:`hf_optim.kernels.state_store`, so ``state_dict()`` is unchanged: its
 ``state1``/``absmax1``/... entries are views of the flat buffers.
 
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.cpu_compile import canonical
-from hf_optim.kernels.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.formats import SlotLayout
+from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
+from hf_optim.kernels.formats.quant8 import num_blocks
 from hf_optim.kernels.state_store import StateSpec, slot_shape
+from hf_optim.kernels.torch_path.cpu_compile import canonical
 
 
 def padded(numel: int) -> int:

@@ -2,15 +2,16 @@
 
 A fine-tune steps hundreds of tensors of mixed sizes (a LoRA adapter is a few thousand elements). Running the
 elementwise rule tensor by tensor costs a few dozen small operations each; here the state of a whole group lives
-in :class:`~hf_optim.kernels.flat_state.FlatState` buffers and the rule runs once per chunk of ``CHUNK`` flat
+in :class:`~hf_optim.kernels.torch_path.flat_state.FlatState` buffers and the rule runs once per chunk of ``CHUNK`` flat
 elements:
 
 1. the parameters and gradients of the chunk are gathered into flat scratch buffers (one ``torch.cat``, zeros
    between tensors), or used in place when a single tensor covers the whole chunk;
-2. :func:`hf_optim.kernels.elementwise.update` runs on the chunk, compiled by inductor once its compilation is
-   ready, eagerly before that or with ``HF_OPTIM_COMPILE=0`` (:mod:`hf_optim.kernels.cpu_compile`: when it compiles,
-   one graph for every chunk length; hyperparameters are 0-d tensors, so new learning rates or bias corrections
-   never recompile), with the OpenMP thread count :mod:`hf_optim.kernels.cpu_threads` measured to be faster;
+2. :func:`hf_optim.kernels.torch_path.elementwise.update` runs on the chunk, compiled by inductor once its compilation
+   is ready, eagerly before that or with ``HF_OPTIM_COMPILE=0`` (:mod:`hf_optim.kernels.torch_path.cpu_compile`: when it
+   compiles, one graph for every chunk length; hyperparameters are 0-d tensors, so new learning rates or bias
+   corrections never recompile), with the OpenMP thread count :mod:`hf_optim.kernels.torch_path.cpu_threads` measured to
+   be faster;
 3. the new parameters go back with one ``torch._foreach_copy_``.
 
 The rule sees exactly the values the per-tensor path gives it, and every operation in it is elementwise or
@@ -27,11 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_optim.kernels import compile_guard, cpu_compile, cpu_threads, elementwise, rounding
-from hf_optim.kernels.cpu_compile import COMPILE_ENV, compile_enabled  # noqa: F401 (this module's API before)
-from hf_optim.kernels.dynamic_map import BLOCK_SIZE
-from hf_optim.kernels.flat_state import FlatState
 from hf_optim.kernels.formats import SlotLayout
+from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
+from hf_optim.kernels.torch_path import compile_guard, cpu_compile, cpu_threads, elementwise, rounding
+from hf_optim.kernels.torch_path.cpu_compile import (  # noqa: F401 (this module's API before)
+    COMPILE_ENV,
+    compile_enabled,
+)
+from hf_optim.kernels.torch_path.flat_state import FlatState
 
 CHUNK = 1 << 18
 """Flat elements per call: large enough to amortize a call's fixed cost (about 30 us), small enough that the
@@ -48,7 +52,7 @@ _compiled: dict[tuple, Callable] = {}
 
 def compiled_update(rule: Callable, layouts: Sequence[SlotLayout], has_out: bool, dtypes: tuple) -> Callable:
     """:func:`elementwise.update` compiled for one rule, slot layouts, output mode and parameter/gradient dtypes, for
-    GPU chunks (CPU chunks compile through :mod:`hf_optim.kernels.cpu_compile`).
+    GPU chunks (CPU chunks compile through :mod:`hf_optim.kernels.torch_path.cpu_compile`).
 
     Each combination gets a code object of its own: dynamo keeps its compiled graphs per code object and stops
     compiling one after ``recompile_limit`` (8) variants, a limit every rule and precision would share otherwise.
@@ -72,8 +76,8 @@ def run_update(rule, layouts, param, grad, out, tensors, hyper, stochastic=None,
     compiled kernel ran.
 
     - CPU: compiled when the chunk is in block form of at least 2 blocks and its compiled kernel is ready
-      (:mod:`hf_optim.kernels.cpu_compile`, which starts compiling it otherwise, as ``HF_OPTIM_COMPILE`` says).
-      ``kernel``: the chunk's :class:`~hf_optim.kernels.cpu_compile.Kernel`, when the caller knows it.
+      (:mod:`hf_optim.kernels.torch_path.cpu_compile`, which starts compiling it otherwise, as ``HF_OPTIM_COMPILE``
+      says). ``kernel``: the chunk's :class:`~hf_optim.kernels.torch_path.cpu_compile.Kernel`, when the caller knows it.
     - CUDA (the PyTorch path there: Triton missing or a kernel configuration that fell back): compiled in this
       process unless ``HF_OPTIM_COMPILE=0``, compiling failed on that device (:mod:`compile_guard`) or the chunk is
       a single element, which dynamo would specialize.

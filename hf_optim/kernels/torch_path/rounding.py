@@ -10,7 +10,7 @@ The random bits are a pure function of ``(seed, step, parameter ordinal, element
 (two rounds of a 32-bit multiply-xorshift mixer), never torch's global generator, which the Trainer and dropout
 also draw from. So a run resumed from a checkpoint draws the same bits as an uninterrupted run, and every path
 draws the same bits for an element: tensor by tensor or gathered into multi-tensor chunks, compiled or eager, and
-the Triton twin (:mod:`hf_optim.kernels.triton_rounding`).
+the Triton twin (:mod:`hf_optim.kernels.triton_path.rounding`).
 
 Arithmetic: int64 tensors holding 32-bit values, multipliers below 2^31 (so a product never overflows int64) and
 masking to 32 bits after each multiply; no data-dependent control flow, so inductor compiles it into the update.
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_optim.kernels.dynamic_map import BLOCK_SIZE
+from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
 
 MASK32 = 0xFFFFFFFF
 MULTIPLIER_1 = 0x21F0AAAD

@@ -1,12 +1,12 @@
-"""Adafactor's passes in Triton: the twin of ``Adafactor._update`` in ``hf_optim/optim/adafactor.py``.
+"""Adafactor's passes in Triton: the twin of ``Adafactor._update`` in ``hf_optim/optim/adafactor/__init__.py``.
 
 :func:`step` is Adafactor's Triton plan (``ADAFACTOR.triton_plan``); it takes the step's host scalars (the
 algorithm's ``AdafactorHyper``) and its first-moment slot from the description, never from the optimizer.
 
 Every pass is one launch over all Adafactor tensors of a group that share a step counter and a kernel group
-(parameter and gradient dtype, first-moment format: compile-time constants, see ``triton_step.kernel_group``), with
+(parameter and gradient dtype, first-moment format: compile-time constants, see ``step.kernel_group``), with
 a per-tensor ``meta`` table of addresses, sizes and offsets, and a program-to-tensor table built with
-:func:`hf_optim.kernels.triton_multi_tensor.unit_table`; the passes that treat factored and unfactored tensors
+:func:`hf_optim.kernels.triton_path.multi_tensor.unit_table`; the passes that treat factored and unfactored tensors
 differently (finalize, update, apply) are compiled for one kind and launched once per kind present. So a step
 costs six to nine launches whatever the group's size:
 
@@ -36,16 +36,16 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels import triton_guard
-from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import kernel_scalars
-from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.encode8 import encoder8_tables
 from hf_optim.kernels.formats.blockwise8 import shared_map as shared_map8
+from hf_optim.kernels.formats.encode8 import encoder8_tables
+from hf_optim.kernels.formats.quant8 import num_blocks
 from hf_optim.kernels.state_store import slot_format
-from hf_optim.kernels.triton_blockwise import load_state, store_state
-from hf_optim.kernels.triton_rounding import store_param
-from hf_optim.kernels.triton_tile import (
+from hf_optim.kernels.triton_path import guard as triton_guard
+from hf_optim.kernels.triton_path import multi_tensor as mt
+from hf_optim.kernels.triton_path.quant8 import load_state, store_state
+from hf_optim.kernels.triton_path.rounding import store_param
+from hf_optim.kernels.triton_path.tile import (
     BF16,
     DTYPE_NAMES,
     dtype_code,

@@ -2,8 +2,8 @@
 
 A :class:`LaunchSpec` is one binary as the optimizers launch it: the ``@triton.jit`` kernel, the types of its
 run-time arguments, the values of its compile-time ones and its launch options. :func:`kernel_specs` lists them
-all, built from the same configuration objects the launches use (``triton_elementwise.FusedConfig``,
-``triton_lamb.ApplyConfig`` / ``RatioConfig``, ``triton_adafactor.AdafactorConfig``), so the compile test
+all, built from the same configuration objects the launches use (``elementwise.FusedConfig``,
+``lamb_passes.ApplyConfig`` / ``RatioConfig``, ``adafactor_passes.AdafactorConfig``), so the compile test
 (``tests/test_triton_compile.py``) and ``benchmarks/gpu_static.py`` compile exactly what runs; :func:`step_specs`
 lists the kernels one step of one optimizer launches (the cold-start cost). :meth:`LaunchSpec.compile` compiles one
 for an arch without a GPU (``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``).
@@ -24,20 +24,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hf_optim.kernels import (
-    triton_adafactor,
-    triton_blockwise,
-    triton_blockwise4,
-    triton_lamb,
-    triton_rounding,
-)
 from hf_optim.kernels.algorithm import Algorithm, resolve
 from hf_optim.kernels.formats import FP32, StateFormat, format_for_bits, format_named
-from hf_optim.kernels.triton_elementwise import FusedConfig, _fused_update_kernel
-from hf_optim.kernels.triton_tile import DTYPE_NAMES, launch_options
+from hf_optim.kernels.triton_path import adafactor_passes, lamb_passes, quant4, quant8, rounding
+from hf_optim.kernels.triton_path.elementwise import FusedConfig, _fused_update_kernel
+from hf_optim.kernels.triton_path.tile import DTYPE_NAMES, launch_options
 
 DTYPES = (0, 1, 2)
-"""fp32, bf16, fp16 (``triton_tile.DTYPE_CODES``)."""
+"""fp32, bf16, fp16 (``tile.DTYPE_CODES``)."""
 BF16 = 1
 
 _ROUNDING = {"ordinals": "*i64", "key": "*i64"}
@@ -181,17 +175,17 @@ def lamb_specs(direction_tile_blocks: Iterable[int]) -> list[LaunchSpec]:
     specs = []
     for tile_blocks in sorted(set(direction_tile_blocks)):
         for adapt, clamp, unorm in itertools.product((True, False), repeat=3):
-            ratio = triton_lamb.RatioConfig(adapt, clamp, tile_blocks, unorm)
+            ratio = lamb_passes.RatioConfig(adapt, clamp, tile_blocks, unorm)
             specs.append(LaunchSpec(
-                f"{ratio.label} ({tile_blocks * 256}-element tiles)", triton_lamb._ratio_kernel,
+                f"{ratio.label} ({tile_blocks * 256}-element tiles)", lamb_passes._ratio_kernel,
                 {"meta": "*i64", "partials": "*fp32", "ratios": "*fp32", "max_trust_ratio": "fp32",
                  "max_unorm": "fp32"}, ratio.constants(), ratio.num_warps, "lamb", "LAMB"))
         for dtype in DTYPES:
             for stochastic in (False, True) if dtype == BF16 else (False,):
                 for full in (True, False):
-                    apply = triton_lamb.ApplyConfig(dtype, full, tile_blocks, stochastic)
+                    apply = lamb_passes.ApplyConfig(dtype, full, tile_blocks, stochastic)
                     specs.append(LaunchSpec(
-                        f"{apply.label} ({tile_blocks * 256}-element tiles)", triton_lamb._apply_kernel,
+                        f"{apply.label} ({tile_blocks * 256}-element tiles)", lamb_passes._apply_kernel,
                         {"meta": "*i64", "tiles": "*i32", "ratios": "*fp32", "lr": "fp32", **_ROUNDING},
                         apply.constants(), apply.num_warps, "lamb", "LAMB", elements_per_program=tile_blocks * 256,
                         main=full, param_dtype=DTYPE_NAMES[dtype]))
@@ -216,21 +210,21 @@ _ADAFACTOR_SIGNATURES = {
 def adafactor_specs(formats: Iterable[StateFormat | str | int] = ("fp32", "blockwise8")) -> list[LaunchSpec]:
     """Adafactor's passes for every parameter dtype, first moment (none, or each of ``formats``), switch
     (``scale_parameter``, weight decay) and stochastic rounding; each distinct binary once."""
-    moments = [triton_adafactor.NO_MOMENT] + [fmt.code for fmt in as_formats(formats)]
+    moments = [adafactor_passes.NO_MOMENT] + [fmt.code for fmt in as_formats(formats)]
     specs, seen = [], set()
     for dtype in DTYPES:
         for stochastic in (False, True) if dtype == BF16 else (False,):
             for moment in moments:
                 for scale in (True, False):
                     for decay in (True, False):
-                        config = triton_adafactor.AdafactorConfig(dtype, dtype, moment, scale, decay, stochastic)
+                        config = adafactor_passes.AdafactorConfig(dtype, dtype, moment, scale, decay, stochastic)
                         for name, kernel, constexprs in config.kernels():
                             binary = (name, tuple(sorted(constexprs.items())))
                             if binary in seen:
                                 continue
                             seen.add(binary)
                             label = _adafactor_label(constexprs)
-                            per_program = (triton_adafactor.TILE_BLOCKS * 256 if name in ("update", "apply")
+                            per_program = (adafactor_passes.TILE_BLOCKS * 256 if name in ("update", "apply")
                                            else None)
                             specs.append(LaunchSpec(
                                 f"adafactor/{name} {label}".strip(), kernel, _ADAFACTOR_SIGNATURES[name], constexprs,
@@ -250,7 +244,7 @@ def _adafactor_label(constexprs: dict) -> str:
         words.append("factored" if constexprs["FACTORED"] else "unfactored")
     if "M_FORMAT" in constexprs:
         moment = constexprs["M_FORMAT"]
-        words.append("no-m" if moment == triton_adafactor.NO_MOMENT else
+        words.append("no-m" if moment == adafactor_passes.NO_MOMENT else
                      f"m={next(f.class_suffix for f in _formats() if f.code == moment)}")
     words += [name for name, flag in (("decay", "HAS_DECAY"), ("scale", "SCALE"), ("sr", "SR")) if constexprs.get(flag)]
     return " ".join(words)
@@ -259,35 +253,35 @@ def _adafactor_label(constexprs: dict) -> str:
 def standalone_specs() -> list[LaunchSpec]:
     """The standalone quantize / dequantize / rounding kernels (tests and tools)."""
     specs = []
-    blocks8, blocks4 = triton_blockwise.TILE_BLOCKS, triton_blockwise4.TILE_BLOCKS
+    blocks8, blocks4 = quant8.TILE_BLOCKS, quant4.TILE_BLOCKS
     rows8 = {"n": "i32", "blocks_per_row": "i32"}
     rows4 = {"n": "i32", "row_bytes": "i32", "row_blocks": "i32"}
     specs.append(LaunchSpec(  # the encoder's tables carry the map's signedness
-        "standalone/quantize8", triton_blockwise._quantize_kernel,
+        "standalone/quantize8", quant8._quantize_kernel,
         {"values_ptr": "*fp32", "codes_ptr": "*u8", "absmax_ptr": "*fp32", "tables": "*i32", **rows8},
         {"BLOCKS": blocks8}, launch_options()["num_warps"], "standalone",
-        "triton_blockwise.quantize", elements_per_program=blocks8 * 256, main=False))
+        "triton_path.quant8.quantize", elements_per_program=blocks8 * 256, main=False))
     for signed in (True, False):
         specs.append(LaunchSpec(
-            f"standalone/quantize4 {'signed' if signed else 'unsigned'}", triton_blockwise4._quantize_kernel,
+            f"standalone/quantize4 {'signed' if signed else 'unsigned'}", quant4._quantize_kernel,
             {"values_ptr": "*fp32", "codes_ptr": "*u8", "scale_ptr": "*fp32", **rows4},
             {"SIGNED": signed, "BLOCKS": blocks4}, launch_options()["num_warps"], "standalone",
-            "triton_blockwise4.quantize", elements_per_program=blocks4 * 256, main=False))
+            "triton_path.quant4.quantize", elements_per_program=blocks4 * 256, main=False))
         specs.append(LaunchSpec(
-            f"standalone/dequantize4 {'signed' if signed else 'unsigned'}", triton_blockwise4._dequantize_kernel,
+            f"standalone/dequantize4 {'signed' if signed else 'unsigned'}", quant4._dequantize_kernel,
             {"codes_ptr": "*u8", "scale_ptr": "*fp32", "qmap_ptr": "*fp32", "out_ptr": "*fp32", **rows4},
             {"SIGNED": signed, "BLOCKS": blocks4}, launch_options()["num_warps"], "standalone",
-            "triton_blockwise4.dequantize", elements_per_program=blocks4 * 256, main=False))
+            "triton_path.quant4.dequantize", elements_per_program=blocks4 * 256, main=False))
     specs.append(LaunchSpec(
-        "standalone/dequantize8", triton_blockwise._dequantize_kernel,
+        "standalone/dequantize8", quant8._dequantize_kernel,
         {"codes_ptr": "*u8", "absmax_ptr": "*fp32", "qmap_ptr": "*fp32", "out_ptr": "*fp32", **rows8},
-        {"BLOCKS": blocks8}, launch_options()["num_warps"], "standalone", "triton_blockwise.dequantize",
+        {"BLOCKS": blocks8}, launch_options()["num_warps"], "standalone", "triton_path.quant8.dequantize",
         elements_per_program=blocks8 * 256, main=False))
     specs.append(LaunchSpec(
-        "standalone/round_bf16", triton_rounding._round_kernel,
+        "standalone/round_bf16", rounding._round_kernel,
         {"values_ptr": "*fp32", "out_ptr": "*i16", "n": "i32", "start": "i32", "ordinal": "i64", "key": "*i64"},
-        {"BLOCK": triton_rounding.ROUND_BLOCK}, launch_options()["num_warps"], "standalone",
-        "triton_rounding.round_to_bf16", elements_per_program=triton_rounding.ROUND_BLOCK, main=False))
+        {"BLOCK": rounding.ROUND_BLOCK}, launch_options()["num_warps"], "standalone",
+        "triton_path.rounding.round_to_bf16", elements_per_program=rounding.ROUND_BLOCK, main=False))
     return specs
 
 
@@ -313,7 +307,7 @@ def kernel_specs(algorithms: Iterable[tuple[Algorithm, Iterable[StateFormat | st
             specs.append(fused_spec(algorithm, config))
             if config.write_out:
                 lamb_tiles.add(config.tile_blocks)
-        if not algorithm.triton_plan.elementwise and resolve(algorithm.triton_plan.step) is triton_adafactor.step:
+        if not algorithm.triton_plan.elementwise and resolve(algorithm.triton_plan.step) is adafactor_passes.step:
             specs.extend(adafactor_specs(formats))
     if lamb_tiles:
         specs.extend(lamb_specs(lamb_tiles))

@@ -28,20 +28,20 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels import triton_guard
-from hf_optim.kernels import triton_multi_tensor as mt
-from hf_optim.kernels.encode8 import encoder8_tables
 from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8, FORMATS, FP8, FP32
 from hf_optim.kernels.formats.blockwise4 import shared_map as shared_map4
 from hf_optim.kernels.formats.blockwise8 import shared_map as shared_map8
-from hf_optim.kernels.triton_blockwise import (
+from hf_optim.kernels.formats.encode8 import encoder8_tables
+from hf_optim.kernels.triton_path import guard as triton_guard
+from hf_optim.kernels.triton_path import multi_tensor as mt
+from hf_optim.kernels.triton_path.quant8 import (
     FORMAT_BLOCKWISE4,
     FORMAT_BLOCKWISE8,
     load_state,
     store_state,
 )
-from hf_optim.kernels.triton_rounding import store_param
-from hf_optim.kernels.triton_tile import (
+from hf_optim.kernels.triton_path.rounding import store_param
+from hf_optim.kernels.triton_path.tile import (
     BF16,
     DTYPE_NAMES,
     FP16,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from hf_optim.kernels.formats.fp8 import FP8
-from hf_optim.kernels.triton_tile import block_max, launch_options, masked_load, zero_outside
+from hf_optim.kernels.triton_path.tile import block_max, launch_options, masked_load, zero_outside
 
 FMAX: tl.constexpr = tl.constexpr(448.0)
 SUBNORMAL_LIMIT: tl.constexpr = tl.constexpr(2.0**-6)

@@ -19,7 +19,7 @@ ONE warning for that (configuration, device) naming the kernel, the device's arc
 error's first line, remembers the failure and returns False; the caller runs the same tensors on the PyTorch path
 (the same math), and :func:`failed` keeps sending that configuration there for the rest of the process.
 
-Use (``triton_step.GroupStep.run`` does this per batch of tensors; the kernels launch through :func:`launch`)::
+Use (``step.GroupStep.run`` does this per batch of tensors; the kernels launch through :func:`launch`)::
 
     config = triton_guard.KernelConfig(("fused", "adamw", torch.bfloat16, "blockwise8"), "fused/adamw bf16 8-bit")
     if triton_guard.failed(config, device) or not triton_guard.run(config, device, lambda: my_passes(...)):

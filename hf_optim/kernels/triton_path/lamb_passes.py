@@ -2,9 +2,9 @@
 fused elementwise kernel with ``NORMS``): a norm pass reduces each tensor's partial sums to ``||p||`` and
 ``||u||`` and computes its trust ratio on the device, and an apply pass updates ``p -= lr * ratio * u``.
 
-:func:`step` is LAMB's Triton plan (``LAMB_ALGORITHM.triton_plan`` in ``hf_optim/optim/lamb.py``).
+:func:`step` is LAMB's Triton plan (``LAMB_ALGORITHM.triton_plan`` in ``hf_optim/optim/lamb/__init__.py``).
 
-Twin of ``LAMB._update`` / ``trust_ratio`` in ``hf_optim/optim/lamb.py``. The norms are sums in another order
+Twin of ``LAMB._update`` / ``trust_ratio`` in ``hf_optim/optim/lamb/__init__.py``. The norms are sums in another order
 than torch's ``norm()``, so ratios can differ from the PyTorch path's in the last bits of fp32; the parameter
 update ``lr * ratio * u`` is small next to ``p``, so parameters agree to within an ulp of their dtype.
 """
@@ -18,14 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels import triton_guard
-from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import kernel_scalars
-from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.multi_tensor import consecutive_pieces
-from hf_optim.kernels.triton_elementwise import launch as launch_fused
-from hf_optim.kernels.triton_rounding import store_param
-from hf_optim.kernels.triton_tile import (
+from hf_optim.kernels.formats.quant8 import num_blocks
+from hf_optim.kernels.torch_path.multi_tensor import consecutive_pieces
+from hf_optim.kernels.triton_path import guard as triton_guard
+from hf_optim.kernels.triton_path import multi_tensor as mt
+from hf_optim.kernels.triton_path.elementwise import launch as launch_fused
+from hf_optim.kernels.triton_path.rounding import store_param
+from hf_optim.kernels.triton_path.tile import (
     BF16,
     DTYPE_NAMES,
     launch_options,
@@ -152,7 +152,7 @@ class RatioConfig:
 def trust_ratios(launch: mt.Launch, partials, ratios, config: RatioConfig, max_trust_ratio: float | None,
                  max_unorm: float = 0.0) -> None:
     """Per-tensor trust ratios into ``ratios`` (fp32, one per tensor) from the direction pass's ``partials``, as
-    ``trust_ratio`` in ``hf_optim/optim/lamb.py`` computes them."""
+    ``trust_ratio`` in ``hf_optim/optim/lamb/__init__.py`` computes them."""
     triton_guard.launch(
         _ratio_kernel, (len(launch.first_tiles),),
         launch.meta, partials, ratios, float(max_trust_ratio) if config.clamp else 0.0, float(max_unorm),
@@ -177,11 +177,11 @@ def apply(launch: mt.Launch, ratios, lr: float, config: ApplyConfig, stochastic=
 def step(algorithm, group: dict, key, batch: list, step: int, hyper, cache: mt.PlanCache,
          device: torch.device, stochastic=None) -> None:
     """LAMB's passes over ``batch`` = [(param, grad, state), ...] (one device, one step counter, one kernel group:
-    see ``triton_step.kernel_group``): the direction pass (moments, direction, per-tile sums of squares: the fused
+    see ``step.kernel_group``): the direction pass (moments, direction, per-tile sums of squares: the fused
     kernel with the algorithm's Triton rule), the norm pass and the apply pass, per bucket of at most
     :data:`SCRATCH_NUMEL` elements. ``stochastic``: bf16 stochastic rounding's ``(ordinals, key)`` for the batch
     (the apply pass rounds)."""
-    from hf_optim.kernels.triton_step import fused_config, kernel_group
+    from hf_optim.kernels.triton_path.step import fused_config, kernel_group
 
     specs = algorithm.slots
     kinds = kernel_group(specs, *batch[0])

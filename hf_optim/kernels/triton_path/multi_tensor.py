@@ -12,7 +12,7 @@ A launch gets two small device tables instead of one tensor per argument:
 
 Both tables are built on the host from values the host already knows (addresses, sizes, dtypes), so building
 them never synchronizes with the device. They are sent with non-blocking copies from pinned memory; the fused
-kernel's are kept between steps by ``triton_step.TritonPlans`` (which rewrites only the gradient column of ``meta``
+kernel's are kept between steps by ``step.TritonPlans`` (which rewrites only the gradient column of ``meta``
 when gradients move), those of LAMB's and Adafactor's passes by :class:`PlanCache` (re-sent when a value changes).
 """
 
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.dynamic_map import BLOCK_SIZE
+from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
+from hf_optim.kernels.formats.quant8 import num_blocks
 from hf_optim.kernels.state_store import StateSpec, slot_format
-from hf_optim.kernels.triton_tile import dtype_code
+from hf_optim.kernels.triton_path.tile import dtype_code
 
 PARAM, GRAD, OUT, NUMEL, PARAM_DTYPE, GRAD_DTYPE = range(6)
 VALUES = 6  # 6, 7, 8: state rows (fp32 values or uint8 codes)

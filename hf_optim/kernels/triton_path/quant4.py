@@ -1,7 +1,7 @@
-"""Blockwise 4-bit quantization in Triton: the twin of :mod:`hf_optim.kernels.blockwise4`, same codes, same nibble
+"""Blockwise 4-bit quantization in Triton: the twin of :mod:`hf_optim.kernels.formats.quant4`, same codes, same nibble
 order and same scales.
 
-:func:`load_state4` / :func:`store_state4` read and write one 4-bit state row for a :mod:`triton_tile` tile
+:func:`load_state4` / :func:`store_state4` read and write one 4-bit state row for a :mod:`tile` tile
 ``(BLOCKS, 2, ROWS, W)``: a 128-element quantization block is one half ``[:, h]`` of the tile, and the ``W`` codes of
 a row (``W / 2`` bytes: element ``2i`` in the high nibble of byte ``i``, as torchao) are one 32-bit (``W = 8``) or
 16-bit (``W = 4``) little-endian word, unpacked and packed with shifts inside the thread. Whole, aligned tiles access
@@ -10,7 +10,7 @@ second 4-bit row when ``n`` is not a multiple of 32) goes byte by byte, writing 
 
 Same rules as the PyTorch path: the scale is the exact block absmax (NaN-propagating; an all-zero block has scale 0
 and encodes the code of 0.0), values are divided with ``div_rn`` (correctly rounded, as torch), and the code is the
-number of the map's encoder thresholds at or below the quotient (``blockwise4.encode``). The Triton encoders reach
+number of the map's encoder thresholds at or below the quotient (``quant4.encode``). The Triton encoders reach
 that count without reading the thresholds, and are exact (``tests/test_blockwise4.py`` checks every fp32 near each
 threshold, both signs, and the special values):
 
@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels import blockwise4
-from hf_optim.kernels.triton_tile import (
+from hf_optim.kernels.formats import quant4
+from hf_optim.kernels.triton_path.tile import (
     INTERPRETED,
     half_max,
     launch_options,
@@ -50,10 +50,10 @@ from hf_optim.kernels.triton_tile import (
 def signed_keys() -> list[int]:
     """The integer thresholds ``S_i`` of the signed map's encoder (see the module docstring), from the map's fp32
     thresholds: positive thresholds only (the negative ones are the same midpoints)."""
-    qmap = blockwise4.qmap4(True).double()
+    qmap = quant4.qmap4(True).double()
     mids = (qmap[:-1] + qmap[1:]) / 2  # exact in float64
     positive = mids > 0
-    thresholds = blockwise4.encoder_thresholds(True)[positive]
+    thresholds = quant4.encoder_thresholds(True)[positive]
     exact = (mids[positive].float().double() == mids[positive])
     bits = thresholds.view(torch.int32).long()
     return [int(2 * b - (0 if e else 1)) for b, e in zip(bits, exact)]
@@ -68,7 +68,7 @@ S3: tl.constexpr = tl.constexpr(_KEYS[3])
 S4: tl.constexpr = tl.constexpr(_KEYS[4])
 S5: tl.constexpr = tl.constexpr(_KEYS[5])
 S6: tl.constexpr = tl.constexpr(_KEYS[6])
-T7: tl.constexpr = tl.constexpr(float(blockwise4.encoder_thresholds(True)[-1]))
+T7: tl.constexpr = tl.constexpr(float(quant4.encoder_thresholds(True)[-1]))
 """The signed map's largest threshold (between its two largest values), an fp32 number."""
 ZERO_CODE: tl.constexpr = tl.constexpr(7)
 """The signed map's code of 0.0 (7 negative values below it)."""
@@ -91,7 +91,7 @@ def _signed_code(count, negative, base):
 
 @triton.jit
 def encode4(normalized, SIGNED: tl.constexpr):
-    """Nearest 4-bit code (int32, 0..15) of values in [-1, 1]: ``blockwise4.encode``'s threshold count, computed
+    """Nearest 4-bit code (int32, 0..15) of values in [-1, 1]: ``quant4.encode``'s threshold count, computed
     without the thresholds (see the module docstring)."""
     if SIGNED:
         bits = normalized.to(tl.int32, bitcast=True)
@@ -213,7 +213,7 @@ def store_state4(address, scale_ptr, halves, rows, offs, values, mask, n, SIGNED
     words, scale = quantize4(values, mask, SIGNED)
     _store_words(address, rows, words, mask, n, offs.shape[3], ALIGNED)
     # written by each half's first thread, from where the reduction left the scales (see
-    # triton_blockwise.store_per_block)
+    # quant8.store_per_block)
     lane = rows & (rows.shape[2] - 1)  # rows are non-negative; a power-of-two count per half
     first = lane == 0
     if mask is not None:
@@ -223,7 +223,7 @@ def store_state4(address, scale_ptr, halves, rows, offs, values, mask, n, SIGNED
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Standalone quantize / dequantize over (rows, n) tensors, the twins of blockwise4.quantize / dequantize.
+# Standalone quantize / dequantize over (rows, n) tensors, the twins of quant4.quantize / dequantize.
 TILE_BLOCKS = 2
 W: tl.constexpr = tl.constexpr(8)
 
@@ -254,7 +254,7 @@ def quantize(values: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Te
     """Packed codes (rows, ceil(n / 2)) uint8 and scale (rows, ceil(n / 128)) fp32 of fp32 ``values`` (rows, n)."""
     values = values.contiguous()
     rows, n = values.shape
-    row_bytes, row_blocks = blockwise4.packed_length(n), blockwise4.num_blocks(n)
+    row_bytes, row_blocks = quant4.packed_length(n), quant4.num_blocks(n)
     codes = torch.empty((rows, row_bytes), dtype=torch.uint8, device=values.device)
     scale = torch.empty((rows, row_blocks), dtype=torch.float32, device=values.device)
     if n and rows:
@@ -270,12 +270,12 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, qmap: torch.Tensor, n: 
     codes, scale = codes.contiguous(), scale.contiguous()
     rows, row_bytes = codes.shape
     n = 2 * row_bytes if n is None else n
-    if blockwise4.packed_length(n) != row_bytes:
+    if quant4.packed_length(n) != row_bytes:
         raise ValueError(f"{row_bytes} bytes of 4-bit codes hold {2 * row_bytes - 1} or {2 * row_bytes} values, "
                          f"not n={n}")
     out = torch.empty((rows, n), dtype=torch.float32, device=codes.device)
     if n and rows:
-        row_blocks = blockwise4.num_blocks(n)
+        row_blocks = quant4.num_blocks(n)
         signed = bool(qmap.min() < 0)
         grid = (triton.cdiv(row_blocks, 2 * TILE_BLOCKS), rows)
         _dequantize_kernel[grid](codes, scale, qmap, out, n, row_bytes, row_blocks, SIGNED=signed,

@@ -19,14 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.encode8 import encoder8_tables
 from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8, FP8
-from hf_optim.kernels.triton_blockwise4 import load_state4, store_state4
-from hf_optim.kernels.triton_encode8 import dequantize8, quantize8_params
-from hf_optim.kernels.triton_encode8 import quantize8 as quantize8_codes
-from hf_optim.kernels.triton_fp8 import load_state_fp8, quantize_fp8
-from hf_optim.kernels.triton_tile import (
+from hf_optim.kernels.formats.encode8 import encoder8_tables
+from hf_optim.kernels.formats.quant8 import num_blocks
+from hf_optim.kernels.triton_path.encode8 import dequantize8, quantize8_params
+from hf_optim.kernels.triton_path.encode8 import quantize8 as quantize8_codes
+from hf_optim.kernels.triton_path.fp8 import load_state_fp8, quantize_fp8
+from hf_optim.kernels.triton_path.quant4 import load_state4, store_state4
+from hf_optim.kernels.triton_path.tile import (
     block_max,
     launch_options,
     masked_load,

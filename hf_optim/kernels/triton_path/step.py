@@ -7,7 +7,7 @@ in as arguments, nothing here calls the optimizer. Everything algorithm-specific
 as in the PyTorch path, passed as kernel arguments in the field order of its ``hyper`` class: nothing here reads a
 device value, so a step never waits for the GPU, and changing scalars never recompiles) and its
 :class:`~hf_optim.kernels.algorithm.TritonPlan`: one launch of the fused elementwise kernel, or the algorithm's own
-passes (LAMB: ``triton_lamb.step``; Adafactor: ``triton_adafactor.step``). Tensors whose step counters differ (a
+passes (LAMB: ``lamb_passes.step``; Adafactor: ``adafactor_passes.step``). Tensors whose step counters differ (a
 parameter that had no gradient for a while) go in separate launches, one per distinct step; so do tensors whose
 kernels are specialized differently (parameter or gradient dtype, state formats: :func:`kernel_group`), since each
 compiled kernel holds exactly one such combination.
@@ -32,12 +32,13 @@ from collections import defaultdict
 
 import torch
 
-from hf_optim.kernels import rounding, triton_guard
-from hf_optim.kernels import triton_multi_tensor as mt
 from hf_optim.kernels.algorithm import Algorithm, kernel_scalars, resolve
-from hf_optim.kernels.triton_elementwise import FusedConfig, format_label
-from hf_optim.kernels.triton_elementwise import launch as launch_fused
-from hf_optim.kernels.triton_tile import BF16, DTYPE_NAMES, dtype_code
+from hf_optim.kernels.torch_path import rounding
+from hf_optim.kernels.triton_path import guard as triton_guard
+from hf_optim.kernels.triton_path import multi_tensor as mt
+from hf_optim.kernels.triton_path.elementwise import FusedConfig, format_label
+from hf_optim.kernels.triton_path.elementwise import launch as launch_fused
+from hf_optim.kernels.triton_path.tile import BF16, DTYPE_NAMES, dtype_code
 
 MAX_NUMEL = (1 << 31) - 1
 """Largest tensor the kernels index (32-bit element offsets); larger ones take the PyTorch path."""
@@ -255,10 +256,11 @@ class GroupStep:
     def run(self, group: dict, hypers: dict, ordinals: dict | None = None) -> list:
         """Launch every batch. ``hypers``: the algorithm's scalars (``definition.hyper``, from ``hyper_at``) per
         step counter in :attr:`steps`; ``ordinals`` (``id(state)`` -> parameter ordinal), when the group has
-        ``bf16_stochastic_round``: bf16 parameters are rounded stochastically (:mod:`hf_optim.kernels.triton_rounding`).
+        ``bf16_stochastic_round``: bf16 parameters are rounded stochastically
+        (:mod:`hf_optim.kernels.triton_path.rounding`).
 
         Each batch is one run of the algorithm's kernels, compiled for exactly its dtypes and formats, through
-        :mod:`hf_optim.kernels.triton_guard` (every kernel of the batch compiled and loaded before any launches).
+        :mod:`hf_optim.kernels.triton_path.guard` (every kernel of the batch compiled and loaded before any launches).
         Returns the items it did NOT update, untouched: those of kernel configurations that failed to compile or
         load on their device; the caller runs them on the PyTorch path."""
         algorithm = self._plans.algorithm

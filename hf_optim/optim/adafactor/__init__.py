@@ -3,6 +3,9 @@
 This is what ``optim="adafactor"`` runs in the Trainer today (not ``torch.optim.Adafactor``, a different
 variant that always uses a relative step and has no first moment). State keys match transformers, so its
 checkpoints load here.
+
+Its Triton twin is :mod:`hf_optim.kernels.triton_path.adafactor_passes` (in the kernels layer, whose
+configuration list enumerates its passes), imported only when a Triton step runs.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from typing import NamedTuple
 
 import torch
 
-from hf_optim.kernels import rounding
 from hf_optim.kernels.algorithm import Algorithm, TritonPlan, fp32_reciprocal
 from hf_optim.kernels.formats import FP32, StateFormat, loaded_format
 from hf_optim.kernels.state_store import StateSpec, init_slot, read_slot, slot_bytes, write_slot
+from hf_optim.kernels.torch_path import rounding
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import as_tuple, check_beta, check_eps, check_lr, check_real, check_weight_decay
 from hf_optim.optim.base import HfOptimizer, StateDictError, local_tensor
@@ -100,8 +103,9 @@ ADAFACTOR = Algorithm(
     slots=(FIRST_MOMENT,),  # only with beta1; the factored statistics are not per-element slots
     hyper=AdafactorHyper,
     hyper_at=adafactor_hyper,
-    # six passes (triton_adafactor); statistics over the whole tensor: shards and empty tensors take PyTorch's path
-    triton_plan=TritonPlan(step="hf_optim.kernels.triton_adafactor:step", shards=False, empty=False),
+    # six passes (kernels/triton_path/adafactor_passes.py); statistics over the whole tensor: shards and empty
+    # tensors take PyTorch's path
+    triton_plan=TritonPlan(step="hf_optim.kernels.triton_path.adafactor_passes:step", shards=False, empty=False),
     trainer=TrainerMapping(
         names=("adafactor", "adafactor_8bit"),
         takes_over=("adafactor",),

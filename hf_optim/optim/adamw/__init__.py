@@ -1,4 +1,8 @@
-"""AdamW (Loshchilov & Hutter), with torch.optim.AdamW semantics, in every state format and paged."""
+"""AdamW (Loshchilov & Hutter), with torch.optim.AdamW semantics, in every state format and paged.
+
+Its Triton twin is :mod:`hf_optim.optim.adamw.triton_rule` (beside this module, imported only when a Triton
+step runs, so this package imports without triton).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,9 @@ import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from hf_optim.kernels import exact_math
 from hf_optim.kernels.algorithm import Algorithm, fp32_reciprocal
 from hf_optim.kernels.state_store import StateSpec
+from hf_optim.kernels.torch_path import exact_math
 from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.registry import register_algorithm
@@ -62,7 +66,7 @@ ADAMW = Algorithm(
     hyper=AdamWHyper,
     hyper_at=adamw_hyper,
     rule=adamw_rule,
-    triton_rule="hf_optim.kernels.triton_rules:adamw",
+    triton_rule="hf_optim.optim.adamw.triton_rule:adamw",
     variant_formats=None,  # every registered format: 4-bit and any later one get classes and names
     trainer=TrainerMapping(
         names=("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_32bit", "adamw_4bit",

@@ -1,4 +1,8 @@
-"""AdEMAMix (Pagliardini et al. 2024, arXiv 2409.03137): Adam plus a slow EMA, with alpha and beta3 warm-ups."""
+"""AdEMAMix (Pagliardini et al. 2024, arXiv 2409.03137): Adam plus a slow EMA, with alpha and beta3 warm-ups.
+
+Its Triton twin is :mod:`hf_optim.optim.ademamix.triton_rule` (beside this module, imported only when a Triton
+step runs, so this package imports without triton).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,9 @@ from typing import NamedTuple
 
 import torch
 
-from hf_optim.kernels import exact_math
 from hf_optim.kernels.algorithm import Algorithm, fp32_reciprocal
 from hf_optim.kernels.state_store import StateSpec
+from hf_optim.kernels.torch_path import exact_math
 from hf_optim.optim._validation import (
     as_tuple,
     check_betas,
@@ -103,7 +107,7 @@ ADEMAMIX = Algorithm(
     hyper=AdEMAMixHyper,
     hyper_at=ademamix_hyper,
     rule=ademamix_rule,
-    triton_rule="hf_optim.kernels.triton_rules:ademamix",
+    triton_rule="hf_optim.optim.ademamix.triton_rule:ademamix",
     # transformers reads optim_args beta1, beta2, beta3, alpha, eps, t_alpha, t_beta3 for its ademamix names
     variant_formats=None,  # every registered format: 4-bit and any later one get classes and names
     trainer=TrainerMapping(

@@ -2,6 +2,10 @@
 
 bitsandbytes' ``LAMB`` is Adam with update-norm clipping and its ``LAMB8bit`` has no clipping at all; this is
 the algorithm users mean by LAMB, in 32-bit and 8-bit state alike.
+
+Its Triton twin: the direction rule :mod:`hf_optim.optim.lamb.triton_rule` (beside this module) and the
+trust-ratio passes :mod:`hf_optim.kernels.triton_path.lamb_passes` (in the kernels layer, whose
+configuration list enumerates them); both are imported only when a Triton step runs.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ from typing import NamedTuple
 
 import torch
 
-from hf_optim.kernels import exact_math, multi_tensor, rounding
 from hf_optim.kernels.algorithm import Algorithm, TritonPlan, fp32_reciprocal
 from hf_optim.kernels.state_store import StateSpec
+from hf_optim.kernels.torch_path import exact_math, multi_tensor, rounding
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import (
     as_tuple,
@@ -86,9 +90,9 @@ LAMB_ALGORITHM = Algorithm(
     hyper=LAMBHyper,
     hyper_at=lamb_hyper,
     rule=lamb_rule,
-    triton_rule="hf_optim.kernels.triton_rules:lamb",
+    triton_rule="hf_optim.optim.lamb.triton_rule:lamb",
     # three passes (directions, norms, apply); the norms are of the whole tensor, so shards take the PyTorch path
-    triton_plan=TritonPlan(step="hf_optim.kernels.triton_lamb:step", shards=False),
+    triton_plan=TritonPlan(step="hf_optim.kernels.triton_path.lamb_passes:step", shards=False),
     trainer=TrainerMapping(
         names=("lamb", "lamb_32bit", "lamb_8bit", "paged_lamb_8bit", "paged_lamb_32bit"),
         betas=("adam_beta1", "adam_beta2"),

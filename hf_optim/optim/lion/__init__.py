@@ -1,4 +1,8 @@
-"""Lion (Chen et al. 2023, arXiv 2302.06675): sign of an interpolated momentum; one state."""
+"""Lion (Chen et al. 2023, arXiv 2302.06675): sign of an interpolated momentum; one state.
+
+Its Triton twin is :mod:`hf_optim.optim.lion.triton_rule` (beside this module, imported only when a Triton
+step runs, so this package imports without triton).
+"""
 
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ LION = Algorithm(
     hyper=LionHyper,
     hyper_at=lion_hyper,
     rule=lion_rule,
-    triton_rule="hf_optim.kernels.triton_rules:lion",
+    triton_rule="hf_optim.optim.lion.triton_rule:lion",
     variant_formats=None,  # every registered format: 4-bit and any later one get classes and names
     trainer=TrainerMapping(
         names=("lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit", "lion_4bit", "paged_lion_4bit"),

@@ -1,13 +1,17 @@
-"""RMSprop with bitsandbytes semantics (no momentum, not centered, L2 weight decay); one state."""
+"""RMSprop with bitsandbytes semantics (no momentum, not centered, L2 weight decay); one state.
+
+Its Triton twin is :mod:`hf_optim.optim.rmsprop.triton_rule` (beside this module, imported only when a Triton
+step runs, so this package imports without triton).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from hf_optim.kernels import exact_math
 from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.state_store import StateSpec
+from hf_optim.kernels.torch_path import exact_math
 from hf_optim.optim._validation import check_beta, check_eps, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.registry import register_algorithm
@@ -50,7 +54,7 @@ RMSPROP = Algorithm(
     hyper=RMSpropHyper,
     hyper_at=rmsprop_hyper,
     rule=rmsprop_rule,
-    triton_rule="hf_optim.kernels.triton_rules:rmsprop",
+    triton_rule="hf_optim.optim.rmsprop.triton_rule:rmsprop",
     # transformers passes only lr and optim_args for its rmsprop_bnb names; so does hf_optim.
     trainer=TrainerMapping(
         names=("rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit", "rmsprop_8bit"),
