@@ -1,18 +1,19 @@
-"""The fused multi-tensor elementwise update in Triton: the twin of :func:`hf_optim.kernels.elementwise.update`.
+"""The fused multi-tensor elementwise update in Triton: the twin of
+:func:`hf_optim.kernels.torch_path.elementwise.update`.
 
-A launch runs an algorithm's rule (:mod:`triton_rules`) over many tensors of a group: each program loads a tile of
-parameter and gradient, loads its state rows (fp32, 8-bit, 4-bit or fp8), applies the non-finite-gradient rule, runs the
-rule and stores everything back. The rule of the PyTorch path applies: an element whose gradient is NaN or +-Inf
-keeps its parameter and state values (quantized state is re-encoded against its block's new absmax) and its
-direction output is 0.
+A launch runs an algorithm's Triton rule (``hf_optim/optim/<algorithm>/triton_rule.py``) over many tensors of a
+group: each program loads a tile of parameter and gradient, loads its state rows (fp32, 8-bit, 4-bit or fp8), applies
+the non-finite-gradient rule, runs the rule and stores everything back. The rule of the PyTorch path applies: an
+element whose gradient is NaN or +-Inf keeps its parameter and state values (quantized state is re-encoded against its
+block's new absmax) and its direction output is 0.
 
 Specialized: everything that decides the kernel's path is a compile-time constant of a :class:`FusedConfig`
 (parameter and gradient dtype, each state row's format and map, whole or partial tiles, stochastic rounding,
 LAMB's direction output), so each binary is one straight path with no run-time branch. The host groups a param
-group's tensors by configuration (``triton_step.kernel_group``) and launches once per distinct configuration present:
+group's tensors by configuration (``step.kernel_group``) and launches once per distinct configuration present:
 the whole tiles of all its tensors in one launch, each tensor's last, partial tile in another. An 8-bit optimizer
 usually has two groups (its 8-bit tensors, and those under ``min_8bit_size`` with fp32 state), so up to four
-launches a step; the tables of each launch are kept between steps (:class:`triton_step.TritonPlans`).
+launches a step; the tables of each launch are kept between steps (:class:`step.TritonPlans`).
 
 With ``NORMS`` (LAMB) each program also writes the sums of squares of its parameter and output tile to
 ``partials[2 * slot]`` and ``[2 * slot + 1]``, ``slot`` being the tile's index in its tensor's run of tiles
@@ -143,7 +144,7 @@ class FusedConfig:
         rule: its ``@triton.jit`` rule.
         formats: each state row's format code (``hf_optim.kernels.formats``), one per row the rule reads.
         signed: each state row's map signedness.
-        param_dtype, grad_dtype: dtype codes (:data:`triton_tile.DTYPE_CODES`).
+        param_dtype, grad_dtype: dtype codes (:data:`tile.DTYPE_CODES`).
         full: whole tiles (no masks) or each tensor's last, partial tile.
         stochastic: bf16 stochastic rounding of the parameter (bf16 parameters only).
         write_out: LAMB's pass: write the rule's output (the direction) and per-tile norms, not the parameter.
@@ -174,7 +175,7 @@ class FusedConfig:
 
     @property
     def whole_tile_width(self) -> int:
-        """Elements per thread row (``triton_tile``) of the whole-tile kernel, chosen from compiled register counts
+        """Elements per thread row (``tile``) of the whole-tile kernel, chosen from compiled register counts
         (``benchmarks/gpu_static.py``, Triton 3.9) so that every kernel reaches 50% occupancy at its 4 warps without
         spills: at most 64 registers on the SMs of 64 warps (sm_80, sm_90), 80 on sm_86/sm_89, 128 on sm_75.
 
@@ -222,7 +223,7 @@ class FusedConfig:
         return None
 
     def launch_options(self) -> dict:
-        """The launch's options: :func:`triton_tile.launch_options` and the register limit."""
+        """The launch's options: :func:`tile.launch_options` and the register limit."""
         options = launch_options(self.num_warps)
         if self.max_registers is not None:
             options["maxnreg"] = self.max_registers
@@ -309,7 +310,7 @@ def _row_maps(formats: tuple[int, ...], signed: tuple[bool, ...], device: torch.
 
 def launch(config: FusedConfig, meta, tiles, num_tiles: int, hyper: tuple, device: torch.device, *, partials=None,
            stochastic=None) -> None:
-    """One launch of ``config``'s kernel over ``num_tiles`` tiles of ``tiles`` (a :class:`triton_multi_tensor`
+    """One launch of ``config``'s kernel over ``num_tiles`` tiles of ``tiles`` (a :class:`multi_tensor`
     tile table of the right kind: whole or partial) on ``device``. ``hyper``: the rule's scalars (the algorithm's
     ``hyper`` named tuple of floats); ``partials``: LAMB's per-tile sums (``write_out`` configurations);
     ``stochastic``: ``(ordinals, key)`` int64 device tensors (each tensor's parameter ordinal, the step's two key
@@ -324,7 +325,7 @@ def launch(config: FusedConfig, meta, tiles, num_tiles: int, hyper: tuple, devic
     )
 
 
-# The kernel reads the meta table by column number; keep it in step with triton_multi_tensor's layout.
+# The kernel reads the meta table by column number; keep it in step with multi_tensor's layout.
 assert (mt.PARAM, mt.GRAD, mt.OUT, mt.NUMEL, mt.PARAM_DTYPE, mt.GRAD_DTYPE) == (0, 1, 2, 3, 4, 5)
 assert (mt.VALUES, mt.ABSMAX, mt.FORMAT, mt.FIRST_TILE) == (6, 9, 12, 15)
 assert (FORMAT_BLOCKWISE8.value, FORMAT_BLOCKWISE4.value) == (BLOCKWISE8.code, BLOCKWISE4.code)

@@ -1,13 +1,12 @@
-"""Blockwise 8-bit quantization in Triton: the twin of :mod:`hf_optim.kernels.blockwise`, same codes and absmax;
+"""Blockwise 8-bit quantization in Triton: the twin of :mod:`hf_optim.kernels.formats.quant8`, same codes and absmax;
 and :func:`load_state` / :func:`store_state`, through which every fused kernel reads and writes one state row.
 
 A state row's format (fp32, 8-bit, 4-bit or fp8: ``hf_optim.kernels.formats`` codes) is a compile-time constant, so a
 kernel holds only the path of its own formats. 8-bit rows dequantize as ``qmap[code] * absmax[block]`` and
-re-quantize against the new per-block absmax with :mod:`triton_encode8`'s encoder: the codes of
-:mod:`hf_optim.kernels.dynamic_map`'s nearest-code encoder (same tie and sign rules) from a 10 KiB table, without
-dividing by the absmax (``encode8`` has the method and its proof). 4-bit rows are :mod:`triton_blockwise4`'s, fp8
-rows :mod:`triton_fp8`'s. Tiles
-are :mod:`triton_tile`'s ``(BLOCKS, 2, ROWS, W)`` offsets; whole tiles pass ``mask=None``.
+re-quantize against the new per-block absmax with :mod:`encode8`'s encoder: the codes of
+:mod:`hf_optim.kernels.formats.dynamic_map`'s nearest-code encoder (same tie and sign rules) from a 10 KiB table,
+without dividing by the absmax (``formats.encode8`` has the method and its proof). 4-bit rows are :mod:`quant4`'s,
+fp8 rows :mod:`fp8`'s. Tiles are :mod:`tile`'s ``(BLOCKS, 2, ROWS, W)`` offsets; whole tiles pass ``mask=None``.
 
 The standalone :func:`quantize` / :func:`dequantize` take the arguments of their PyTorch twins (the encoder's tables
 in place of the reference's packed table).
@@ -93,7 +92,7 @@ def load_state(address, absmax_address, qmap_ptr, blocks, halves, rows, offs, ma
     """fp32 values of one state row of compile-time format ``FORMAT``: fp32 values at ``address``, or 8-bit, 4-bit
     or fp8 codes there with their absmax at ``absmax_address``; ``qmap_ptr``: the 8-bit map, or the signed 4-bit
     map. ``mask`` None: a whole tile; else ``n`` is the row's length. ``FP8_NATIVE``: the hardware's float8
-    conversions (sm_89+), else :mod:`triton_fp8`'s integer ones."""
+    conversions (sm_89+), else :mod:`fp8`'s integer ones."""
     if FORMAT == FORMAT_BLOCKWISE8:
         block_mask = None if mask is None else blocks * 256 < n
         values = load_state8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)),
@@ -132,7 +131,7 @@ def store_state(address, absmax_address, tables, blocks, halves, rows, offs, val
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Standalone quantize / dequantize over (rows, n) tensors, the twins of blockwise.quantize / dequantize.
+# Standalone quantize / dequantize over (rows, n) tensors, the twins of formats.quant8.quantize / dequantize.
 TILE_BLOCKS = 4
 W: tl.constexpr = tl.constexpr(8)
 
