@@ -63,18 +63,17 @@ def local_memory(cubin: bytes) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-KERNELS = Path(hf_optim.__file__).parent / "kernels"
-
-
 def contracted(ptx: str) -> bool:
     """Whether an ``fma.rn.f32`` in ``ptx`` comes from a source line without an explicit ``tl.fma`` (the 8-bit
-    encoder's fmas are explicit, ``triton_encode8``; anything else is the compiler contracting a multiply and an
-    add). Each instruction's source line is the ``.loc`` comment before it (``// file.py:line:col``)."""
+    encoder's fmas are explicit, ``triton_path/encode8.py``; anything else is the compiler contracting a multiply and
+    an add). Each instruction's source line is the ``.loc FILE LINE COL`` before it, ``FILE`` numbering the
+    ``.file`` directives' whole paths (file names alone repeat: ``elementwise.py``, ``triton_rule.py``)."""
+    files = dict(re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M))
     where = None
     for line in ptx.splitlines():
-        loc = re.search(r"\.loc\s.*//\s*(\S+\.py):(\d+):\d+", line)
+        loc = re.search(r"\.loc\s+(\d+)\s+(\d+)\s", line)
         if loc:
-            where = loc.groups()
+            where = (files.get(loc.group(1), ""), loc.group(2))
         elif re.search(r"\bfma\.rn\.f32", line):
             if where is None or "tl.fma" not in _source_line(*where):
                 return True
@@ -82,8 +81,8 @@ def contracted(ptx: str) -> bool:
 
 
 def _source_line(name: str, number: str) -> str:
-    path = KERNELS / Path(name).name
-    lines = path.read_text().splitlines() if path.exists() else []
+    path = Path(name)
+    lines = path.read_text().splitlines() if name and path.exists() else []
     return lines[int(number) - 1] if 0 < int(number) <= len(lines) else ""
 
 
