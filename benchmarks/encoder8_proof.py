@@ -1,8 +1,8 @@
-"""Proof that the arithmetic 8-bit encoder (``hf_optim.kernels.triton_encode8``) gives the reference codes.
+"""Proof that the arithmetic 8-bit encoder (``hf_optim.kernels.triton_path.encode8``) gives the reference codes.
 
 The reference is ``dynamic_map._nearest_codes`` (round to nearest against the map's fp32 midpoints, exact ties to
 the code nearer zero) with bitsandbytes' sign fix. The encoder's arithmetic is modelled operation by operation by
-the PyTorch twin ``hf_optim.kernels.encode8`` (the interpreter tests tie the Triton code to the twin).
+the PyTorch twin ``hf_optim.kernels.formats.encode8`` (the interpreter tests tie the Triton code to the twin).
 
 1. ``encode8``, exhaustively: every fp32 bit pattern in [-1, 1] (2 x 1,065,353,217 values per map, -0.0
    included), both maps, against the reference; on the way, the guessed pair is checked to be monotone in the
@@ -36,9 +36,9 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from hf_optim.kernels import blockwise
-from hf_optim.kernels import encode8 as e8
-from hf_optim.kernels.dynamic_map import ZERO_CODE_SIGNED, _nearest_codes, create_dynamic_map, encoder_table
+from hf_optim.kernels.formats import encode8 as e8
+from hf_optim.kernels.formats import quant8 as blockwise
+from hf_optim.kernels.formats.dynamic_map import ZERO_CODE_SIGNED, _nearest_codes, create_dynamic_map, encoder_table
 
 ONE_BITS = 0x3F800000
 DELTA = e8.RECIPROCAL_TOLERANCE + 2.0**-23

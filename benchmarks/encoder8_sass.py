@@ -31,8 +31,8 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hf_optim.kernels import triton_blockwise as tb  # noqa: E402
-from hf_optim.kernels import triton_encode8 as te  # noqa: E402
+from hf_optim.kernels.triton_path import encode8 as te  # noqa: E402
+from hf_optim.kernels.triton_path import quant8 as tb  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 BLOCKS = 4

@@ -46,10 +46,10 @@ def child(args) -> None:
     from step_time import shape_set
 
     import hf_optim
-    from hf_optim.kernels import multi_tensor
+    from hf_optim.kernels.torch_path import multi_tensor
 
     try:
-        from hf_optim.kernels.cpu_compile import wait
+        from hf_optim.kernels.torch_path.cpu_compile import wait
     except ImportError:  # hf_optim before background compilation (for a before/after comparison)
         def wait():
             return True

@@ -5,7 +5,7 @@
     python benchmarks/gpu_static.py --json benchmarks/results/gpu_static_after.json
     python benchmarks/gpu_static.py --from-json benchmarks/results/gpu_static_before.json --markdown
 
-The configurations are those ``hf_optim.kernels.triton_configs.kernel_specs`` lists (exactly what the optimizers
+The configurations are those ``hf_optim.kernels.triton_path.configs.kernel_specs`` lists (exactly what the optimizers
 launch, built from the configuration objects the launches use). Each is compiled with Triton's ahead-of-time
 compiler (``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``: no device or driver needed) to a
 cubin for each arch, and the cubin is read with the tools in Triton's wheel (``cuobjdump -res-usage``, ``nvdisasm``;
@@ -959,23 +959,23 @@ def _dtype_facts(dtype: str) -> dict:
     """The kernels' code of parameter dtype ``dtype`` (``fp32``, ``bf16``, ``fp16``) and its bytes per element."""
     import torch  # noqa: PLC0415
 
-    from hf_optim.kernels.triton_tile import dtype_code  # noqa: PLC0415
+    from hf_optim.kernels.triton_path.tile import dtype_code  # noqa: PLC0415
 
     torch_dtype = getattr(torch, DTYPE_NAMES[dtype])
     return {"dtype": dtype_code(torch_dtype), "param_bytes": torch_dtype.itemsize}
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The configurations: the kernels layer's enumerator (hf_optim.kernels.triton_configs)
+# The configurations: the kernels layer's enumerator (hf_optim.kernels.triton_path.configs)
 
 
 def kernel_layer_configs() -> tuple[list[LaunchConfig], list[str]]:
-    """(every configuration ``hf_optim.kernels.triton_configs.kernel_specs`` lists for the registered algorithms,
+    """(every configuration ``hf_optim.kernels.triton_path.configs.kernel_specs`` lists for the registered algorithms,
     the configurations one AdamW8bit step with bf16 parameters launches: ``step_specs``). The layer enumerates per
     arch (a few configurations take another tile width on some arches): each configuration is kept for the arches
     it is launched on."""
     import hf_optim  # noqa: F401, PLC0415  (registers the algorithms)
-    from hf_optim.kernels import triton_configs as layer  # noqa: PLC0415
+    from hf_optim.kernels.triton_path import configs as layer  # noqa: PLC0415
     from hf_optim.optim import registry  # noqa: PLC0415
 
     algorithms = [(family.algorithm, family.base._supported_formats()) for family in registry.families()]

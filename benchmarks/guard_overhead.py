@@ -1,4 +1,4 @@
-"""Host cost of hf_optim's compile-before-launch guard (hf_optim/kernels/triton_guard.py), per kernel launch.
+"""Host cost of hf_optim's compile-before-launch guard (hf_optim/kernels/triton_path/guard.py), per kernel launch.
 
 Each guarded step calls Triton's ``JITFunction.warmup`` once per launch before launching: one more argument binding
 and cache lookup on the host. This times that on the fused AdamW kernel's real arguments:
@@ -34,8 +34,8 @@ def main() -> None:
     import triton
 
     import hf_optim
-    from hf_optim.kernels import triton_elementwise as te
     from hf_optim.kernels.algorithm import kernel_scalars, resolve
+    from hf_optim.kernels.triton_path import elementwise as te
 
     algorithm = hf_optim.AdamW.definition
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

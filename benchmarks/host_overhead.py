@@ -61,7 +61,7 @@ import torch  # noqa: E402
 from step_time import shape_set  # noqa: E402
 
 import hf_optim  # noqa: E402
-from hf_optim.kernels import triton_guard  # noqa: E402
+from hf_optim.kernels.triton_path import guard as triton_guard  # noqa: E402
 
 
 def shapes_for(name: str, device: str, cap: int) -> list[tuple[int, ...]]:

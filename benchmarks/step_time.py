@@ -41,7 +41,7 @@ import torch
 import hf_optim
 
 try:
-    from hf_optim.kernels import cpu_compile, cpu_threads
+    from hf_optim.kernels.torch_path import cpu_compile, cpu_threads
 except ImportError:  # hf_optim before issue 23 (benchmarks/first_step.py compares with it): nothing to wait for
     cpu_compile = cpu_threads = None
 
@@ -199,7 +199,7 @@ def time_busy(opt, steps: int, levels: list[int], rounds: int, settle: int) -> d
 @contextlib.contextmanager
 def kernel_threads(count: int | None):
     """hf_optim's compiled CPU kernels run with ``count`` OpenMP threads in the block (None: torch's count), not
-    with the thread-count choice's (``hf_optim.kernels.cpu_threads``)."""
+    with the thread-count choice's (``hf_optim.kernels.torch_path.cpu_threads``)."""
     choose = cpu_compile.threads_for
     cpu_compile.threads_for = lambda kernel: count
     try:

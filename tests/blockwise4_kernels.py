@@ -5,8 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.triton_blockwise4 import load_state4, store_state4
-from hf_optim.kernels.triton_tile import tile
+from hf_optim.kernels.triton_path.quant4 import load_state4, store_state4
+from hf_optim.kernels.triton_path.tile import tile
 
 BLOCKS = 2
 

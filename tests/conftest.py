@@ -39,7 +39,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def fresh_guards():
     """Forget the Triton and torch.compile fallbacks before and after a test (they last for the process)."""
-    from hf_optim.kernels import compile_guard, triton_guard
+    from hf_optim.kernels.torch_path import compile_guard
+    from hf_optim.kernels.triton_path import guard as triton_guard
 
     triton_guard.reset()
     compile_guard.reset()

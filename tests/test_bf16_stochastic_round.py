@@ -11,7 +11,7 @@ from helpers import make_params, set_grads
 
 import hf_optim
 from hf_optim.integrations.transformers import optimizer_cls_and_kwargs
-from hf_optim.kernels import multi_tensor, rounding
+from hf_optim.kernels.torch_path import multi_tensor, rounding
 from hf_optim.optim.base import HfOptimizer
 
 BF16_ULP_AT_ONE = 2.0**-7
@@ -245,7 +245,7 @@ ON_GPU = torch.cuda.is_available()
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter comparison runs on CPU machines")
 def test_triton_twin_rounds_bit_for_bit():
-    from hf_optim.kernels import triton_rounding
+    from hf_optim.kernels.triton_path import rounding as triton_rounding
 
     gen = torch.Generator().manual_seed(1)
     values = torch.randn(3000, generator=gen) * torch.logspace(-30, 30, 3000)
@@ -306,7 +306,7 @@ def test_full_recipes_turn_it_on(name):
 def test_triton_on_cuda_matches_the_pytorch_path(monkeypatch):
     """On a GPU: the standalone rounding kernel bit for bit, and AdamW8bit's fused kernel against the PyTorch path
     on the same device (compiled fp32 arithmetic may differ in the last bit, flipping a rare rounding decision)."""
-    from hf_optim.kernels import triton_rounding
+    from hf_optim.kernels.triton_path import rounding as triton_rounding
 
     values = torch.randn(100_000, device="cuda") * 1e-3
     key = rounding.key_tensor(3, 17)

@@ -22,7 +22,7 @@ NO_NAMESAKE = {
 LAMB_FAMILY = {"LAMB", "LAMB8bit", "LAMB32bit"}
 DIFFERENT_DEFAULTS = {
     # argument: (hf_optim's default, bitsandbytes', what the docstring says). hf_optim's LAMB is apex's algorithm,
-    # with apex's defaults; bitsandbytes' is Adam with an update-norm clip (see hf_optim/optim/lamb.py).
+    # with apex's defaults; bitsandbytes' is Adam with an update-norm clip (see hf_optim/optim/lamb/__init__.py).
     "eps": (1e-6, 1e-8, "bitsandbytes' is 1e-8"),
     "weight_decay": (0.01, 0, "bitsandbytes' is 0"),
     "max_unorm": (0.0, 1.0, "bitsandbytes' default is 1.0"),

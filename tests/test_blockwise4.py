@@ -1,4 +1,4 @@
-"""The 4-bit state math (hf_optim.kernels.blockwise4 and its Triton twin) against references written here.
+"""The 4-bit state math (hf_optim.kernels.formats.quant4 and its Triton twin) against references written here.
 
 The reference quantizer is the paper's, written the slow obvious way: per 128-element block divide by the
 block's absmax, pick the map value nearest in float64 by brute force over all 16 (exact ties to the upper code,
@@ -14,8 +14,8 @@ Trainer`` (1.7 s, and import warnings on the console that break test_console_out
 import pytest
 import torch
 
-from hf_optim.kernels import blockwise4 as b4
-from hf_optim.kernels import dynamic_map
+from hf_optim.kernels.formats import dynamic_map
+from hf_optim.kernels.formats import quant4 as b4
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="GPU machine: cuda cases run")),
@@ -296,7 +296,7 @@ def test_compiled_round_trip_equals_eager():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("signed", [True, False])
 def test_triton_twin_equals_pytorch(device, signed):
-    triton_blockwise4 = pytest.importorskip("hf_optim.kernels.triton_blockwise4")
+    triton_blockwise4 = pytest.importorskip("hf_optim.kernels.triton_path.quant4")
     for n in (1, 129, 1000):
         values = adversarial_values(signed)[:, :n].contiguous()
         values[0, n // 2] = float("nan")
@@ -338,7 +338,7 @@ def test_triton_encoders_near_every_threshold(device):
     ulps of each threshold of both maps, both signs, plus 0, -0, the map values and +-1, they give the PyTorch
     path's codes (each 128-value block holds 1.0, so values are their own normalized values).
     ``benchmarks/encoder4_proof.py`` checks every fp32 in [-1, 1]."""
-    triton_blockwise4 = pytest.importorskip("hf_optim.kernels.triton_blockwise4")
+    triton_blockwise4 = pytest.importorskip("hf_optim.kernels.triton_path.quant4")
     edges = torch.cat([b4.encoder_thresholds(True), b4.encoder_thresholds(False)]).abs()
     bits = edges.view(torch.int32).long()
     near = (bits[:, None] + torch.arange(-64, 65)[None, :]).flatten().to(torch.int32).view(torch.float32)

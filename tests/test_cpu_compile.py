@@ -1,4 +1,5 @@
-"""When the CPU kernels compile (hf_optim.kernels.cpu_compile) and with how many threads they run (cpu_threads).
+"""When the CPU kernels compile (hf_optim.kernels.torch_path.cpu_compile) and with how many threads they run
+(cpu_threads).
 
 The fast tests replace inductor by a stand-in that runs the eager update and the background compiler process by a
 handle the test finishes (the policy is what is tested, not the compiler); the real compiler and a real background
@@ -18,7 +19,8 @@ import torch
 from helpers import make_params, set_grads
 
 import hf_optim
-from hf_optim.kernels import cpu_compile, cpu_threads, elementwise, formats, multi_tensor
+from hf_optim.kernels import formats
+from hf_optim.kernels.torch_path import cpu_compile, cpu_threads, elementwise, multi_tensor
 from hf_optim.optim.adamw import adamw_rule
 from hf_optim.optim.base import HfOptimizer
 
@@ -489,8 +491,8 @@ def test_per_tensor_path_uses_the_same_policy(stand_in, monkeypatch):
 
 @pytest.mark.slow
 def test_a_real_background_process_warms_the_cache_and_this_process_then_loads_it(monkeypatch, tmp_path):
-    """A real ``python -m hf_optim.kernels.cpu_compile_worker``: the compilation here afterwards is a cache hit
-    (inductor's counters), and the results equal the eager run's bit for bit."""
+    """A real ``python -m hf_optim.kernels.torch_path.cpu_compile_worker``: the compilation here afterwards is a cache
+    hit (inductor's counters), and the results equal the eager run's bit for bit."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: only the background process fills it
@@ -546,7 +548,8 @@ def test_a_kernel_a_background_process_compiled_before_is_compiled_at_the_first_
 def test_warm_marker_names_the_same_kernel_alike_in_every_process(tmp_path):
     """The marker's name must not depend on the process (hash randomization, what a format object cached): the
     background process writes it, a later run looks it up."""
-    script = ("import torch, hf_optim\nfrom hf_optim.kernels import cpu_compile, formats\n"
+    script = ("import torch, hf_optim\nfrom hf_optim.kernels import formats\n"
+              "from hf_optim.kernels.torch_path import cpu_compile\n"
               "from hf_optim.optim.lamb import lamb_rule\n"
               "layouts = (formats.SlotLayout(formats.format_named('blockwise8'), True),"
               " formats.SlotLayout(formats.format_named('fp32'), False))\n"

@@ -19,7 +19,7 @@ from helpers import make_params, set_grads
 from test_quantization import reference_codes
 
 import hf_optim
-from hf_optim.kernels.dynamic_map import dynamic_map
+from hf_optim.kernels.formats.dynamic_map import dynamic_map
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "custom_algorithm.py"

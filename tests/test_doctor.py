@@ -15,7 +15,8 @@ import torch
 
 from hf_optim import cli
 from hf_optim.doctor import selftest
-from hf_optim.kernels import backend, triton_guard
+from hf_optim.kernels import backend
+from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.optim import registry
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU report (a GPU machine reports its GPU)")
@@ -136,7 +137,7 @@ def test_interpreter_case_runs_the_triton_kernels():
 def test_a_kernel_that_falls_back_fails_the_case(monkeypatch):
     """A Triton kernel that does not compile here: the case's numbers match (the PyTorch path ran), but the doctor
     reports it as fallen back."""
-    from hf_optim.kernels import triton_elementwise
+    from hf_optim.kernels.triton_path import elementwise as triton_elementwise
 
     monkeypatch.setattr(backend, "TRITON_DEVICE_TYPES", (*backend.TRITON_DEVICE_TYPES, "cpu"))
     kernel = triton_elementwise._fused_update_kernel

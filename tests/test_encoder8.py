@@ -13,9 +13,10 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from hf_optim.kernels import blockwise, encode8  # noqa: E402
-from hf_optim.kernels import triton_encode8 as te  # noqa: E402
-from hf_optim.kernels.dynamic_map import create_dynamic_map, dynamic_map, encoder_table  # noqa: E402
+from hf_optim.kernels.formats import encode8  # noqa: E402
+from hf_optim.kernels.formats import quant8 as blockwise  # noqa: E402
+from hf_optim.kernels.formats.dynamic_map import create_dynamic_map, dynamic_map, encoder_table  # noqa: E402
+from hf_optim.kernels.triton_path import encode8 as te  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICES = [

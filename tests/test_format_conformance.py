@@ -21,9 +21,9 @@ from test_triton_kernels import cuda_scalars, launched, use_triton  # noqa: F401
 
 from hf_optim.kernels.formats import FORMATS, StateFormat, formats_by_rank, loaded_format
 from hf_optim.kernels.formats.base import StateDictError
-from hf_optim.kernels.rank1_quant4 import matrix_shape
+from hf_optim.kernels.formats.rank1_quant4 import matrix_shape
 from hf_optim.kernels.state_store import StateSpec
-from hf_optim.kernels.triton_configs import fused_configs
+from hf_optim.kernels.triton_path.configs import fused_configs
 from hf_optim.optim import dispatch, registry
 from hf_optim.paging import is_paged_tensor, state_allocator
 

@@ -10,8 +10,8 @@ import torch
 from test_triton_kernels import use_triton  # noqa: F401 (fixture)
 
 import hf_optim
-from hf_optim.kernels import cpu_compile, multi_tensor
 from hf_optim.kernels.formats import FP8, format_named
+from hf_optim.kernels.torch_path import cpu_compile, multi_tensor
 
 
 def e4m3_boundaries() -> torch.Tensor:
@@ -27,7 +27,7 @@ def e4m3_boundaries() -> torch.Tensor:
 
 
 def test_software_conversions_equal_torch_casts(use_triton):  # noqa: F811
-    from hf_optim.kernels import triton_fp8
+    from hf_optim.kernels.triton_path import fp8 as triton_fp8
 
     codes = torch.arange(256, dtype=torch.uint8)
     expected = codes.view(torch.float8_e4m3fn).float()
@@ -88,7 +88,7 @@ def test_compiled_cpu_step_equals_the_eager_step(monkeypatch, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("native", [False, True], ids=["software", "native"])
 def test_gpu_conversions_equal_torch_casts(native):
-    from hf_optim.kernels import triton_fp8
+    from hf_optim.kernels.triton_path import fp8 as triton_fp8
 
     major, minor = torch.cuda.get_device_capability()
     if native and major * 10 + minor < 89:

@@ -9,7 +9,7 @@ from helpers import make_params, set_grads
 from torch._dynamo.utils import counters
 
 import hf_optim
-from hf_optim.kernels import cpu_compile, cpu_threads, multi_tensor
+from hf_optim.kernels.torch_path import cpu_compile, cpu_threads, multi_tensor
 from hf_optim.optim.base import HfOptimizer
 
 # Sizes below and above min_8bit_size (so 8-bit and 32-bit state share a group), not multiples of 256, empty,
@@ -220,9 +220,9 @@ def test_no_recompilation_across_steps_with_changing_lr(monkeypatch):
 
 
 def test_chunk_plan_updates_large_tensors_in_place_and_gathers_the_rest(monkeypatch):
-    from hf_optim.kernels.flat_state import FlatState
     from hf_optim.kernels.formats import BLOCKWISE8, SlotLayout
     from hf_optim.kernels.state_store import StateSpec
+    from hf_optim.kernels.torch_path.flat_state import FlatState
 
     shapes = [(300,), (5000,), (100,), (9000,), (10,)]
     flat = FlatState([StateSpec("state1", signed=True)], [SlotLayout(BLOCKWISE8, True)], shapes, torch.device("cpu"))

@@ -4,8 +4,8 @@ import bitsandbytes.functional as bnbF
 import pytest
 import torch
 
-from hf_optim.kernels import blockwise
-from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table
+from hf_optim.kernels.formats import quant8 as blockwise
+from hf_optim.kernels.formats.dynamic_map import dynamic_map, encoder_table
 
 
 @pytest.mark.parametrize("signed", [True, False])

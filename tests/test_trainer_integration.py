@@ -217,7 +217,8 @@ def test_one_log_line_says_what_runs(tmp_path):
         logging.getLogger("hf_optim").removeHandler(handler)
     lines = [r.getMessage() for r in records]
     assert lines == ["optim='paged_adamw_8bit' -> hf_optim.PagedAdamW8bit (8-bit blockwise, paged, backend="
-                     + ("torch-compile on CPU)" if hf_optim.kernels.multi_tensor.compile_enabled() else "torch)")]
+                     + ("torch-compile on CPU)" if hf_optim.kernels.torch_path.multi_tensor.compile_enabled()
+                        else "torch)")]
 
 
 def test_available_optimizers_lists_the_names_transformers_has():

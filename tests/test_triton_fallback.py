@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import hf_optim
-from hf_optim.kernels import backend, compile_guard, multi_tensor, triton_guard
+from hf_optim.kernels import backend
+from hf_optim.kernels.torch_path import compile_guard, multi_tensor
+from hf_optim.kernels.triton_path import guard as triton_guard
 
 triton = pytest.importorskip("triton")
 ON_GPU = torch.cuda.is_available()
@@ -26,7 +28,9 @@ DEVICES = [
 
 from triton.compiler.errors import CompilationError  # noqa: E402
 
-from hf_optim.kernels import triton_adafactor, triton_elementwise, triton_lamb  # noqa: E402
+from hf_optim.kernels.triton_path import adafactor_passes as triton_adafactor  # noqa: E402
+from hf_optim.kernels.triton_path import elementwise as triton_elementwise  # noqa: E402
+from hf_optim.kernels.triton_path import lamb_passes as triton_lamb  # noqa: E402
 
 SHAPES = [(40, 70), (300,), (5000,), ()]
 DTYPES = [torch.float32, torch.bfloat16, torch.float32, torch.float32]
@@ -279,7 +283,7 @@ def test_every_kernel_compiles_and_loads_before_any_launch(monkeypatch, hf_optim
 def test_failed_compile_of_the_multi_tensor_path_runs_it_eagerly(device, monkeypatch, hf_optim_records):
     """torch.compile failing on a GPU (a Triton that inductor cannot use): one warning, the device runs the
     multi-tensor update eagerly, the same bits as the eager path. (On the CPU a kernel compiles through
-    hf_optim.kernels.cpu_compile, whose failure runs that kernel eagerly after one warning:
+    hf_optim.kernels.torch_path.cpu_compile, whose failure runs that kernel eagerly after one warning:
     tests/test_cpu_compile.py.)"""
     from torch._dynamo.exc import BackendCompilerFailed
 

@@ -15,15 +15,13 @@ import hf_optim
 triton = pytest.importorskip("triton")
 
 ON_GPU = torch.cuda.is_available()
-from hf_optim.kernels import (  # noqa: E402
-    backend,
-    blockwise,
-    triton_blockwise,
-    triton_elementwise,
-    triton_lamb,
-    triton_step,
-)
-from hf_optim.kernels.dynamic_map import dynamic_map, encoder_table  # noqa: E402
+from hf_optim.kernels import backend  # noqa: E402
+from hf_optim.kernels.formats import quant8 as blockwise  # noqa: E402
+from hf_optim.kernels.formats.dynamic_map import dynamic_map, encoder_table  # noqa: E402
+from hf_optim.kernels.triton_path import elementwise as triton_elementwise  # noqa: E402
+from hf_optim.kernels.triton_path import lamb_passes as triton_lamb  # noqa: E402
+from hf_optim.kernels.triton_path import quant8 as triton_blockwise  # noqa: E402
+from hf_optim.kernels.triton_path import step as triton_step  # noqa: E402
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(ON_GPU, reason="GPU machine: the cuda cases run the kernels")),
@@ -223,7 +221,7 @@ class CudaScalar(torch.Tensor):
 @pytest.fixture
 def cuda_scalars(monkeypatch):
     """The PyTorch path's rules get :class:`CudaScalar` scalars."""
-    from hf_optim.kernels import elementwise
+    from hf_optim.kernels.torch_path import elementwise
 
     original = elementwise.scalar_tensors
     monkeypatch.setattr(elementwise, "scalar_tensors",
@@ -313,7 +311,7 @@ def test_fused_update_matches_pytorch(cls, kwargs, state_format, device, monkeyp
         assert_same_state(ref_opt, ref_params, opt, params, exact_codes=False, state_ulps=1)
 
     # every configuration this optimizer launches was exercised
-    from hf_optim.kernels.triton_configs import fused_configs
+    from hf_optim.kernels.triton_path.configs import fused_configs
 
     algorithm = cls.definition
     expected = {(c.param_dtype, c.formats, c.full, c.stochastic) for c in fused_configs(algorithm, (state_format,))}
@@ -494,7 +492,7 @@ def test_adafactor_one_launch_per_pass(device, monkeypatch, use_triton):
     (factored, unfactored), never once per tensor, and matches the PyTorch path."""
     from collections import Counter
 
-    from hf_optim.kernels import triton_adafactor
+    from hf_optim.kernels.triton_path import adafactor_passes as triton_adafactor
 
     launches = []
     for name in ADAFACTOR_PASSES:
@@ -623,7 +621,8 @@ def test_every_launch_is_an_enumerated_configuration(device, monkeypatch, use_tr
     ``benchmarks/gpu_static.py`` compile that list): every launch of a few steps of the fused, LAMB and Adafactor
     kernels, with mixed dtypes and formats, is one of its configurations (same kernel, compile-time arguments and
     warps)."""
-    from hf_optim.kernels import triton_configs, triton_guard
+    from hf_optim.kernels.triton_path import configs as triton_configs
+    from hf_optim.kernels.triton_path import guard as triton_guard
     from hf_optim.optim import registry
 
     specs = triton_configs.kernel_specs([(f.algorithm, f.base._supported_formats()) for f in registry.families()])

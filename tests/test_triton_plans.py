@@ -14,7 +14,7 @@ import torch
 import hf_optim
 
 pytest.importorskip("triton")
-from hf_optim.kernels import triton_step  # noqa: E402
+from hf_optim.kernels.triton_path import step as triton_step  # noqa: E402
 from hf_optim.optim.overrides import PARAM_OVERRIDES_ATTR  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()

@@ -4,7 +4,8 @@
     python tests/triton_compile_check.py --all --arch 75 # every configuration the optimizers launch, sm_75
 
 The CPU interpreter (test_triton_kernels.py) checks the math but accepts code the GPU compiler rejects; this compiles
-each kernel of ``hf_optim.kernels.triton_configs.kernel_specs`` (exactly what the optimizers launch) to a cubin with
+each kernel of ``hf_optim.kernels.triton_path.configs.kernel_specs`` (exactly what the optimizers launch) to a cubin
+with
 Triton's ahead-of-time compiler and checks the properties the bit-compatibility and bandwidth claims rest on:
 
 - IEEE division and square root (no ``div.full``, no ``sqrt.approx``; ``rsqrt.approx`` is the 8-bit encoder's), and
@@ -36,7 +37,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 from triton import knobs  # noqa: E402
 
 import hf_optim  # noqa: E402, F401  (registers the algorithms)
-from hf_optim.kernels.triton_configs import LaunchSpec, kernel_specs  # noqa: E402
+from hf_optim.kernels.triton_path.configs import LaunchSpec, kernel_specs  # noqa: E402
 from hf_optim.optim import registry  # noqa: E402
 
 
@@ -62,18 +63,17 @@ def local_memory(cubin: bytes) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-KERNELS = Path(hf_optim.__file__).parent / "kernels"
-
-
 def contracted(ptx: str) -> bool:
     """Whether an ``fma.rn.f32`` in ``ptx`` comes from a source line without an explicit ``tl.fma`` (the 8-bit
-    encoder's fmas are explicit, ``triton_encode8``; anything else is the compiler contracting a multiply and an
-    add). Each instruction's source line is the ``.loc`` comment before it (``// file.py:line:col``)."""
+    encoder's fmas are explicit, ``triton_path/encode8.py``; anything else is the compiler contracting a multiply and
+    an add). Each instruction's source line is the ``.loc FILE LINE COL`` before it, ``FILE`` numbering the
+    ``.file`` directives' whole paths (file names alone repeat: ``elementwise.py``, ``triton_rule.py``)."""
+    files = dict(re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M))
     where = None
     for line in ptx.splitlines():
-        loc = re.search(r"\.loc\s.*//\s*(\S+\.py):(\d+):\d+", line)
+        loc = re.search(r"\.loc\s+(\d+)\s+(\d+)\s", line)
         if loc:
-            where = loc.groups()
+            where = (files.get(loc.group(1), ""), loc.group(2))
         elif re.search(r"\bfma\.rn\.f32", line):
             if where is None or "tl.fma" not in _source_line(*where):
                 return True
@@ -81,8 +81,8 @@ def contracted(ptx: str) -> bool:
 
 
 def _source_line(name: str, number: str) -> str:
-    path = KERNELS / Path(name).name
-    lines = path.read_text().splitlines() if path.exists() else []
+    path = Path(name)
+    lines = path.read_text().splitlines() if name and path.exists() else []
     return lines[int(number) - 1] if 0 < int(number) <= len(lines) else ""
 
 

@@ -9,7 +9,7 @@ from importlib import metadata
 import torch
 
 from hf_optim.kernels import backend as kernel_backend
-from hf_optim.kernels import triton_guard
+from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.paging import managed, paging_unavailable_reason
 
 PACKAGES = ("torch", "triton", "transformers", "trl", "peft", "bitsandbytes", "accelerate")

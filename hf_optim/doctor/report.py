@@ -14,7 +14,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from hf_optim.doctor import machine, selftest
-from hf_optim.kernels import compile_guard, triton_guard
+from hf_optim.kernels.torch_path import compile_guard
+from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.optim import registry
 
 

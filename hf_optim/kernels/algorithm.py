@@ -58,7 +58,8 @@ def resolve(ref: Any) -> Any:
         return ref
     module, sep, attribute = ref.partition(":")
     if not sep or not module or not attribute:
-        raise ValueError(f"{ref!r} is not a 'module:attribute' reference (e.g. 'hf_optim.kernels.triton_rules:adamw')")
+        raise ValueError(f"{ref!r} is not a 'module:attribute' reference"
+                         " (e.g. 'hf_optim.optim.adamw.triton_rule:adamw')")
     return getattr(importlib.import_module(module), attribute)
 
 
@@ -101,7 +102,7 @@ class Algorithm:
             which they reach the Triton kernel.
         hyper_at: ``hyper_at(group, step) -> hyper`` on the host (double precision; bias corrections, schedules).
         rule: the PyTorch rule ``rule(param, grad, states, h) -> (out, new_states)`` on fp32 tensors (see
-            :mod:`hf_optim.kernels.elementwise`), or None for an algorithm with its own update (Adafactor).
+            :mod:`hf_optim.kernels.torch_path.elementwise`), or None for an algorithm with its own update (Adafactor).
         triton_rule: the ``@triton.jit`` twin ``rule(p, g, s0, s1, s2, h) -> (out, s0, s1, s2)`` (or
             ``"module:name"``), or None: the algorithm then always takes the PyTorch path.
         triton_plan: how it steps on Triton (:class:`TritonPlan`).

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from hf_optim.kernels import compile_guard, multi_tensor
+from hf_optim.kernels.torch_path import compile_guard, multi_tensor
 
 ENV_VAR = "HF_OPTIM_BACKEND"
 BACKENDS = ("torch", "triton")

@@ -20,10 +20,10 @@ from typing import Any, ClassVar
 import torch
 
 from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.flat_state import FlatStates
 from hf_optim.kernels.formats import StateFormat, formats_by_rank
 from hf_optim.kernels.formats.base import StateDictError
 from hf_optim.kernels.state_store import StateSpec
+from hf_optim.kernels.torch_path.flat_state import FlatStates
 from hf_optim.optim import options as common_options
 from hf_optim.optim._validation import check_min_8bit_size, check_stochastic_round
 from hf_optim.optim.dispatch import Dispatch

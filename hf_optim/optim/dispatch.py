@@ -1,8 +1,8 @@
 """Updating parameters: the update hooks subclasses override, lazy state creation and the three-way dispatch.
 
 :class:`Dispatch` is a mixin of :class:`~hf_optim.optim.base.HfOptimizer`. A group's parameters go to one fused
-Triton launch (:mod:`hf_optim.kernels.triton_step`), the multi-tensor PyTorch path over flat state buffers
-(:mod:`hf_optim.kernels.multi_tensor`), or the PyTorch path tensor by tensor (:meth:`Dispatch._update`); the
+Triton launch (:mod:`hf_optim.kernels.triton_path.step`), the multi-tensor PyTorch path over flat state buffers
+(:mod:`hf_optim.kernels.torch_path.multi_tensor`), or the PyTorch path tensor by tensor (:meth:`Dispatch._update`); the
 PyTorch paths also run the tensors whose Triton kernels failed on this machine.
 """
 
@@ -15,10 +15,10 @@ import weakref
 import torch
 
 from hf_optim.kernels import backend as kernel_backend
-from hf_optim.kernels import multi_tensor, rounding
-from hf_optim.kernels.flat_state import FlatState
 from hf_optim.kernels.formats import FORMATS, FP32, SlotLayout, StateFormat, settings_format, with_overrides
 from hf_optim.kernels.state_store import init_slot, slot_layouts, slot_tensors
+from hf_optim.kernels.torch_path import multi_tensor, rounding
+from hf_optim.kernels.torch_path.flat_state import FlatState
 from hf_optim.optim.sharding import local_tensor
 from hf_optim.optim.stepping import SR_KEY
 
@@ -65,8 +65,8 @@ class Dispatch:
     def _step_flat(self, group: dict, flat: FlatState, members: list, hyper: dict,
                    stream: rounding.Stream | None = None) -> None:
         """Update ``members`` = ``[(index in flat, local param, local grad)]``, sorted by index, whose state is in
-        ``flat``: the multi-tensor path (``hf_optim.kernels.multi_tensor``), one call per chunk of flat state.
-        ``stream``: bf16 stochastic rounding of the new parameters (its ``ordinals`` by member index)."""
+        ``flat``: the multi-tensor path (``hf_optim.kernels.torch_path.multi_tensor``), one call per chunk of flat
+        state. ``stream``: bf16 stochastic rounding of the new parameters (its ``ordinals`` by member index)."""
         for run, params, grads in multi_tensor.runs_of(flat, members):
             multi_tensor.step_run(self.rule, flat, multi_tensor.cached_chunks(flat, run), params, grads, hyper,
                                   self._scratch, stream=stream)
@@ -78,7 +78,7 @@ class Dispatch:
         """The kernels that update this optimizer's parameters: ``triton``, ``torch-compile`` (the multi-tensor path
         compiled by inductor, CPU and CUDA) or ``torch`` (eager), per device type when they differ (see
         ``hf_optim.kernels.backend``). Configurations whose Triton kernels failed on this machine are listed by
-        ``hf_optim.kernels.triton_guard.failures()``."""
+        ``hf_optim.kernels.triton_path.guard.failures()``."""
         devices = {local_tensor(p).device for group in self.param_groups for p in group["params"]}
         return kernel_backend.describe(devices)
 
@@ -145,14 +145,14 @@ class Dispatch:
         if triton is not None:
             hypers = {step: self._hyper(group, step) for step in triton.steps}
             skipped = triton.run(group, hypers, self._ordinals if group[SR_KEY] else None)
-            if skipped:  # their kernels failed to compile or load on this GPU (hf_optim.kernels.triton_guard)
+            if skipped:  # their kernels failed to compile or load on this GPU (hf_optim.kernels.triton_path.guard)
                 self._update_fallback(group, skipped)
 
     @functools.cached_property
     def _triton_plans(self):
-        """The Triton path's launch plans, kept between steps (``hf_optim.kernels.triton_step.TritonPlans``); state
+        """The Triton path's launch plans, kept between steps (``hf_optim.kernels.triton_path.step.TritonPlans``); state
         reallocation clears them (:meth:`_state_reallocated`)."""
-        from hf_optim.kernels import triton_step  # imports triton: only when a Triton step runs
+        from hf_optim.kernels.triton_path import step as triton_step  # imports triton: only when a Triton step runs
 
         return triton_step.TritonPlans(self.definition)
 
@@ -168,7 +168,7 @@ class Dispatch:
         """Whether this optimizer's Triton kernels can update the local tensor ``param``."""
         if not _triton_capable(type(self)):
             return False
-        from hf_optim.kernels import triton_step
+        from hf_optim.kernels.triton_path import step as triton_step
 
         return triton_step.supported(self.definition, param, sharded)
 

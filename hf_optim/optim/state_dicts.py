@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from hf_optim.kernels.flat_state import FlatStates
 from hf_optim.kernels.formats import FORMATS, format_for_bits, loaded_format
 from hf_optim.kernels.formats.base import StateDictError
 from hf_optim.kernels.state_store import QUANT_KEYS
+from hf_optim.kernels.torch_path.flat_state import FlatStates
 from hf_optim.optim import sharding
 from hf_optim.optim.sharding import local_tensor
 from hf_optim.paging import on_host, paging_unavailable_reason, state_allocator

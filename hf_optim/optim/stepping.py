@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from hf_optim.kernels import backend as kernel_backend
-from hf_optim.kernels import cpu_compile, rounding
 from hf_optim.kernels.formats import with_overrides
+from hf_optim.kernels.torch_path import cpu_compile, rounding
 from hf_optim.optim import sharding
 from hf_optim.optim.overrides import (
     PARAM_OVERRIDES_ATTR,
@@ -132,7 +132,7 @@ class Stepping:
             raise type(error)(f"{where}, per-parameter override {overrides!r}: {error}") from error
 
     # ----------------------------------------------------------------------------------------------------
-    # bf16 stochastic rounding (hf_optim.kernels.rounding)
+    # bf16 stochastic rounding (hf_optim.kernels.torch_path.rounding)
     def _stream(self, group: dict, state: dict, param: torch.Tensor) -> rounding.Stream | None:
         """The stochastic rounding of ``param``'s new values at this step, or None (rounding to nearest): only
         for bf16 parameters of groups with ``bf16_stochastic_round``; fp32 parameters need no rounding."""

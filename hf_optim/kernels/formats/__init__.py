@@ -16,6 +16,13 @@ rank1_4bit 3     first moment as blockwise4; second moment 4-bit, scaled by min(
                  the parameter as a matrix (Li et al. 2023's rank-1 normalization): whole-tensor, no Triton
 fp8        4     float8 e4m3 codes (the slot's shape), absmax per 256 elements
 ========== ===== ======================================================================================
+
+Beside the format objects (``base``, ``fp32``, ``blockwise8``, ``blockwise4``, ``rank1_4bit``, ``fp8``), this
+folder holds the PyTorch math of their codes: :mod:`dynamic_map` (bitsandbytes' 8-bit maps and encoder table),
+:mod:`quant8` (8-bit blockwise quantization), :mod:`encode8` (the arithmetic 8-bit encoder's table and PyTorch
+twin), :mod:`quant4` (4-bit blockwise quantization) and :mod:`rank1_quant4` (rank-1 normalized 4-bit); fp8's
+conversion is in its format module. The Triton twins of this math are in ``hf_optim.kernels.triton_path``. Modules
+here import only torch and each other: never ``triton``, another kernels folder or a higher layer.
 """
 
 from hf_optim.kernels.formats.base import (

@@ -53,7 +53,8 @@ class StateFormat:
     format has no flat-buffer (multi-tensor) form, and its tensors step one by one on the PyTorch path."""
     triton: ClassVar[bool] = True
     """Whether the fused Triton kernels have a branch for the format (selected by :attr:`code`). Tensors whose state
-    is in a format without one step on the PyTorch path, also on a GPU; ``triton_configs`` lists no kernel for it."""
+    is in a format without one step on the PyTorch path, also on a GPU; ``triton_path.configs`` lists no kernel for
+    it."""
     ahead_of: ClassVar[str | None] = None
     """The name of a registered format whose :meth:`recognises` also accepts some slot of this format (a format that
     adds scales to another's slot): this one is registered ahead of it, so that :func:`loaded_format` asks it first."""
@@ -101,7 +102,7 @@ class StateFormat:
         (then ``stop - start`` is whole 256-element blocks)."""
         raise NotImplementedError
 
-    # -- flat buffers of the multi-tensor path (hf_optim.kernels.flat_state) ---------------------------------
+    # -- flat buffers of the multi-tensor path (hf_optim.kernels.torch_path.flat_state) ----------------------
     def flat_buffers(self, rows: int, total: int, signed: bool, device: torch.device,
                      allocate: Callable) -> list[torch.Tensor]:
         """Buffers for ``total`` elements per row (a multiple of 256), filled so that every element decodes to

@@ -3,7 +3,7 @@
 A slot ``stateK`` holds the codes packed two per byte, ``(rows, ceil(n / 2))`` uint8 (a 1-row slot drops the
 leading dimension: ``(ceil(n / 2),)``); ``absmaxK`` one fp32 absmax per 128 elements (per row); ``qmapK`` the
 16-entry map (signed tree map for moments that can be negative, linear without zero for second moments). The
-math is in :mod:`hf_optim.kernels.blockwise4`; kernels take a slot as ``[codes as int8, absmax, qmap, encoder
+math is in :mod:`hf_optim.kernels.formats.quant4`; kernels take a slot as ``[codes as int8, absmax, qmap, encoder
 thresholds]``.
 
 In the multi-tensor kernels' block form, a chunk of ``B`` 256-element blocks is ``2B`` quantization blocks of
@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hf_optim.kernels import blockwise4
-from hf_optim.kernels.blockwise4 import BLOCK_SIZE, encoder_thresholds, packed_length, qmap4
-from hf_optim.kernels.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
+from hf_optim.kernels.formats import quant4
 from hf_optim.kernels.formats.base import StateDictError, StateFormat, in_blocks, register_format
+from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
+from hf_optim.kernels.formats.quant4 import BLOCK_SIZE, encoder_thresholds, packed_length, qmap4
 
 
 @functools.cache
@@ -102,18 +102,18 @@ class Blockwise4(StateFormat):
         codes, absmax, qmap = raw[:3]
         if codes.dim() == 3:  # block form: (rows, B, 128) bytes are 2B quantization blocks of 128 elements
             rows, blocks = codes.shape[0], codes.shape[1]
-            values = blockwise4.dequantize(codes.reshape(rows, 2 * blocks, BLOCK_SIZE // 2), absmax, qmap)
+            values = quant4.dequantize(codes.reshape(rows, 2 * blocks, BLOCK_SIZE // 2), absmax, qmap)
             return values.reshape(rows, blocks, CHUNK_BLOCK)
-        return blockwise4.dequantize(codes, absmax, qmap, n)
+        return quant4.dequantize(codes, absmax, qmap, n)
 
     def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:
         codes, absmax, _, thresholds = raw
         if values.dim() == 3:
             rows, blocks = values.shape[0], values.shape[1]
-            blockwise4.quantize_into(values.reshape(rows, 2 * blocks, BLOCK_SIZE), thresholds,
+            quant4.quantize_into(values.reshape(rows, 2 * blocks, BLOCK_SIZE), thresholds,
                                      codes.reshape(rows, 2 * blocks, BLOCK_SIZE // 2), absmax)
         else:
-            blockwise4.quantize_into(values, thresholds, codes, absmax)
+            quant4.quantize_into(values, thresholds, codes, absmax)
 
     def state_bytes(self, numel: int, rows: int = 1) -> int:
         return rows * (packed_length(numel) + 4 * self.num_blocks(numel)) + 4 * 16

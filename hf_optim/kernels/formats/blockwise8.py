@@ -2,8 +2,8 @@
 
 A slot ``stateK`` holds uint8 codes in the slot's shape, ``absmaxK`` one fp32 absmax per 256 elements (per row)
 and ``qmapK`` the 256-entry dynamic map (signed for moments that can be negative). The math is in
-:mod:`hf_optim.kernels.blockwise`; the kernels take a slot as ``[codes as int8, absmax, qmap, encoder table]``
-(int8: see ``blockwise.quantize_into``).
+:mod:`hf_optim.kernels.formats.quant8`; the kernels take a slot as ``[codes as int8, absmax, qmap, encoder table]``
+(int8: see ``quant8.quantize_into``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hf_optim.kernels import blockwise
-from hf_optim.kernels.blockwise import num_blocks
-from hf_optim.kernels.dynamic_map import BLOCK_SIZE, ZERO_CODE_SIGNED, dynamic_map, encoder_table
+from hf_optim.kernels.formats import quant8
 from hf_optim.kernels.formats.base import StateDictError, StateFormat, in_blocks, register_format
+from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE, ZERO_CODE_SIGNED, dynamic_map, encoder_table
+from hf_optim.kernels.formats.quant8 import num_blocks
 
 OLD_BLOCK_SIZE = 2048
 """bitsandbytes <= 0.43's optimizer block size, refused with an explanation."""
@@ -81,11 +81,11 @@ class Blockwise8(StateFormat):
 
     def dequantize(self, raw: Sequence[torch.Tensor], signed: bool, n: int | None = None) -> torch.Tensor:
         codes, absmax, qmap = raw[:3]
-        return blockwise.dequantize(codes, absmax, qmap)
+        return quant8.dequantize(codes, absmax, qmap)
 
     def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:
         codes, absmax, _, table = raw
-        blockwise.quantize_into(values, table, signed, codes, absmax)
+        quant8.quantize_into(values, table, signed, codes, absmax)
 
     def state_bytes(self, numel: int, rows: int = 1) -> int:
         return rows * (numel + 4 * num_blocks(numel)) + 4 * 256

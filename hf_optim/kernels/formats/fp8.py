@@ -17,7 +17,7 @@ MLP ends within 0.3%): re-rounding ``v`` to 3 mantissa bits every step loses its
 128 measured no better than 256. :func:`variant` builds the other choices for the benchmark.
 
 Flat buffers are all zero bytes (float8 +0.0), which decode to 0 whatever the absmax. The Triton twin is
-:mod:`hf_optim.kernels.triton_fp8` (native conversion on sm_89+, bit-exact integer conversion below).
+:mod:`hf_optim.kernels.triton_path.fp8` (native conversion on sm_89+, bit-exact integer conversion below).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from hf_optim.kernels.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
 from hf_optim.kernels.formats.base import StateDictError, StateFormat, in_blocks, register_format
+from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
 
 BLOCK_SIZE = 256
 """Elements per scale block: the multi-tensor chunks' block, so block form needs no reshaping (128 measured no
@@ -62,7 +62,7 @@ class Fp8(StateFormat):
     # AdamW (docs/benchmarks.md), so tables and the planner put bitsandbytes' format first
     class_suffix, optim_suffix, label, rank, optim_bits = "Fp8", "fp8", "8-bit float (fp8)", 2.5, None
     second_moment = SECOND_MOMENT
-    # The Triton branch (kernels/triton_fp8.py) is built but off: in the interpreter its Lion and AdEMAMix steps
+    # The Triton branch (kernels/triton_path/fp8.py) is built but off: in the interpreter its Lion and AdEMAMix steps
     # with bf16 parameters differ from the PyTorch path in a few codes (tests/test_triton_kernels.py with
     # triton = True), cause not found yet. Until then fp8 tensors step on the PyTorch path on GPUs too (logged).
     triton = False

@@ -1,0 +1,536 @@
+"""When the CPU path's update is compiled by inductor, on which inputs, and what runs meanwhile.
+
+The multi-tensor path (:mod:`hf_optim.kernels.torch_path.multi_tensor`) calls
+:func:`hf_optim.kernels.torch_path.elementwise.update` once per chunk. Compiled by inductor it runs several times faster
+than eagerly (8-bit state most), but compiling costs seconds to minutes the first time (docs/benchmarks.md, the
+first-step table): dynamo traces the rule, inductor writes C++ and gcc builds it; the first compilation of a process
+also probes the CPU's vector instructions by compiling
+test programs, and the first of a machine precompiles torch's headers. ``HF_OPTIM_COMPILE`` says when to pay:
+
+- ``auto`` (the default, also when unset or empty): in the background. The first chunk of a kernel starts a
+  background process (:mod:`hf_optim.kernels.torch_path.cpu_compile_worker`, at a lower priority) that compiles the
+  kernel into inductor's on-disk cache and exits, and runs eagerly, as does every chunk of that kernel until that
+  process has exited; the next step then compiles the kernel in the training thread from the warm cache (a cache hit:
+  1-3 s instead of tens) and from then on the steps use it. A short run never waits for a compiler; a long one runs
+  compiled after the first seconds (a few steps on a large model, more on a small one, whose eager steps are short).
+- ``1``: before the first step that needs it, which waits for the compilation.
+- ``0``: never; every step runs eagerly (no C++ compiler needed).
+
+Why switching in mid-run changes no result: eager and compiled updates compute the same bits (the rules use
+single-rounding operations only, see :mod:`hf_optim.kernels.torch_path.exact_math`; inductor compiles without
+contraction; every reduction is within one 256-element block), and ``tests/test_multi_tensor.py`` compares them bit for
+bit, a run that switches after its first steps included. So the step at which a run switches depends on the machine's
+speed, the optimizer's results do not, and neither do the model's.
+
+Why a process and not a thread of the training process: a compilation that runs in a thread beside the training
+changes the training thread's results. Measured on the quickstart (8 steps): with an unrelated function compiled by
+``torch.compile`` in a background thread and the optimizer eager throughout, the losses left the eager run's from
+step 5 on (5.854667663 against 5.854668617), so the model's forward or backward computed differently while dynamo
+and inductor ran beside it (dynamo also sets the process's random state back after tracing, which rewinds the
+generator another thread draws from); which other process-wide state they touch was not pinned down. In a separate
+process they touch none of the training's: the quickstart with ``auto`` prints the eager run's losses, bit for bit,
+with the switch to the compiled kernel mid-run too. The compilation in the training thread itself is one cache
+hit between two steps, as ``HF_OPTIM_COMPILE=1``'s is before the first.
+
+The background process compiles exactly what the training process compiles afterwards (:func:`_run_probe`: the same
+compiled function and code object name, probe inputs, dynamic marks, options and thread count), so the key of
+inductor's cache is the same. A run that ends while its background process still compiles does not wait for it:
+the process finishes writing the cache for the next run and exits on its own (it is not the training's child any
+more, so nothing is left unreaped); :func:`forget` kills and reaps the ones still running.
+
+One graph per kernel: a kernel (:class:`Kernel`: rule, slot layouts, output mode, parameter and gradient dtypes,
+stochastic rounding) is compiled once, on probe inputs of :data:`PROBE_BLOCKS` blocks whose block dimension is marked
+dynamic, so every chunk length from 2 blocks up shares the graph from the start (a chunk of one block runs eagerly:
+dynamo would specialize a dimension of size 1). The calls pass aliases of their tensors that start at storage offset
+0 and are not views (:func:`canonical`, a DLPack round trip: no copy): dynamo guards on where a view starts and on the
+shape of the tensor it views, and would compile again for the first chunk of a buffer, for a tensor updated in place
+rather than gathered, and so on. The OpenMP thread count is part of a graph's guards too: the one-thread variant that
+:mod:`hf_optim.kernels.torch_path.cpu_threads` may ask for is a second graph, compiled the same way when it is asked
+for.
+
+Compile options (:data:`INDUCTOR_OPTIONS`), measured as CPU seconds of the whole process tree for the quickstart's
+AdamW8bit on a cold cache (``benchmarks/first_step.py``): 34 s with inductor's defaults, 22 s with these:
+
+- ``cpp.vec_isa_ok=True``: inductor trusts the CPU's flags (``/proc/cpuinfo``) for its vector instruction sets
+  instead of compiling and loading a test program per instruction set, which cost 11 CPU seconds the first time a
+  cache directory is used and 3 in every later process. An old compiler that lacks those instructions then fails
+  the kernel's own compilation (a warning; the kernel runs eagerly). The result is cached per process by inductor,
+  so a later ``torch.compile`` of the user's in the same process skips the test programs too.
+- ``cpp_cache_precompile_headers=False``: inductor would precompile torch's headers once per user and machine (a
+  150 MB file in the temporary directory, 10 CPU seconds) to save about a second per later kernel; an optimizer has
+  one to four kernels.
+- ``compile_threads=1``: one generated kernel per graph gains nothing from a pool of compile workers (the same CPU
+  time measured with 2), and no worker processes are started.
+
+Log lines (logger ``hf_optim``): one INFO line when a compilation starts (which kernel, where it is cached), one when
+it has taken more than a second (in the background: how long the background process took and the cache hit here),
+and a WARNING when it fails (that kernel then keeps running eagerly), with the background process's error line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils.dlpack import from_dlpack, to_dlpack
+
+from hf_optim.kernels.formats import SlotLayout
+from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
+from hf_optim.kernels.torch_path import cpu_threads, elementwise
+
+logger = logging.getLogger("hf_optim")
+
+COMPILE_ENV = "HF_OPTIM_COMPILE"
+MODES = ("auto", "1", "0")
+"""Valid values of ``HF_OPTIM_COMPILE``: compile in the background, before the first step, never."""
+
+PROBE_BLOCKS = 37
+"""Blocks of the probe inputs a kernel is compiled on: a prime, so that no static size of any format (1 or 2 rows,
+256 elements or 128 bytes per block, maps and tables) is a multiple of it and only the block dimensions vary."""
+
+EAGER_WHILE_COMPILING = 1 << 20
+"""Largest run of a kernel's chunks (elements per step) that runs eagerly while the kernel compiles in the
+background; a larger one waits for the compilation. Eagerly an 8-bit chunk costs 20-50x its compiled time (measured:
+docs/benchmarks.md), so a large step would take longer than the compilation, and an eager step competes with the
+compiler for the cores and for Python's GIL: on Llama-3.2-1B's LoRA set (11.3M elements) one eager AdamW8bit step
+outlasted the whole compilation. A 1M-element eager step takes well under a second on an idle 2-core machine."""
+
+INDUCTOR_OPTIONS = {"compile_threads": 1, "cpp_cache_precompile_headers": False, "cpp.vec_isa_ok": True}
+"""Inductor settings for these compilations only (see the module docstring)."""
+
+
+def compile_mode() -> str:
+    """``HF_OPTIM_COMPILE``: ``auto`` (unset or empty too), ``1`` or ``0``; anything else raises ValueError."""
+    raw = os.environ.get(COMPILE_ENV, "")
+    value = raw.strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(
+            f"{COMPILE_ENV}={raw!r} is not valid; valid values are 'auto' (compile the CPU kernels in the background, "
+            "the default), '1' (compile them before the first step) and '0' (never compile: eager)"
+        )
+    return value
+
+
+def compile_enabled() -> bool:
+    """Whether CPU updates are compiled by inductor at all (``HF_OPTIM_COMPILE`` is not ``0``)."""
+    return compile_mode() != "0"
+
+
+def cache_location() -> str:
+    """Where inductor keeps compiled kernels (``TORCHINDUCTOR_CACHE_DIR``, else its default), for the log line."""
+    found = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if found:
+        return found
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # older torch
+        return "inductor's cache directory"
+    return default_cache_dir()
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What a compiled graph is specialized on (besides the OpenMP thread count)."""
+
+    rule: Callable
+    layouts: tuple[SlotLayout, ...]
+    rows: tuple[int, ...]
+    """Stacked EMAs per slot (AdEMAMix's first slot has 2)."""
+    has_out: bool
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    stochastic: bool
+
+    def describe(self) -> str:
+        """``adamw_rule, 8-bit + 8-bit state, float32 parameters`` (for the log lines)."""
+        state = " + ".join(f"{layout.format.bits}-bit" for layout in self.layouts)
+        text = f"{getattr(self.rule, '__name__', 'rule')}, {state} state, {str(self.param_dtype)[6:]} parameters"
+        if self.grad_dtype != self.param_dtype:
+            text += f" ({str(self.grad_dtype)[6:]} gradients)"
+        return text + (", stochastic rounding" if self.stochastic else "")
+
+
+def kernel_of(rule: Callable, layouts: Sequence[SlotLayout], param: torch.Tensor, grad: torch.Tensor,
+              out: torch.Tensor | None, tensors: Sequence[torch.Tensor], stochastic) -> Kernel:
+    """The :class:`Kernel` of a block-form call of :func:`elementwise.update` with these arguments."""
+    rows, index = [], 0
+    for layout in layouts:
+        rows.append(tensors[index].shape[0])
+        index += layout.width
+    return Kernel(rule, tuple(layouts), tuple(rows), out is not None, param.dtype, grad.dtype, stochastic is not None)
+
+
+def canonical(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or, for a view or a tensor that does not start its storage, an alias of the same memory
+    that does and is not a view (a DLPack round trip: no copy; the alias keeps ``tensor`` alive)."""
+    if tensor._base is None and tensor.storage_offset() == 0:
+        return tensor
+    return from_dlpack(to_dlpack(tensor))
+
+
+def _twin(rule: Callable) -> Callable:
+    """:func:`elementwise.update` under a code object of its own, compiled: dynamo keeps its graphs per code object
+    and stops compiling one after ``recompile_limit`` (8) variants, which every kernel would share otherwise."""
+    base = elementwise.update
+    code = base.__code__.replace(co_name=f"update_{getattr(rule, '__name__', 'rule')}")
+    twin = types.FunctionType(code, base.__globals__, code.co_name, base.__defaults__, base.__closure__)
+    return torch.compile(twin, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+
+
+@dataclass
+class _Entry:
+    """A kernel's compiled function and which thread counts its graphs are compiled (or being compiled) for."""
+
+    compiled: Callable
+    ready: set[int] = field(default_factory=set)
+    pending: set[int] = field(default_factory=set)
+    failed: str | None = None
+    probe: Callable[[int], tuple] | None = None  # blocks -> probe arguments (after `update`'s rule and layouts)
+    hyper: tuple = ()  # the probe inputs' scalars and rounding key (copies), for a background process's job
+    key: torch.Tensor | None = None
+    warmups: dict[int, Warmup] = field(default_factory=dict)  # thread count -> its background process
+    threads: cpu_threads.ThreadChoice | None = None
+
+
+_lock = threading.Lock()
+_entries: dict[Kernel, _Entry] = {}
+
+
+def _after_fork_in_child() -> None:
+    """A forked process (a dataloader worker, say) has nothing pending: the background processes are its
+    parent's (it neither waits for them nor reaps them); it starts its own if it ever needs one."""
+    global _lock
+    _lock = threading.Lock()
+    for entry in _entries.values():
+        entry.pending.clear()
+        entry.warmups = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _entry(kernel: Kernel) -> _Entry:
+    with _lock:
+        found = _entries.get(kernel)
+        if found is None:
+            found = _entries[kernel] = _Entry(_twin(kernel.rule))
+        return found
+
+
+def _set_probe(kernel: Kernel, entry: _Entry, hyper: tuple, key: torch.Tensor | None) -> None:
+    """Give ``entry`` its probe inputs: copies of the rule's scalars ``hyper`` and of the rounding ``key``."""
+    entry.hyper = type(hyper)(*(value.detach().clone() for value in hyper))
+    entry.key = None if key is None else key.detach().clone()
+    entry.probe = _probe_factory(kernel, entry.hyper, entry.key)
+
+
+def _probe_factory(kernel: Kernel, hyper: tuple, key: torch.Tensor | None) -> Callable[[int], tuple]:
+    """A function of a block count that makes probe arguments for ``kernel``: zeroed parameters, gradients, output
+    and flat state buffers (three chunks long, the chunk in the middle, as the real buffers are longer than a
+    chunk), the formats' shared maps and tables, ``hyper`` and the rounding ``key``."""
+    device = torch.device("cpu")
+
+    def make(blocks: int) -> tuple:
+        shape = (blocks, BLOCK_SIZE)
+        param = torch.zeros(shape, dtype=kernel.param_dtype)
+        grad = torch.zeros(shape, dtype=kernel.grad_dtype)
+        out = torch.zeros(shape) if kernel.has_out else None
+        tensors = []
+        for layout, rows in zip(kernel.layouts, kernel.rows):
+            n = blocks * BLOCK_SIZE
+            buffers = layout.format.flat_buffers(rows, 3 * n, layout.signed, device, torch.zeros)
+            tensors += [canonical(t) for t in layout.format.kernel_chunk(buffers, n, 2 * n, layout.signed, device)]
+        stochastic = (torch.zeros(blocks, dtype=torch.int64), key) if kernel.stochastic else None
+        return param, grad, out, tensors, hyper, stochastic
+
+    return make
+
+
+def _mark_block_dims(probe: tuple, other: tuple) -> None:
+    """Mark dynamic every dimension of ``probe``'s tensors that differs in ``other`` (made for another block count)."""
+    def tensors(args):
+        param, grad, out, slots, _, stochastic = args
+        return [param, grad, out, *slots, *(stochastic or ())]
+
+    for tensor, twin in zip(tensors(probe), tensors(other)):
+        if tensor is None:
+            continue
+        dims = [dim for dim, (a, b) in enumerate(zip(tensor.shape, twin.shape)) if a != b]
+        if dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dims)
+
+
+def _what(kernel: Kernel, entry: _Entry, threads: int) -> str:
+    """The kernel a compilation is for, as the log lines name it."""
+    variant = threads == 1 and bool(entry.ready)  # the one-thread variant of a compiled kernel (cpu_threads)
+    return kernel.describe() + (", 1 thread (the machine is busy)" if variant else "")
+
+
+def _announce(kernel: Kernel, entry: _Entry, threads: int, background: bool) -> None:
+    """The log line that says a compilation starts."""
+    where = ""
+    if background:
+        meanwhile = f"the {max(entry.ready)}-thread kernel" if threads == 1 and entry.ready else "eagerly"
+        where = f" in a background process; the steps run {meanwhile} until it is ready"
+    hint = ""
+    if threads == 1 and entry.ready and cpu_threads.spinning_waits():
+        hint = (f"; {cpu_threads.WAIT_POLICY_ENV}=PASSIVE, set before Python starts, runs the kernel with all threads "
+                "2-3x faster than with one on a busy machine")
+    logger.info("compiling the optimizer's CPU kernel for %s%s (once, cached in %s%s)", _what(kernel, entry, threads),
+                where, cache_location(), hint)
+
+
+def _run_probe(kernel: Kernel, entry: _Entry, threads: int) -> None:
+    """Run ``entry``'s compiled function once on probe inputs of :data:`PROBE_BLOCKS` blocks, block dimensions
+    marked dynamic, with ``threads`` OpenMP threads: this compiles its graph (or loads it from inductor's cache).
+    The background process (:mod:`hf_optim.kernels.torch_path.cpu_compile_worker`) runs the same, so the cache key is
+    the same."""
+    probe = entry.probe(PROBE_BLOCKS)
+    _mark_block_dims(probe, entry.probe(PROBE_BLOCKS + 1))
+    with cpu_threads.threads(threads), torch.no_grad():
+        entry.compiled(kernel.rule, kernel.layouts, *probe)
+
+
+@dataclass
+class Warmup:
+    """A background process that compiles a kernel into inductor's cache (:func:`start_warmup`)."""
+
+    process: subprocess.Popen
+    errors: typing.IO[bytes]
+    """Its stderr: an unnamed temporary file, read when it failed."""
+    job: str
+    """The file its job is pickled in (it removes it once read)."""
+    started: float = field(default_factory=time.perf_counter)
+
+    def poll(self) -> int | None:
+        """Its exit status, or None while it runs (reaps it once it has exited)."""
+        return self.process.poll()
+
+    def wait(self) -> int:
+        return self.process.wait()
+
+    def error(self) -> str:
+        """The last line it wrote to stderr (the worker writes its error's first line last)."""
+        self.errors.seek(0)
+        lines = [line.strip() for line in self.errors.read().decode(errors="replace").splitlines() if line.strip()]
+        return (lines[-1] if lines else "")[:300]
+
+    def close(self, kill: bool = False) -> None:
+        """Kill it first if ``kill`` and it still runs; reap it and drop its files."""
+        if kill and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.errors.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.job)
+
+
+def start_warmup(kernel: Kernel, hyper: tuple, key: torch.Tensor | None, threads: int) -> Warmup:
+    """Start a process that compiles ``kernel``'s graph for ``threads`` threads into inductor's cache and exits
+    (:mod:`hf_optim.kernels.torch_path.cpu_compile_worker`): same environment, so the same ``TORCHINDUCTOR_CACHE_DIR``.
+    The job (kernel, the probe inputs' scalars and rounding key, thread count) goes in a pickled temporary file."""
+    with tempfile.NamedTemporaryFile("wb", prefix="hf_optim_compile_", suffix=".pkl", delete=False) as job:
+        pickle.dump((kernel, hyper, key, threads), job)
+    errors = tempfile.TemporaryFile()
+    try:
+        # No inherited stdin/stdout: a caller that reads this process's output to its end does not wait for it.
+        process = subprocess.Popen([sys.executable, "-m", "hf_optim.kernels.torch_path.cpu_compile_worker", job.name],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors)
+    except BaseException:
+        errors.close()
+        os.unlink(job.name)
+        raise
+    return Warmup(process, errors, job.name)
+
+
+def warm_marker(kernel: Kernel, threads: int) -> Path | None:
+    """The file a background process leaves in inductor's cache directory once it has compiled ``kernel`` for
+    ``threads`` threads there (None where that directory is not known). Its name digests what the cache key depends
+    on: the kernel (its rule by module and name, its layouts' formats, rows, dtypes), the thread count, the torch
+    version, the compile options and the source of the update and of the rule's module. A later process that finds it
+    compiles in the training thread at once (a cache hit, 1-3 s) instead of starting another background process
+    and running eagerly meanwhile; if the cache was cleared since, that compilation is a full one, as with
+    ``HF_OPTIM_COMPILE=1``."""
+    location = cache_location()
+    if not os.path.isabs(location):
+        return None
+    # A description, not the pickled kernel: a format object's pickle carries what it cached since it was first
+    # used, so the same kernel pickled differently in the process that ran it and in a fresh one.
+    rule = f"{getattr(kernel.rule, '__module__', '')}.{getattr(kernel.rule, '__qualname__', kernel.rule)}"
+    layouts = [(layout.format.name, layout.format.bits, layout.signed) for layout in kernel.layouts]
+    described = (rule, layouts, kernel.rows, kernel.has_out, str(kernel.param_dtype), str(kernel.grad_dtype),
+                 kernel.stochastic, threads, torch.__version__, sorted(INDUCTOR_OPTIONS.items()))
+    digest = hashlib.sha256(repr(described).encode())
+    for module in sorted({elementwise.__name__, getattr(kernel.rule, "__module__", None) or ""}):
+        source = getattr(sys.modules.get(module), "__file__", None)
+        if source and os.path.exists(source):
+            digest.update(Path(source).read_bytes())
+    return Path(location) / "hf_optim" / f"{digest.hexdigest()[:32]}.ready"
+
+
+def _fail(kernel: Kernel, entry: _Entry, threads: int, error: str) -> None:
+    """A compilation failed (``error``: its exception's type and first line): warn once; the kernel runs eagerly."""
+    entry.failed = error
+    logger.warning("compiling the optimizer's CPU kernel for %s failed (%s); it runs eagerly (same results, "
+                   "slower; HF_OPTIM_COMPILE=0 skips compiling)", _what(kernel, entry, threads), error)
+
+
+def _compile(kernel: Kernel, entry: _Entry, threads: int, background: float | None = None) -> None:
+    """Compile ``kernel``'s graph for ``threads`` OpenMP threads by running it once on probe inputs; ``background``:
+    the seconds a background process took to compile it into the cache (this then loads it from there)."""
+    what = _what(kernel, entry, threads)
+    start = time.perf_counter()
+    try:
+        _run_probe(kernel, entry, threads)
+    except Exception as error:  # a missing or failing C++ compiler: the kernel keeps running eagerly
+        first_line = (str(error).strip().splitlines() or [""])[0][:300]
+        _fail(kernel, entry, threads, f"{type(error).__name__}: {first_line}")
+    else:
+        entry.ready.add(threads)
+        elapsed = time.perf_counter() - start
+        if background is not None:
+            logger.info("compiled the optimizer's CPU kernel for %s in %.1f s (in a background process; loaded "
+                        "from the cache in %.1f s)", what, background, elapsed)
+        elif elapsed > 1.0:
+            logger.info("compiled the optimizer's CPU kernel for %s in %.1f s", what, elapsed)
+    finally:
+        entry.pending.discard(threads)
+
+
+def _finish(kernel: Kernel, entry: _Entry, threads: int, block: bool) -> None:
+    """If the background process compiling ``kernel`` for ``threads`` threads has exited (``block``: wait for it),
+    load its result: compile in this thread from the warm cache, or warn with its error."""
+    warmup = entry.warmups.get(threads)
+    if warmup is None:
+        return
+    status = warmup.wait() if block else warmup.poll()
+    if status is None:
+        return
+    del entry.warmups[threads]
+    seconds = time.perf_counter() - warmup.started
+    error = "" if status == 0 else warmup.error()
+    warmup.close()
+    if status == 0:
+        _compile(kernel, entry, threads, background=seconds)
+        return
+    entry.pending.discard(threads)
+    _fail(kernel, entry, threads, error or f"the compiler process exited with status {status}")
+
+
+def _start(kernel: Kernel, entry: _Entry, threads: int) -> None:
+    """Compile ``kernel`` for ``threads`` threads now (``HF_OPTIM_COMPILE=1``) or start a background process that
+    compiles it into inductor's cache."""
+    entry.pending.add(threads)
+    marker = warm_marker(kernel, threads) if compile_mode() == "auto" else None
+    background = compile_mode() != "1" and not (marker is not None and marker.exists())
+    _announce(kernel, entry, threads, background)
+    if not background:
+        _compile(kernel, entry, threads)
+        return
+    try:
+        entry.warmups[threads] = start_warmup(kernel, entry.hyper, entry.key, threads)
+    except (OSError, pickle.PicklingError, TypeError, AttributeError) as error:  # cannot start it: run eagerly
+        entry.pending.discard(threads)
+        _fail(kernel, entry, threads, f"{type(error).__name__}: {str(error).strip()[:300]}")
+
+
+def _available(kernel: Kernel, entry: _Entry, threads: int) -> bool:
+    """Whether ``kernel``'s graph for ``threads`` threads can run now; starts its compilation if it has not."""
+    if threads in entry.ready:
+        return True
+    if threads in entry.pending:
+        _finish(kernel, entry, threads, block=False)
+    elif entry.failed is None and entry.probe is not None:
+        _start(kernel, entry, threads)
+    return threads in entry.ready
+
+
+def prepare(kernel: Kernel, hyper: tuple, key: torch.Tensor | None, elements: int) -> None:
+    """Before a run of ``elements`` elements of ``kernel``'s chunks (``hyper``: the rule's scalars as 0-d tensors,
+    ``key``: the stochastic rounding key or None): start compiling its graph if it has not been, and when it is
+    still compiling and the run exceeds :data:`EAGER_WHILE_COMPILING` elements, wait for it."""
+    entry = _entries.get(kernel) or _entry(kernel)
+    if entry.probe is None:
+        _set_probe(kernel, entry, hyper, key)
+    threads = torch.get_num_threads()
+    if _available(kernel, entry, threads) or elements <= EAGER_WHILE_COMPILING:
+        return
+    _finish(kernel, entry, threads, block=True)
+
+
+def run_compiled(rule, layouts, param, grad, out, tensors, hyper, stochastic=None, kernel: Kernel | None = None
+                 ) -> bool:
+    """Run the compiled :func:`elementwise.update` on one block-form chunk (``param`` of shape ``(blocks, 256)``,
+    at least 2 blocks) if its graph is ready, and return True; else start compiling it (unless it is compiling or
+    failed) and return False: the caller runs the chunk eagerly."""
+    kernel = kernel or kernel_of(rule, layouts, param, grad, out, tensors, stochastic)
+    entry = _entries.get(kernel) or _entry(kernel)
+    if entry.probe is None:
+        _set_probe(kernel, entry, hyper, None if stochastic is None else stochastic[1])
+    if not _available(kernel, entry, torch.get_num_threads()):
+        return False
+    stochastic = None if stochastic is None else (canonical(stochastic[0]), canonical(stochastic[1]))
+    entry.compiled(rule, kernel.layouts, canonical(param), canonical(grad), None if out is None else canonical(out),
+                   [canonical(t) for t in tensors], hyper, stochastic)
+    return True
+
+
+def threads_for(kernel: Kernel) -> int | None:
+    """The OpenMP thread count to run ``kernel``'s next chunks with (None: leave it as it is)."""
+    if not cpu_threads.adjustable():
+        return None
+    entry = _entries.get(kernel)
+    if entry is None or not entry.ready:
+        return None
+    many = torch.get_num_threads()
+    if entry.threads is None or entry.threads.many != many:
+        entry.threads = cpu_threads.ThreadChoice(many)
+    choice = entry.threads
+    return choice.pick(lambda count: _available(kernel, entry, count) if choice.wants_one else count in entry.ready)
+
+
+def record(kernel: Kernel, threads: int, seconds: float, elements: int) -> None:
+    """Account a run of ``kernel``'s compiled chunks (all of them compiled) for the thread-count choice."""
+    entry = _entries.get(kernel)
+    if entry is not None and entry.threads is not None:
+        entry.threads.record(threads, seconds, elements)
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Wait until no compilation is pending (tests, benchmarks): each background process's kernel is then loaded
+    in this thread; False if ``timeout`` seconds passed first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        for kernel, entry in list(_entries.items()):
+            for threads in list(entry.warmups):
+                _finish(kernel, entry, threads, block=False)
+        if not any(entry.pending for entry in list(_entries.values())):
+            return True
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+
+
+def forget() -> None:
+    """Drop every compiled kernel and thread choice of this process (tests); kills and reaps the background
+    processes still compiling."""
+    with _lock:
+        for entry in _entries.values():
+            for warmup in entry.warmups.values():
+                warmup.close(kill=True)
+        _entries.clear()

@@ -1,0 +1,121 @@
+"""The fp8 state format in Triton: the twin of :mod:`hf_optim.kernels.formats.fp8` (same bytes, same absmax).
+
+A row is one e4m3 byte per element and one fp32 absmax per 256-element block (the tile's block). If the format
+stores square roots of non-negative rows (``Fp8.stores_root``; the registered format does not), decoded values of
+such rows are squared and stored ones square-rooted first.
+
+Two conversions, chosen at compile time (``NATIVE``):
+
+- native (sm_89 and later): ``.to(tl.float8e4nv)``, the hardware's ``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest
+  even, from fp32 directly) and its widening back;
+- software (every other target, the interpreter included): integer arithmetic on the fp32 bits, equal bit for bit.
+  Triton 3.9 refuses ``float8e4nv`` below sm_89 (``benchmarks/gpu_static.py``-style compiles for sm_75/80/86 fail:
+  "type fp8e4nv not supported in this architecture"), so those targets need it.
+
+Encoding follows the PyTorch twin: ``q = clamp(x * (448 / absmax), -448, 448)`` with the reciprocal computed once per
+block (0 for an all-zero block), then the nearest e4m3 value, ties to even. Decoding: ``float(q) * (absmax / 448)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_optim.kernels.formats.fp8 import FP8
+from hf_optim.kernels.triton_path.tile import block_max, launch_options, masked_load, zero_outside
+
+FMAX: tl.constexpr = tl.constexpr(448.0)
+SUBNORMAL_LIMIT: tl.constexpr = tl.constexpr(2.0**-6)
+"""Smallest normal e4m3 magnitude; below it the step is 2**-9."""
+ROOT_UNSIGNED: tl.constexpr = tl.constexpr(FP8.stores_root(False))
+"""Whether non-negative rows hold square roots."""
+EXPONENT_REBIAS: tl.constexpr = tl.constexpr((127 - 7) << 3)
+"""fp32 and e4m3 exponent biases (127, 7), in units of e4m3's 3 mantissa bits."""
+
+
+@triton.jit
+def decode_e4m3(codes, NATIVE: tl.constexpr):
+    """fp32 values of e4m3 bytes (uint8). Every byte but the NaNs (0x7F, 0xFF: never stored) is exact in fp32."""
+    if NATIVE:
+        values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        bits = codes.to(tl.int32)
+        exponent = (bits >> 3) & 0xF
+        mantissa = bits & 7
+        negative = (bits & 0x80) != 0
+        normal = ((exponent << 3 | mantissa) + EXPONENT_REBIAS) << 20
+        magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * (2.0**-9), normal.to(tl.float32, bitcast=True))
+        values = tl.where(negative, -magnitude, magnitude)
+    return values
+
+
+@triton.jit
+def encode_e4m3(scaled, NATIVE: tl.constexpr):
+    """e4m3 bytes (uint8) nearest to fp32 ``scaled`` in [-448, 448], ties to even, as ``Tensor.to(float8_e4m3fn)``."""
+    if NATIVE:
+        codes = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        bits = scaled.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        magnitude_bits = bits & 0x7FFFFFFF
+        # normal: round the fp32 mantissa to 3 bits (add just under half, plus the kept lowest bit: ties to even);
+        # a carry into the exponent is the next binade's code, as it should be
+        rounded = magnitude_bits + 0x7FFFF + ((magnitude_bits >> 20) & 1)
+        normal = (rounded >> 20) - EXPONENT_REBIAS
+        # subnormal: the nearest multiple of 2**-9 (k in 0..8; 8 is the code of 2**-6), ties to even
+        steps = tl.abs(scaled) * 512.0  # exact: a power-of-two scaling
+        whole = steps.to(tl.int32)  # truncation
+        fraction = steps - whole.to(tl.float32)  # exact
+        up = (fraction > 0.5) | ((fraction == 0.5) & ((whole & 1) == 1))
+        subnormal = whole + up.to(tl.int32)
+        magnitude = tl.where(tl.abs(scaled) < SUBNORMAL_LIMIT, subnormal, normal)
+        codes = (sign | magnitude).to(tl.uint8)
+    return codes
+
+
+@triton.jit
+def load_state_fp8(codes_ptr, absmax_ptr, blocks, offs, mask, block_mask, SIGNED: tl.constexpr, NATIVE: tl.constexpr):
+    """fp32 values of an fp8 row (squared when the row holds square roots)."""
+    codes = masked_load(codes_ptr + offs, mask, 0)
+    absmax = masked_load(absmax_ptr + blocks, block_mask, 0.0)
+    values = decode_e4m3(codes, NATIVE) * tl.div_rn(absmax, FMAX)[:, None, None, None]
+    if ROOT_UNSIGNED and not SIGNED:
+        values = values * values
+    return values
+
+
+@triton.jit
+def quantize_fp8(values, mask, SIGNED: tl.constexpr, NATIVE: tl.constexpr):
+    """(e4m3 bytes, absmax per 256-block) of fp32 tile ``values`` (their square roots for a non-negative row of a
+    format storing them); lanes outside ``mask`` count as 0."""
+    if ROOT_UNSIGNED and not SIGNED:
+        values = tl.sqrt_rn(tl.maximum(values, 0.0))
+    values = zero_outside(values, mask)
+    absmax = block_max(tl.abs(values))
+    reciprocal = tl.where(absmax > 0.0, tl.div_rn(FMAX, tl.where(absmax > 0.0, absmax, 1.0)), 0.0)
+    scaled = tl.clamp(values * reciprocal[:, None, None, None], -FMAX, FMAX)
+    return encode_e4m3(scaled, NATIVE), absmax
+
+
+@triton.jit
+def _convert_kernel(values_ptr, out_ptr, n, ENCODE: tl.constexpr, NATIVE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if ENCODE:
+        tl.store(out_ptr + offs, encode_e4m3(tl.load(values_ptr + offs, mask=mask, other=0.0), NATIVE), mask=mask)
+    else:
+        tl.store(out_ptr + offs, decode_e4m3(tl.load(values_ptr + offs, mask=mask, other=0), NATIVE), mask=mask)
+
+
+def convert(values: torch.Tensor, encode: bool, native: bool = False) -> torch.Tensor:
+    """The element conversions alone over a flat tensor, for tests and the GPU check: fp32 values in [-448, 448] to
+    e4m3 bytes (``encode``), or e4m3 bytes (uint8) to fp32."""
+    values = values.contiguous()
+    out = torch.empty(values.shape, dtype=torch.uint8 if encode else torch.float32, device=values.device)
+    block = 1024
+    if values.numel():
+        _convert_kernel[(triton.cdiv(values.numel(), block),)](values, out, values.numel(), ENCODE=encode,
+                                                               NATIVE=native, BLOCK=block, **launch_options())
+    return out
+
