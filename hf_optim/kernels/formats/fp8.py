@@ -5,8 +5,9 @@ A slot ``stateK`` holds the codes as a float8 tensor in the slot's shape (``(row
 the code book. Encoding ("saturating", like the hardware's ``satfinite`` conversions): ``q = clamp(x * (FMAX /
 absmax), -FMAX, FMAX)`` rounded to the nearest float8 (ties to even, what ``Tensor.to(float8)`` does), ``FMAX`` being
 the type's largest finite value, so the block's largest magnitude maps to ``FMAX``; an all-zero block stores zeros.
-Decoding: ``float(q) * (absmax / FMAX)``. The reciprocal and the decode scale are computed once per block in fp32, so
-every path (eager, inductor, Triton) rounds the same way.
+Decoding: ``float(q) * (absmax / FMAX)``. The reciprocal and the decode scale are computed once per block in fp32, each
+by one correctly rounded division (``exact_math.div``; Triton's ``div_rn``), so every path (eager, inductor, Triton)
+rounds the same way.
 
 Both moments are e4m3 (``torch.float8_e4m3fn``: 3 mantissa bits, 448 at most, subnormals down to 2**-9), as in
 torchao's ``AdamWFp8``. Chosen by measurement (docs/benchmarks.md "FP8 state (issue 24)", ``benchmarks/quality4.py``)
@@ -27,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from hf_optim.kernels import exact_math
 from hf_optim.kernels.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
 from hf_optim.kernels.formats.base import StateDictError, StateFormat, in_blocks, register_format
 
@@ -120,7 +122,7 @@ class Fp8(StateFormat):
     def dequantize(self, raw: Sequence[torch.Tensor], signed: bool, n: int | None = None) -> torch.Tensor:
         codes, absmax = raw[:2]
         fmax = FMAX[codes.dtype]
-        values = _blocked(codes.float(), self.block_size) * (absmax / fmax).unsqueeze(-1)
+        values = _blocked(codes.float(), self.block_size) * exact_math.div(absmax, fmax).unsqueeze(-1)
         if self.stores_root(signed):
             values = values * values
         return _unblocked(values, codes.shape)
@@ -132,8 +134,11 @@ class Fp8(StateFormat):
             values = torch.sqrt(values.clamp_min(0.0))  # v >= 0 always; clamp keeps -0.0 and rounding noise out
         blocked = _blocked(values, self.block_size)
         block_max = blocked.abs().amax(dim=-1)
-        # x * (FMAX / absmax): the largest magnitude maps to FMAX (within an ulp; the clamp saturates it)
-        reciprocal = torch.where(block_max > 0, fmax / torch.where(block_max > 0, block_max, 1.0), 0.0)
+        # x * (FMAX / absmax): the largest magnitude maps to FMAX (within an ulp; the clamp saturates it). One
+        # division (exact_math.div), as Triton's div_rn: ``fmax / tensor`` would be ``reciprocal() * fmax``, an ulp
+        # off for some absmax, which moves values exactly halfway between two float8 numbers (common with bf16
+        # gradients) to the other one
+        reciprocal = torch.where(block_max > 0, exact_math.div(fmax, torch.where(block_max > 0, block_max, 1.0)), 0.0)
         scaled = (blocked * reciprocal.unsqueeze(-1)).clamp(-fmax, fmax)
         codes.copy_(_unblocked(scaled, values.shape).to(codes.dtype))
         absmax.copy_(block_max)
