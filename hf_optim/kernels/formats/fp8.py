@@ -222,9 +222,10 @@ FP8 = register_format(Fp8())
 
 
 def variant(second_moment: str, block_size: int = BLOCK_SIZE) -> Fp8:
-    """An unregistered fp8 format storing second moments as ``second_moment`` (``"sqrt_e4m3"``, ``"e4m3"``,
-    ``"e5m2"``) with ``block_size``-element blocks (a divisor of 256), for the quality benchmark that chose
-    :data:`SECOND_MOMENT` and :data:`BLOCK_SIZE`. PyTorch paths only (the Triton twin is the registered format's)."""
+    """An unregistered fp8 format storing second moments as ``second_moment`` (``"e4m3_sr"``, ``"e4m3"``,
+    ``"sqrt_e4m3"``, ``"e5m2"``) with ``block_size``-element blocks (a divisor of 256), for the quality benchmark
+    that chose :data:`SECOND_MOMENT` and :data:`BLOCK_SIZE`. PyTorch paths only (the Triton twin is the registered
+    format's)."""
     if second_moment not in ("sqrt_e4m3", "e4m3", "e4m3_sr", "e5m2") or CHUNK_BLOCK % block_size:
         raise ValueError(f"no fp8 variant {second_moment!r} with blocks of {block_size}")
     return type("Fp8Variant", (Fp8,), {"second_moment": second_moment, "block_size": block_size})()
