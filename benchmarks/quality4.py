@@ -54,9 +54,11 @@ FP8_VARIANTS = {  # name: (second moment storage, block size) of an unregistered
     "hf AdamWFp8 v=sqrt-e4m3": ("sqrt_e4m3", 256),
     "hf AdamWFp8 v=e5m2": ("e5m2", 256),
     "hf AdamWFp8 B128": (fp8_format.SECOND_MOMENT, 128),
+    "hf AdamWFp8 v=e4m3-nearest": ("e4m3", 256),
 }
-"""The choices the registered ``fp8`` format ("hf AdamWFp8": m and v in e4m3, blocks of 256, as torchao's
-``AdamWFp8``) was picked from: sqrt(v) in e4m3, v in e5m2, blocks of 128."""
+"""The choices the registered ``fp8`` format ("hf AdamWFp8": m and v in e4m3, blocks of 256, v rounded
+stochastically) was picked from: v rounded to nearest (torchao's ``AdamWFp8``, the format as first merged), sqrt(v)
+in e4m3, v in e5m2, blocks of 128."""
 MIN_SIZE = 4096  # hf_optim's min_8bit_size default and torchao's smallest quantized tensor
 
 # -- simulated formats: quantize-dequantize functions of one moment ---------------------------------------------

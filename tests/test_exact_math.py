@@ -31,6 +31,8 @@ def test_compiled_sqrt_and_lerp_equal_eager():
     for weight in (0.1, 0.5, 0.9, 1.0):
         w = torch.tensor(weight)
         assert torch.equal(compiled_lerp(start, end, w), exact_math.lerp(start, end, w)), weight
+    compiled_div = torch.compile(exact_math.div, fullgraph=True)
+    assert torch.equal(compiled_div(448.0, x + 1.0), exact_math.div(448.0, x + 1.0))
 
 
 def test_lerp_is_torch_formula_and_exact_at_the_ends():
@@ -39,3 +41,13 @@ def test_lerp_is_torch_formula_and_exact_at_the_ends():
     assert torch.equal(exact_math.lerp(start, end, torch.tensor(0.0)), start)
     # within one rounding of torch.lerp (which fuses the multiply-add)
     torch.testing.assert_close(exact_math.lerp(start, end, torch.tensor(0.1)), torch.lerp(start, end, 0.1))
+
+
+def test_div_with_a_number_is_one_rounding():
+    # fp8's block scales (formats/fp8.py: 448 / absmax, absmax / 448) against numpy's IEEE float32 division, over
+    # every mantissa of a binade; torch's own ``448.0 / x`` (reciprocal, then multiply) misses about a quarter
+    x = all_mantissas(120)
+    expected = torch.from_numpy(np.float32(448.0) / x.numpy())
+    assert torch.equal(exact_math.div(448.0, x), expected)
+    assert not torch.equal(448.0 / x, expected)
+    assert torch.equal(exact_math.div(x, 448.0), torch.from_numpy(x.numpy() / np.float32(448.0)))

@@ -51,12 +51,14 @@ def round_trip_bound(state: dict, spec: StateSpec, fmt: StateFormat) -> float:
     """Largest round-trip error of one element relative to its scale (the block absmax; a rank-1 slot's
     ``min(row, col)``), from the map stored in the slot: half the widest gap between neighbouring map values, the
     whole gap next to 0 (tiny negatives keep a negative code), and the distance from the range's ends ([-1, 1]
-    signed, [0, 1] unsigned) to the nearest map value. fp32: 0."""
+    signed, [0, 1] unsigned) to the nearest map value; twice that for a slot rounded stochastically. fp32: 0."""
     if not fmt.quantized:
         return 0.0
     if spec.qmap_key not in state:  # a float8 format: its code book is the float8 type's finite values
         root = getattr(fmt, "stores_root", lambda _: False)(spec.signed)
-        return float8_bound(state[spec.key].dtype, spec.signed, root)
+        bound = float8_bound(state[spec.key].dtype, spec.signed, root)
+        # rounded stochastically, a value goes to either neighbour: up to the whole gap, not half of it
+        return 2 * bound if getattr(fmt, "rounds_stochastically", lambda _: False)(spec.signed) else bound
     qmap = state[spec.qmap_key].detach().double().sort().values
     return map_bound(qmap, spec.signed)
 

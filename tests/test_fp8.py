@@ -11,6 +11,7 @@ from test_triton_kernels import use_triton  # noqa: F401 (fixture)
 
 import hf_optim
 from hf_optim.kernels.formats import FP8, format_named
+from hf_optim.kernels.formats import fp8 as fp8_format
 from hf_optim.kernels.torch_path import cpu_compile, multi_tensor
 
 
@@ -38,6 +39,69 @@ def test_software_conversions_equal_torch_casts(use_triton):  # noqa: F811
     encoded = triton_fp8.convert(values, encode=True)
     reference = values.to(torch.float8_e4m3fn).view(torch.uint8)
     assert torch.equal(encoded, reference), f"{int((encoded != reference).sum())} of {values.numel()} codes differ"
+
+
+def torch_stochastic_codes(values: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes of non-negative ``values`` (<= 448) rounded stochastically by the PyTorch format (flat: element
+    ``i`` in lane ``i % 256``)."""
+    pad = -values.numel() % 256
+    blocked = torch.cat([values, values.new_zeros(pad)]).view(1, -1, 256)
+    return fp8_format._round_e4m3_stochastically(blocked).flatten()[: values.numel()].to(torch.float8_e4m3fn)
+
+
+def stochastic_inputs() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    boundaries = e4m3_boundaries()
+    spread = torch.exp2(torch.rand(8192, generator=gen) * 20 - 11).clamp_max(448.0)  # subnormals to 448
+    return torch.cat([boundaries[boundaries >= 0], spread])
+
+
+def test_stochastic_rounding_is_exact_unbiased_and_its_triton_twin_equal(use_triton):  # noqa: F811
+    from hf_optim.kernels import triton_fp8
+
+    values = stochastic_inputs()
+    codes = torch_stochastic_codes(values)
+    decoded = codes.float()
+    # each value goes to one of its two e4m3 neighbours (the rounded value is exact in e4m3: the cast keeps it)
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].unique()
+    above = torch.searchsorted(grid, values).clamp_max(grid.numel() - 1)
+    below = torch.searchsorted(grid, values, right=True) - 1
+    assert torch.all((decoded == grid[above]) | (decoded == grid[below]))
+    exact = grid[above] == values
+    assert torch.equal(decoded[exact], values[exact])
+    # unbiased: the mean relative rounding error of many values is far below rounding to nearest's worst (1/16)
+    inside = ~exact & (values > 2.0**-6)
+    relative = (decoded[inside] - values[inside]) / values[inside]
+    assert relative.abs().max() > 0.05 and abs(float(relative.mean())) < 2e-3
+    # the Triton twin (the integer conversion after the stochastic step) draws the same bits
+    triton_codes = triton_fp8.convert(values, encode=True, stochastic=True)
+    assert torch.equal(triton_codes, codes.view(torch.uint8))
+
+
+def test_second_moment_keeps_beta2_decay():
+    """The reason v is rounded stochastically: elements with no gradient under a block maximum that keeps moving
+    must decay as ``beta2**t``; rounded to nearest, ``0.999 * v`` rounds back to ``v`` and they never do."""
+    def decayed(fmt, steps=700):
+        gen = torch.Generator().manual_seed(1)
+        v0 = torch.exp2(torch.rand(1, 4096, generator=gen) * -10)
+        v0[:, ::256] = 1.0  # each block's maximum, fed a noisy squared gradient every step
+        codes = torch.zeros(1, 4096, dtype=torch.float8_e4m3fn)
+        absmax = torch.zeros(1, 16)
+        fmt.store(v0, [codes, absmax], False)
+        for _ in range(steps):
+            v = fmt.dequantize([codes, absmax], False, 4096)
+            g2 = torch.zeros_like(v)
+            g2[:, ::256] = 0.5 + torch.rand(1, 16, generator=gen)
+            fmt.store(0.999 * v + 0.001 * g2, [codes, absmax], False)
+        v = fmt.dequantize([codes, absmax], False, 4096)
+        others = torch.ones(4096, dtype=torch.bool)
+        others[::256] = False
+        return float((v[0, others] / v0[0, others]).mean())
+
+    expected = 0.999**700
+    assert abs(decayed(FP8) / expected - 1) < 0.03
+    assert decayed(fp8_format.variant("e4m3")) > 0.9  # rounded to nearest: stuck
 
 
 @pytest.mark.filterwarnings("ignore:hf_optim. paged optimizers")
@@ -106,3 +170,6 @@ def test_gpu_conversions_equal_torch_casts(native):
     wrong = encoded != reference
     assert not wrong.any(), [(v, hex(c), hex(r)) for v, c, r in zip(values[wrong].tolist(), encoded[wrong].tolist(),
                                                                     reference[wrong].tolist())][:8]
+    values = stochastic_inputs()
+    encoded = triton_fp8.convert(values.cuda(), encode=True, native=native, stochastic=True)
+    assert torch.equal(encoded.cpu(), torch_stochastic_codes(values).view(torch.uint8))

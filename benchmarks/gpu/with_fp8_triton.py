@@ -1,9 +1,10 @@
-"""Run a script or module with fp8's Triton branch switched on (it ships off: hf_optim/kernels/formats/fp8.py).
+"""Run a script or module with fp8's Triton branch forced on (``Fp8.triton``: on by default since its interpreter
+mismatch and sm_90 occupancy were fixed; this stays for scripts that call it, and for trying a branch switched off).
 
     python3 benchmarks/gpu/with_fp8_triton.py -m pytest -m gpu tests/test_triton_kernels.py -k Fp8
     python3 benchmarks/gpu/with_fp8_triton.py benchmarks/step_time.py --device cuda --only AdamWFp8
 
-For measuring the branch on a GPU before turning it on; nothing else changes.
+Nothing else changes.
 """
 import runpy
 import sys

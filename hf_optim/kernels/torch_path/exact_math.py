@@ -8,11 +8,16 @@ kernels too). Two torch operations are not:
   host about 0.5% of float32 inputs come out one ulp off), while inductor's code and Triton's ``sqrt_rn`` are.
 - ``torch.lerp`` rounds once through a fused multiply-add in its CPU and CUDA kernels; inductor's C++ backend
   computes the same formula with two roundings.
+- A division with a Python number on one side is not one division: ``number / tensor`` is
+  ``tensor.reciprocal() * number`` (``Tensor.__rtruediv__``, two roundings: ``448.0 / t`` is an ulp off the
+  quotient for about a quarter of fp32 ``t``), and on CUDA ``tensor / number`` multiplies by the number's fp32
+  reciprocal.
 
 :func:`sqrt` is correctly rounded on every path (eagerly on CPU it goes through float64, whose result rounds to
 the correctly rounded float32 square root; ``tests/test_exact_math.py`` checks every float32 mantissa of both
-exponent parities), and :func:`lerp` spells torch's formula out with one rounding per operation. With these, an
-algorithm's eager, compiled and Triton paths agree bit for bit.
+exponent parities), :func:`lerp` spells torch's formula out with one rounding per operation, and :func:`div`
+divides tensor by tensor (Triton's ``div_rn``). With these, an algorithm's eager, compiled and Triton paths agree
+bit for bit.
 """
 
 from __future__ import annotations
@@ -32,3 +37,13 @@ def lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.
     end, so ``weight == 1`` gives ``end`` exactly."""
     diff = end - start
     return torch.where(weight.abs() < 0.5, start + weight * diff, end + (weight - 1.0) * diff)
+
+
+def div(numerator: torch.Tensor | float, denominator: torch.Tensor | float) -> torch.Tensor:
+    """The correctly rounded quotient, elementwise, where either side may be a Python number (made a tensor like the
+    other side first, so torch divides rather than multiplying by a reciprocal), eager or compiled."""
+    if not isinstance(numerator, torch.Tensor):
+        numerator = torch.full_like(denominator, numerator)
+    elif not isinstance(denominator, torch.Tensor):
+        denominator = torch.full_like(numerator, denominator)
+    return torch.div(numerator, denominator)

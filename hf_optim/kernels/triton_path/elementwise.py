@@ -186,8 +186,10 @@ class FusedConfig:
           thread at once, so 8 fp32 values would be redistributed through shared memory before their store), and
           the configurations that take more than 64 registers at 8 (sm_80 and sm_90 only where the others stay
           under their limit): three state rows (AdEMAMix), LAMB's direction pass, on sm_80 and sm_90 4-bit state
-          with stochastic rounding or fp16 parameters, and on sm_80 stochastic rounding and 4-bit state in two
-          rows. An 8-bit block's absmax then spans two warps (a reduction through shared memory, 16 bytes)."""
+          with stochastic rounding or fp16 parameters, on sm_80 stochastic rounding and 4-bit state in two
+          rows, fp8 state with the integer conversions (sm_80), and on sm_90 fp8 state in two rows with stochastic
+          rounding (AdamW: 71 registers at 8, and a 4-byte spill under a limit of 64). An 8-bit block's absmax
+          then spans two warps (a reduction through shared memory, 16 bytes)."""
         quantized = any(code != FP32.code for code in self.formats)
         if not quantized or self.param_dtype == 0 or self.write_out or len(self.formats) > 2:
             return 4
@@ -198,6 +200,8 @@ class FusedConfig:
             return 4
         if self.arch in SM_64_WARPS and FP8.code in self.formats and not self.fp8_native:
             return 4  # fp8's integer conversions (sm_80): 80-85 registers at 8 with 16-bit parameters
+        if self.arch == 90 and FP8.code in self.formats and self.stochastic and len(self.formats) == 2:
+            return 4  # AdamW: 71 registers at 8, a 4-byte spill with a limit of 64; 48 at 4
         return 8
 
     @property
@@ -205,8 +209,10 @@ class FusedConfig:
         """``ptxas``' register limit (Triton's ``maxnreg``), or None (none). 64 for three state rows (AdEMAMix) on
         sm_80: with bf16 parameters, 4-bit state and stochastic rounding it takes 69 registers at width 4 (under 50%
         occupancy on its 64-warp SM), and ptxas fits it in 64 without spills. 64 also for whole tiles of width 8
-        with 4-bit state on sm_90: AdamW with bf16 parameters takes 68 registers there without a limit (Triton 3.9),
-        none spilled with it. And 64 for whole tiles on sm_86 and sm_89 with fp32 parameters, and for Lion's:
+        with 4-bit or fp8 state on sm_90: AdamW with bf16 parameters and 4-bit state takes 68 registers there without
+        a limit (Triton 3.9), RMSprop with fp8 state 67 (fp16 parameters) and 69 (bf16, stochastic rounding), none
+        spilled with it (the other fp8 rows of width 8 stay at or under 64 with it, a few registers lower). And 64
+        for whole tiles on sm_86 and sm_89 with fp32 parameters, and for Lion's:
         without a limit ptxas held two of them (AdamW fp32 8-bit, Lion fp16 4-bit) to 48 registers with a
         4-byte spill; with 64 they take 60-63 registers, no spill, 67% occupancy on those 48-warp SMs. The others
         (up to 72 registers; RMSprop bf16, with one state row as Lion, among them) spill with a limit of 64, some
@@ -218,7 +224,8 @@ class FusedConfig:
             return 64
         if self.arch in (86, 89) and self.full and (self.param_dtype == 0 or self.algorithm == "lion"):
             return 64
-        if self.arch == 90 and self.full and BLOCKWISE4.code in self.formats and self.whole_tile_width == 8:
+        if self.arch == 90 and self.full and self.whole_tile_width == 8 and (
+                BLOCKWISE4.code in self.formats or FP8.code in self.formats):
             return 64
         return None
 

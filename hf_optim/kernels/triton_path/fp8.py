@@ -22,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_optim.kernels.formats import fp8 as fp8_format
 from hf_optim.kernels.formats.fp8 import FP8
+from hf_optim.kernels.triton_path.rounding import mix32
 from hf_optim.kernels.triton_path.tile import block_max, launch_options, masked_load, zero_outside
 
 FMAX: tl.constexpr = tl.constexpr(448.0)
@@ -30,6 +32,9 @@ SUBNORMAL_LIMIT: tl.constexpr = tl.constexpr(2.0**-6)
 """Smallest normal e4m3 magnitude; below it the step is 2**-9."""
 ROOT_UNSIGNED: tl.constexpr = tl.constexpr(FP8.stores_root(False))
 """Whether non-negative rows hold square roots."""
+SR_UNSIGNED: tl.constexpr = tl.constexpr(FP8.rounds_stochastically(False))
+"""Whether non-negative rows are rounded stochastically (:func:`round_e4m3_stochastically`)."""
+SR_SALT: tl.constexpr = tl.constexpr(fp8_format.SR_SALT)
 EXPONENT_REBIAS: tl.constexpr = tl.constexpr((127 - 7) << 3)
 """fp32 and e4m3 exponent biases (127, 7), in units of e4m3's 3 mantissa bits."""
 
@@ -75,6 +80,21 @@ def encode_e4m3(scaled, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def round_e4m3_stochastically(scaled, lane):
+    """Twin of ``formats.fp8._round_e4m3_stochastically``: non-negative fp32 ``scaled`` (<= 448) rounded to e4m3
+    values, up with probability equal to the dropped fraction, from 20 bits hashed from the value's bits and its
+    ``lane`` in its 256-element block (uint32 arithmetic: the PyTorch twin's masked int64 values)."""
+    bits = scaled.to(tl.uint32, bitcast=True)
+    random = mix32(mix32(bits ^ SR_SALT) ^ lane.to(tl.uint32)) >> 12
+    normal = tl.minimum((((bits + random) >> 20) << 20).to(tl.float32, bitcast=True), FMAX)
+    steps = scaled * 512.0  # exact: a power-of-two scaling
+    whole = tl.floor(steps)
+    up = (steps - whole) * 1048576.0 > random.to(tl.float32)  # both sides exact
+    subnormal = (whole + up.to(tl.float32)) * (2.0**-9)
+    return tl.where(scaled < SUBNORMAL_LIMIT, subnormal, normal)
+
+
+@triton.jit
 def load_state_fp8(codes_ptr, absmax_ptr, blocks, offs, mask, block_mask, SIGNED: tl.constexpr, NATIVE: tl.constexpr):
     """fp32 values of an fp8 row (squared when the row holds square roots)."""
     codes = masked_load(codes_ptr + offs, mask, 0)
@@ -86,36 +106,46 @@ def load_state_fp8(codes_ptr, absmax_ptr, blocks, offs, mask, block_mask, SIGNED
 
 
 @triton.jit
-def quantize_fp8(values, mask, SIGNED: tl.constexpr, NATIVE: tl.constexpr):
+def quantize_fp8(values, offs, mask, SIGNED: tl.constexpr, NATIVE: tl.constexpr):
     """(e4m3 bytes, absmax per 256-block) of fp32 tile ``values`` (their square roots for a non-negative row of a
-    format storing them); lanes outside ``mask`` count as 0."""
+    format storing them; rounded stochastically for a non-negative row of a format doing so, ``offs`` being the
+    elements' indices in their tensor, whose blocks start at multiples of 256); lanes outside ``mask`` count as
+    0."""
     if ROOT_UNSIGNED and not SIGNED:
         values = tl.sqrt_rn(tl.maximum(values, 0.0))
     values = zero_outside(values, mask)
     absmax = block_max(tl.abs(values))
     reciprocal = tl.where(absmax > 0.0, tl.div_rn(FMAX, tl.where(absmax > 0.0, absmax, 1.0)), 0.0)
     scaled = tl.clamp(values * reciprocal[:, None, None, None], -FMAX, FMAX)
+    if SR_UNSIGNED and not SIGNED:
+        scaled = round_e4m3_stochastically(scaled, offs & 255)
     return encode_e4m3(scaled, NATIVE), absmax
 
 
 @triton.jit
-def _convert_kernel(values_ptr, out_ptr, n, ENCODE: tl.constexpr, NATIVE: tl.constexpr, BLOCK: tl.constexpr):
+def _convert_kernel(values_ptr, out_ptr, n, ENCODE: tl.constexpr, NATIVE: tl.constexpr, STOCHASTIC: tl.constexpr,
+                    BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     if ENCODE:
-        tl.store(out_ptr + offs, encode_e4m3(tl.load(values_ptr + offs, mask=mask, other=0.0), NATIVE), mask=mask)
+        values = tl.load(values_ptr + offs, mask=mask, other=0.0)
+        if STOCHASTIC:
+            values = round_e4m3_stochastically(values, offs & 255)
+        tl.store(out_ptr + offs, encode_e4m3(values, NATIVE), mask=mask)
     else:
         tl.store(out_ptr + offs, decode_e4m3(tl.load(values_ptr + offs, mask=mask, other=0), NATIVE), mask=mask)
 
 
-def convert(values: torch.Tensor, encode: bool, native: bool = False) -> torch.Tensor:
+def convert(values: torch.Tensor, encode: bool, native: bool = False, stochastic: bool = False) -> torch.Tensor:
     """The element conversions alone over a flat tensor, for tests and the GPU check: fp32 values in [-448, 448] to
-    e4m3 bytes (``encode``), or e4m3 bytes (uint8) to fp32."""
+    e4m3 bytes (``encode``; with ``stochastic``, values in [0, 448] rounded as non-negative slots are, element ``i``
+    in lane ``i % 256``), or e4m3 bytes (uint8) to fp32."""
     values = values.contiguous()
     out = torch.empty(values.shape, dtype=torch.uint8 if encode else torch.float32, device=values.device)
     block = 1024
     if values.numel():
         _convert_kernel[(triton.cdiv(values.numel(), block),)](values, out, values.numel(), ENCODE=encode,
-                                                               NATIVE=native, BLOCK=block, **launch_options())
+                                                               NATIVE=native, STOCHASTIC=stochastic, BLOCK=block,
+                                                               **launch_options())
     return out
 

@@ -123,7 +123,7 @@ def store_state(address, absmax_address, tables, blocks, halves, rows, offs, val
                      SIGNED, ALIGNED)
     elif FORMAT == FORMAT_FP8:
         block_mask = None if mask is None else blocks * 256 < n
-        codes, absmax = quantize_fp8(values, mask, SIGNED, FP8_NATIVE)
+        codes, absmax = quantize_fp8(values, offs, mask, SIGNED, FP8_NATIVE)
         tl.store(pointer(address, tl.uint8, ALIGNED) + offs, codes, mask=mask)
         store_per_block(absmax_address.to(tl.pointer_type(tl.float32)), blocks, rows, absmax, block_mask)
     else:
