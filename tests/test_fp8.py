@@ -57,7 +57,7 @@ def stochastic_inputs() -> torch.Tensor:
 
 
 def test_stochastic_rounding_is_exact_unbiased_and_its_triton_twin_equal(use_triton):  # noqa: F811
-    from hf_optim.kernels import triton_fp8
+    from hf_optim.kernels.triton_path import fp8 as triton_fp8
 
     values = stochastic_inputs()
     codes = torch_stochastic_codes(values)
