@@ -79,7 +79,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, ...]) -> 
     rows, cols = shape[:2]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))
-    return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr * (0.2 * math.sqrt(max(rows, cols)))  # torch's order of multiplication
 
 
 def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
@@ -110,15 +110,10 @@ def _state_bytes(shape: tuple[int, ...], quantized: bool, fmt: StateFormat) -> i
 
 
 def _adjust_trainer_kwargs(kwargs: dict, args: Any, betas: list, optim_args: dict, state_format: StateFormat) -> None:
-    """The Trainer's AdamW settings go to the AdamW side (``optim_args`` beta1/beta2 too); Muon's lr adjustment is
-    ``match_rms_adamw`` so one learning rate suits both sides (``optim_args`` adjust_lr_fn=... changes it)."""
-    adamw_betas = [args.adam_beta1, args.adam_beta2]
-    for index, beta in enumerate(betas[:2]):
-        if beta is not None:
-            adamw_betas[index] = beta
-    if any(beta is not None for beta in betas[2:]):
-        raise ValueError("optim_args beta3: Muon's AdamW side has two betas (beta1, beta2)")
-    kwargs.update(adamw_betas=tuple(adamw_betas), adamw_eps=args.adam_epsilon, adjust_lr_fn=TRAINER_ADJUST_LR_FN)
+    """The Trainer's AdamW betas and eps go to the AdamW side (``optim_args`` adamw_betas=b1;b2 overrides them);
+    Muon's lr adjustment is :data:`TRAINER_ADJUST_LR_FN` (``optim_args`` adjust_lr_fn=... overrides it)."""
+    kwargs.update(adamw_betas=(args.adam_beta1, args.adam_beta2), adamw_eps=args.adam_epsilon,
+                  adjust_lr_fn=TRAINER_ADJUST_LR_FN)
 
 
 TRAINER_ADJUST_LR_FN = "match_rms_adamw"
@@ -306,10 +301,15 @@ class Muon(HfOptimizer):
     # ----------------------------------------------------------------------------------------------------
     # The step
     def _plan_step(self, only=None):
+        """torch's plan, after refusing (before anything changes) a sharded matrix under Muon, and state whose
+        slots are the other rule's (a group's ``use_muon`` or a parameter's route changed after its first step)."""
         plan = super()._plan_step(only)
         for group_index, group, entries in plan:
             for p, _, _, overrides in entries:
-                if sharding.is_sharded(p) and self.takes_muon(p, {**group, **(overrides or {})}):
+                muon = self.takes_muon(p, {**group, **(overrides or {})})
+                if self.state[p]:
+                    self._check_slots(self.state[p], MUON_SLOTS if muon else ADAMW_SLOTS, p)
+                if muon and sharding.is_sharded(p):
                     raise ValueError(
                         f"{type(self).__name__}: a parameter of shape {tuple(p.shape)} in param group {group_index} "
                         "is sharded (FSDP2/DTensor); Muon's Newton-Schulz needs the whole matrix on one rank. Train "
@@ -325,10 +325,8 @@ class Muon(HfOptimizer):
         for item in items:
             param, grad, state, full = item
             if self.takes_muon(full, group):
-                self._check_slots(state, MUON_SLOTS, full)
                 muon_items.append(item)
             else:
-                self._check_slots(state, ADAMW_SLOTS, full)
                 self._adamw_update(param, grad, state, group)
         by_shape: dict[tuple[int, ...], list] = {}
         for item in muon_items:
