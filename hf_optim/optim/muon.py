@@ -307,8 +307,9 @@ class Muon(HfOptimizer):
         for group_index, group, entries in plan:
             for p, _, _, overrides in entries:
                 muon = self.takes_muon(p, {**group, **(overrides or {})})
-                if self.state[p]:
-                    self._check_slots(self.state[p], MUON_SLOTS if muon else ADAMW_SLOTS, p)
+                state = self.state.get(p)  # .get: the state defaultdict would add an empty entry
+                if state:
+                    self._check_slots(state, MUON_SLOTS if muon else ADAMW_SLOTS, p)
                 if muon and sharding.is_sharded(p):
                     raise ValueError(
                         f"{type(self).__name__}: a parameter of shape {tuple(p.shape)} in param group {group_index} "
