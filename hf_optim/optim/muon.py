@@ -218,8 +218,8 @@ class Muon(HfOptimizer):
         if fn not in ADJUST_LR_FNS:
             close = difflib.get_close_matches(str(fn), [f for f in ADJUST_LR_FNS if f], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"adjust_lr_fn={fn!r} is not supported{hint} (valid: None, 'original', "
-                             "'match_rms_adamw')")
+            raise ValueError(f"Adjust learning rate function {fn} is not supported (adjust_lr_fn={fn!r}){hint}; "
+                             "valid: None, 'original', 'match_rms_adamw'")
         if group["use_muon"] not in (True, False, None):
             raise ValueError(f"use_muon must be True, False or None (route by shape), got {group['use_muon']!r}")
         if group["adamw_lr"] is not None:
