@@ -116,6 +116,33 @@ def test_release_gradients_steps_each_matrix_as_step_does():
         assert torch.equal(p, q)
 
 
+def test_bf16_parameters_round_stochastically_around_the_fp32_update():
+    """bf16 matrices with ``bf16_stochastic_round``: each new value is one of the two bf16 neighbours of the update
+    computed in fp32 (an fp32 twin from the same values and gradient), and not always the nearest."""
+    params = make_params([(96, 64)], dtype=torch.bfloat16)
+    twin = [torch.nn.Parameter(params[0].detach().float())]
+    opt = Muon(params, lr=0.02, bf16_stochastic_round=True)
+    set_grads(params, 0)
+    twin[0].grad = params[0].grad.float()
+    opt.step()
+    Muon(twin, lr=0.02).step()
+    exact, got = twin[0].detach(), params[0].detach().float()
+    nearest = exact.bfloat16()
+    toward = torch.where(nearest.float() > exact, torch.tensor(-math.inf), torch.tensor(math.inf)).bfloat16()
+    other = torch.nextafter(nearest, toward).float()
+    assert bool(((got == nearest.float()) | ((got == other) & (nearest.float() != exact))).all())
+    assert not torch.equal(got, nearest.float())
+
+
+def test_a_non_finite_gradient_element_leaves_its_momentum_and_the_rest_finite():
+    params = make_params([(40, 30)])
+    opt = Muon(params, lr=0.02)
+    set_grads(params, 0)
+    params[0].grad[3, 4] = float("nan")
+    opt.step()
+    assert torch.isfinite(params[0]).all() and opt.state[params[0]]["state1"][3, 4] == 0
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 8-bit and 4-bit momentum against 32-bit
 @pytest.mark.parametrize("fmt,cosine,relative", [("blockwise8", 0.999, 0.03), ("blockwise4", 0.98, 0.25),

@@ -13,6 +13,9 @@ by its shape and by the marks :func:`hf_optim.integrations.muon_routing.route_mo
 so state dicts, paging and formats stay those of one :class:`~hf_optim.optim.base.HfOptimizer`. A parameter under
 the AdamW rule keeps bitsandbytes' two AdamW slots (``state1`` signed, ``state2`` unsigned) in the group's format and
 steps exactly as :class:`hf_optim.AdamW` (the same rule and scalars).
+
+Non-finite gradient elements follow hf_optim's elementwise convention: their momentum is left as it was and they
+enter Newton-Schulz as 0, so one NaN does not turn the whole matrix into NaN (torch.optim.Muon's would).
 """
 
 from __future__ import annotations
