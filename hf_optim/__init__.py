@@ -46,6 +46,16 @@ from hf_optim.optim.lion import (
     PagedLion8bit,
     PagedLion32bit,
 )
+from hf_optim.optim.muon import (
+    Muon,
+    Muon4bit,
+    Muon8bit,
+    Muon32bit,
+    PagedMuon,
+    PagedMuon4bit,
+    PagedMuon8bit,
+    PagedMuon32bit,
+)
 from hf_optim.optim.registry import Family, UnknownAlgorithmError, families, lookup_algorithm, register_algorithm
 from hf_optim.optim.rmsprop import RMSprop, RMSprop8bit, RMSprop32bit
 from hf_optim.optim.trainer_mapping import TrainerMapping
@@ -62,7 +72,8 @@ __all__ = [
     "PagedAdEMAMix8bit", "PagedAdEMAMix32bit",
     "LAMB", "LAMB8bit", "LAMB32bit", "PagedLAMB", "PagedLAMB8bit", "PagedLAMB32bit",
     "Lion", "Lion4bit", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion4bit", "PagedLion8bit", "PagedLion32bit",
-    "RMSprop", "RMSprop8bit", "RMSprop32bit", "Adafactor", "RelativeStepSchedule",
+    "RMSprop", "RMSprop8bit", "RMSprop32bit", "Muon", "Muon4bit", "Muon8bit", "Muon32bit", "PagedMuon",
+    "PagedMuon4bit", "PagedMuon8bit", "PagedMuon32bit", "Adafactor", "RelativeStepSchedule",
     "HfOptimizer", "StateDictError", "OptimizerName", "available_optimizers", "StateMemory", "state_memory",
     "last_complete_checkpoint",
     "Algorithm", "StateSpec", "TrainerMapping", "TritonPlan", "Family", "register_algorithm", "lookup_algorithm",

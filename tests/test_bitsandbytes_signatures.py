@@ -18,6 +18,8 @@ NO_NAMESAKE = {
     "AdamW4bitRank1", "PagedAdamW4bitRank1", "AdEMAMix4bitRank1", "PagedAdEMAMix4bitRank1",
     "AdamWFp8", "PagedAdamWFp8", "AdEMAMixFp8", "PagedAdEMAMixFp8", "LionFp8", "PagedLionFp8",
     "PagedLAMB", "PagedLAMB8bit", "PagedLAMB32bit", "Adafactor",
+    "Muon", "Muon4bit", "Muon8bit", "Muon32bit", "MuonFp8", "PagedMuon", "PagedMuon4bit", "PagedMuon8bit",
+    "PagedMuon32bit", "PagedMuonFp8",
 }
 LAMB_FAMILY = {"LAMB", "LAMB8bit", "LAMB32bit"}
 DIFFERENT_DEFAULTS = {

@@ -311,6 +311,10 @@ def own_error_inputs(cls):
     cases = [(None, relative(cls, lr=1e-2, weight_decay=-1), ValueError, "Invalid weight_decay value: -1")]
     if issubclass(cls, hf_optim.RMSprop):
         return cases + [(None, {"lr": 1e-2, "momentum": -1.0}, ValueError, "Invalid momentum value: -1.0")]
+    if issubclass(cls, hf_optim.Muon):  # torch.optim.Muon's checks (hf_optim's wording for lr and momentum)
+        return cases + [(None, {"momentum": -1.0}, ValueError, "Invalid momentum value: -1.0"),
+                        (None, {"adjust_lr_fn": "bogus"}, ValueError, "Adjust learning rate function bogus is not"),
+                        (None, {"lr": -1e-2}, ValueError, "Invalid learning rate: -0.01")]
     betas = (1.0, 0.0, 0.0) if issubclass(cls, hf_optim.AdEMAMix) else (1.0, 0.0)
     zero_first = (0.0, 1.0, 0.5) if issubclass(cls, hf_optim.AdEMAMix) else (0.0, 1.0)
     return cases + [

@@ -17,6 +17,9 @@ _BETA_KEYS = ("beta1", "beta2", "beta3")
 _FIXED_BY_NAME = ("is_paged", "optim_bits", "state_format")
 """What the ``optim=`` name itself decides (paging and state format): not an ``optim_args`` key."""
 _NOT_FROM_OPTIM_ARGS = {"self", "params", "args", *_FIXED_BY_NAME}
+_TEXT_KEYS = ("adjust_lr_fn",)
+"""Keys whose values are names, kept as text ("none": None); the class checks them (Muon's ``adjust_lr_fn``)."""
+_BOOL_OR_NONE_KEYS = ("use_muon",)
 
 
 class OptimArgsError(ValueError):
@@ -55,7 +58,11 @@ def _convert(key: str, raw: str, default: Any, entry: OptimizerName) -> Any:
     def fail(expected: str) -> OptimArgsError:
         return OptimArgsError(f"optim_args {key}={raw!r} for optim={entry.name!r}: expected {expected}")
 
-    if isinstance(default, bool):
+    if key in _TEXT_KEYS:
+        return None if raw.lower() == "none" else raw
+    if key in _BOOL_OR_NONE_KEYS and raw.lower() == "none":
+        return None
+    if isinstance(default, bool) or key in _BOOL_OR_NONE_KEYS:
         lowered = raw.lower()
         if lowered in ("true", "1", "yes"):
             return True

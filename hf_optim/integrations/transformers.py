@@ -106,6 +106,9 @@ def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None, name: st
     kwargs = optimizer_kwargs(entry, args)
     if kwargs.get("release_gradients"):
         check_release_arguments(args)
+    route = getattr(entry.cls, "route_model", None)  # Muon: which parameters take Muon, which AdamW
+    if model is not None and route is not None:
+        logger.info("optim=%r routes %s", name, route(model, kwargs).describe())
     if model is not None and entry.state_format.quantized:
         skipped = keep_embeddings_32bit(model)
         if skipped:

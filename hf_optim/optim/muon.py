@@ -1,0 +1,459 @@
+"""Muon (Jordan et al. 2024) with ``torch.optim.Muon`` semantics, in every state format and paged, with an AdamW
+rule for the parameters Muon is not for (embeddings, LM head, norms, biases) in the same optimizer.
+
+A Muon step has two parts. The momentum update is elementwise and goes through the state formats like every other
+algorithm (decode the momentum, :func:`muon_momentum_rule` in fp32, encode): the one ``state1`` slot (signed) is
+what 8-bit and 4-bit Muon store in 1 or 0.5 bytes per element. The orthogonalization (:func:`newton_schulz`) is five
+bf16 matmul iterations on the whole matrix, batched over the same-shaped matrices of a param group (the projections
+of every layer share shapes: one ``baddbmm`` per iteration instead of one ``addmm`` per matrix; on CPU both give the
+same bits). The parameter update is torch's: ``p.mul_(1 - lr * wd)`` then ``p.add_(O, alpha=-adjusted_lr)``.
+
+Each param group says which rule its parameters take (``use_muon``: True, False, or None to route each parameter
+by its shape and by the marks :func:`hf_optim.integrations.muon_routing.route_model` puts on a model's parameters),
+so state dicts, paging and formats stay those of one :class:`~hf_optim.optim.base.HfOptimizer`. A parameter under
+the AdamW rule keeps bitsandbytes' two AdamW slots (``state1`` signed, ``state2`` unsigned) in the group's format and
+steps exactly as :class:`hf_optim.AdamW` (the same rule and scalars).
+
+Non-finite gradient elements follow hf_optim's elementwise convention: their momentum is left as it was and they
+enter Newton-Schulz as 0, so one NaN does not turn the whole matrix into NaN (torch.optim.Muon's would).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import math
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+
+from hf_optim.kernels import exact_math, multi_tensor, rounding
+from hf_optim.kernels.algorithm import Algorithm
+from hf_optim.kernels.formats import FP32, StateFormat
+from hf_optim.kernels.state_store import StateSpec, init_slot, slot_bytes, slot_layouts, slot_tensors
+from hf_optim.optim import sharding
+from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_real, check_weight_decay
+from hf_optim.optim.adamw import ADAMW, adamw_hyper, adamw_rule
+from hf_optim.optim.base import HfOptimizer
+from hf_optim.optim.registry import register_algorithm
+from hf_optim.optim.trainer_mapping import TrainerMapping
+
+NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
+"""Keller Jordan's quintic Newton-Schulz coefficients (torch.optim.Muon's defaults)."""
+NS_EPS = 1e-7
+NS_STEPS = 5
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+MUON_ROUTE_ATTR = "hf_optim_muon_route"
+"""A parameter attribute set by :func:`hf_optim.integrations.muon_routing.route_model`: ``"muon"``, ``"adamw"`` or
+``"lora"``; read by groups with ``use_muon=None``."""
+ROUTES = ("muon", "adamw", "lora")
+BATCH_BYTES = 256 << 20
+"""Most bytes of fp32 updates orthogonalized in one batched matmul (a larger matrix is a batch alone)."""
+
+MUON_SLOTS = (StateSpec("state1", signed=True),)
+ADAMW_SLOTS = ADAMW.slots
+
+
+class MuonHyper(NamedTuple):
+    """The scalars of the momentum update."""
+
+    one_minus_momentum: float  # buf.lerp_(grad, 1 - momentum)
+    update_weight: float  # grad.lerp(buf, momentum) with Nesterov; 1.0 without (lerp(grad, buf, 1) is buf exactly)
+
+
+def muon_momentum_rule(param, grad, states, h: MuonHyper):
+    """Muon's momentum on fp32 tensors, as torch.optim.Muon computes it: returns the update to orthogonalize."""
+    (buf,) = states
+    buf = exact_math.lerp(buf, grad, h.one_minus_momentum)
+    update = exact_math.lerp(grad, buf, h.update_weight)
+    return update, [buf]
+
+
+def muon_hyper(group: dict, step: int) -> MuonHyper:
+    momentum = group["momentum"]
+    return MuonHyper(one_minus_momentum=1.0 - momentum, update_weight=momentum if group["nesterov"] else 1.0)
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
+    """torch.optim.Muon's learning-rate adjustment for a matrix of ``shape`` (A, B): ``sqrt(max(1, A/B))`` for
+    None / ``"original"`` (Keller Jordan's), ``0.2 * sqrt(max(A, B))`` for ``"match_rms_adamw"`` (Moonshot's: the
+    update's RMS matches AdamW's, so AdamW's lr and weight decay carry over)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    return lr * (0.2 * math.sqrt(max(rows, cols)))  # torch's order of multiplication
+
+
+def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                  eps: float) -> torch.Tensor:
+    """Orthogonalize a batch of matrices ``(batch, A, B)`` as torch.optim.Muon's ``_zeropower_via_newtonschulz``
+    does each one: in bf16, transposed when ``A > B``, divided by its Frobenius norm (clamped at ``eps``), then
+    ``steps`` quintic iterations. Returns bf16 ``(batch, A, B)``."""
+    a, b, c = coefficients
+    x = updates.bfloat16()
+    tall = updates.size(-2) > updates.size(-1)
+    if tall:
+        x = x.mT
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
+    return x.mT if tall else x
+
+
+def _state_bytes(shape: tuple[int, ...], quantized: bool, fmt: StateFormat) -> int:
+    """Bytes of one tensor's state when routed by shape (``use_muon=None`` without marks): a matrix keeps Muon's
+    momentum, anything else AdamW's two moments. (An embedding or LM head that the Trainer routes to AdamW keeps two
+    slots: the estimator, which sees only shapes, counts one for it.)"""
+    stored = fmt if quantized else FP32
+    slots = MUON_SLOTS if len(shape) == 2 else ADAMW_SLOTS
+    return sum(slot_bytes(spec, math.prod(shape), stored, shape) for spec in slots)
+
+
+def _adjust_trainer_kwargs(kwargs: dict, args: Any, betas: list, optim_args: dict, state_format: StateFormat) -> None:
+    """The Trainer's AdamW betas and eps go to the AdamW side (``optim_args`` adamw_betas=b1;b2 overrides them);
+    Muon's lr adjustment is :data:`TRAINER_ADJUST_LR_FN` (``optim_args`` adjust_lr_fn=... overrides it)."""
+    kwargs.update(adamw_betas=(args.adam_beta1, args.adam_beta2), adamw_eps=args.adam_epsilon,
+                  adjust_lr_fn=TRAINER_ADJUST_LR_FN)
+
+
+TRAINER_ADJUST_LR_FN = "match_rms_adamw"
+"""Provisional default under the Trainer: with it the Trainer's one ``learning_rate`` suits both the Muon and the
+AdamW side (Moonshot, arXiv 2502.16982); the class default stays torch's (None, Keller Jordan's scaling)."""
+
+MUON = Algorithm(
+    name="muon",
+    class_name="Muon",
+    slots=MUON_SLOTS,
+    hyper=MuonHyper,
+    hyper_at=muon_hyper,
+    rule=muon_momentum_rule,
+    state_bytes=_state_bytes,
+    variant_formats=None,  # every registered format that suits a signed momentum: 32-bit, 8-bit, 4-bit, fp8
+    trainer=TrainerMapping(names=None, adjust=_adjust_trainer_kwargs),
+)
+
+
+class Muon(HfOptimizer):
+    """Muon for 2-D hidden matrices, with torch.optim.Muon's math, and AdamW for every other parameter, in one
+    optimizer and one state format.
+
+    Muon: ``buf.lerp_(g, 1 - momentum)``; ``u = g.lerp(buf, momentum)`` (Nesterov) or ``buf``; ``O = NS(u)``
+    (bf16 Newton-Schulz); ``p *= 1 - lr * weight_decay``; ``p -= adjusted_lr * O``. The momentum is stored in the
+    state format (``state_format`` / ``optim_bits``): 8-bit Muon keeps 1 byte per element of state, 4-bit half one.
+
+    Which rule a parameter takes is its param group's ``use_muon``: True (Muon; every parameter must be 2-D), False
+    (AdamW, exactly :class:`hf_optim.AdamW`'s step with ``adamw_betas``/``adamw_eps`` and the lr and weight decay
+    below), or None (default: per parameter, the route the Trainer integration marked on it, else Muon for 2-D
+    tensors and AdamW for the rest; conv and other >2-D weights therefore take AdamW). Every hyperparameter may be
+    set per group, as with any torch optimizer.
+
+    Args:
+        params: iterable of parameters or parameter groups.
+        lr (float, default 1e-3): Muon's learning rate (torch's default); adjusted per matrix by ``adjust_lr_fn``.
+        weight_decay (float, default 0.1): decoupled weight decay, ``p *= 1 - lr * weight_decay`` (torch's default).
+        momentum (float, default 0.95): momentum factor, in [0, 1].
+        nesterov (bool, default True): Nesterov momentum.
+        ns_coefficients (tuple[float, float, float], default (3.4445, -4.775, 2.0315)): Newton-Schulz coefficients.
+        eps (float, default 1e-7): the norm before Newton-Schulz is clamped at ``eps``.
+        ns_steps (int, default 5): Newton-Schulz iterations (1 to 99).
+        adjust_lr_fn (str | None, default None): None or ``"original"`` (``lr * sqrt(max(1, A/B))``), or
+            ``"match_rms_adamw"`` (``0.2 * lr * sqrt(max(A, B))``, so AdamW's lr carries over).
+        use_muon (bool | None, default None): the rule of the group's parameters (see above).
+        muon_lora (bool, default True): with ``use_muon=None``, whether parameters marked as LoRA adapters (by the
+            Trainer integration) take Muon (True) or AdamW (False). Provisional default.
+        adamw_lr (float | None, default None): the AdamW rule's learning rate; None: the group's ``lr``. A number is
+            scaled by the group's schedule (``lr / initial_lr``, which torch's LR schedulers maintain), so the AdamW
+            side follows the same schedule.
+        adamw_betas (tuple[float, float], default (0.9, 0.999)): the AdamW rule's betas.
+        adamw_eps (float, default 1e-8): the AdamW rule's eps.
+        adamw_weight_decay (float | None, default None): the AdamW rule's weight decay; None: the group's
+            ``weight_decay``.
+    """
+
+    definition = MUON
+    bitsandbytes_order = ("optim_bits", "min_8bit_size", "is_paged")
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = NS_EPS,
+        ns_steps: int = NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        use_muon: bool | None = None,
+        muon_lora: bool = True,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float | None = None,
+        **options,
+    ) -> None:
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=bool(nesterov),
+            ns_coefficients=as_tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            use_muon=use_muon, muon_lora=bool(muon_lora), adamw_lr=adamw_lr, adamw_betas=as_tuple(adamw_betas),
+            adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
+        )
+        super().__init__(params, defaults, **options)
+
+    def _check_group(self, group: dict) -> None:
+        super()._check_group(group)
+        check_lr(group["lr"])
+        check_weight_decay(group["weight_decay"])
+        check_real("momentum", group["momentum"], low=0.0, high=1.0, label="momentum value")
+        coefficients = group["ns_coefficients"]
+        if not isinstance(coefficients, tuple) or len(coefficients) != 3:
+            raise ValueError(f"ns_coefficients must be a tuple of 3 floats (a, b, c), got {coefficients!r}")
+        for name, value in zip("abc", coefficients):
+            check_real(f"ns_coefficients {name}", value)
+        steps = group["ns_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < 100:
+            raise ValueError(f"ns_steps must be an integer from 1 to 99, got {steps!r}")
+        check_eps(group["eps"])
+        fn = group["adjust_lr_fn"]
+        if fn not in ADJUST_LR_FNS:
+            close = difflib.get_close_matches(str(fn), [f for f in ADJUST_LR_FNS if f], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"Adjust learning rate function {fn} is not supported (adjust_lr_fn={fn!r}){hint}; "
+                             "valid: None, 'original', 'match_rms_adamw'")
+        if group["use_muon"] not in (True, False, None):
+            raise ValueError(f"use_muon must be True, False or None (route by shape), got {group['use_muon']!r}")
+        if group["adamw_lr"] is not None:
+            check_lr(group["adamw_lr"])
+        check_betas(group["adamw_betas"], 2)
+        check_eps(group["adamw_eps"], "adamw_eps")
+        if group["adamw_weight_decay"] is not None:
+            check_weight_decay(group["adamw_weight_decay"])
+        if group["use_muon"]:
+            for index, p in enumerate(group["params"]):
+                if p.ndim != 2:
+                    raise ValueError(
+                        f"Muon orthogonalizes 2-D matrices; parameter {index} of a use_muon=True group has shape "
+                        f"{tuple(p.shape)}. Put it in a group with use_muon=False (AdamW), or leave use_muon unset "
+                        "(None) to route every parameter by its shape"
+                    )
+
+    @classmethod
+    def route_model(cls, model: torch.nn.Module, kwargs: dict) -> MuonRoutes:
+        """Mark which rule each trainable parameter of ``model`` takes under ``use_muon=None`` (the Trainer's
+        groups): see :func:`route_model`. Called by the Trainer integration with the constructor ``kwargs``."""
+        return route_model(model, muon_lora=kwargs.get("muon_lora", True))
+
+    # ----------------------------------------------------------------------------------------------------
+    # Which rule a parameter takes, and its state
+    @staticmethod
+    def takes_muon(p: torch.Tensor, group: dict) -> bool:
+        """Whether parameter ``p`` of ``group`` steps with Muon (else AdamW); see the class docstring."""
+        if group["use_muon"] is not None:
+            return bool(group["use_muon"])
+        route = getattr(p, MUON_ROUTE_ATTR, None)
+        if route == "adamw" or p.ndim != 2:
+            return False
+        return route != "lora" or bool(group["muon_lora"])
+
+    def _init_state(self, full: torch.Tensor, group: dict, state: dict) -> None:
+        param = sharding.local_tensor(full)
+        state["step"] = 0
+        fmt = self._state_format(full, group)
+        for spec in MUON_SLOTS if self.takes_muon(full, group) else ADAMW_SLOTS:
+            init_slot(state, spec, param, fmt, self._allocate)
+
+    @contextlib.contextmanager
+    def _reading_slots(self, specs: tuple[StateSpec, ...]):
+        """Let the base class's state-dict helpers, which read ``self.state_specs``, see ``specs``: both rules' slots
+        (AdamW's are a superset of Muon's ``state1``) when loading, paging or exporting state, or the slots one
+        parameter's state holds when checking it."""
+        had = "state_specs" in self.__dict__
+        saved = self.__dict__.get("state_specs")
+        self.__dict__["state_specs"] = specs
+        try:
+            yield
+        finally:
+            if had:
+                self.__dict__["state_specs"] = saved
+            else:
+                del self.__dict__["state_specs"]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        with self._reading_slots(ADAMW_SLOTS):  # state2 of AdamW-ruled parameters goes through the allocator too
+            super().load_state_dict(state_dict)
+
+    def _page_state_again(self) -> None:
+        with self._reading_slots(ADAMW_SLOTS):
+            super()._page_state_again()
+
+    def _state_dims(self, key: str, ndim: int, state=None):
+        with self._reading_slots(ADAMW_SLOTS):
+            return super()._state_dims(key, ndim, state)
+
+    def _check_loaded_state(self, param: torch.Tensor, state: dict, index) -> None:
+        """A Muon-ruled parameter has one slot, an AdamW-ruled one two: check the state against the set it holds
+        (any other set, another algorithm's state, still raises)."""
+        present = {k for k in state if k.startswith("state")}
+        specs = ADAMW_SLOTS if present == {spec.key for spec in ADAMW_SLOTS} else MUON_SLOTS
+        with self._reading_slots(specs):
+            super()._check_loaded_state(param, state, index)
+
+    # ----------------------------------------------------------------------------------------------------
+    # The step
+    def _plan_step(self, only=None):
+        """torch's plan, after refusing (before anything changes) a sharded matrix under Muon, and state whose
+        slots are the other rule's (a group's ``use_muon`` or a parameter's route changed after its first step)."""
+        plan = super()._plan_step(only)
+        for group_index, group, entries in plan:
+            for p, _, _, overrides in entries:
+                muon = self.takes_muon(p, {**group, **(overrides or {})})
+                state = self.state.get(p)  # .get: the state defaultdict would add an empty entry
+                if state:
+                    self._check_slots(state, MUON_SLOTS if muon else ADAMW_SLOTS, p)
+                if muon and sharding.is_sharded(p):
+                    raise ValueError(
+                        f"{type(self).__name__}: a parameter of shape {tuple(p.shape)} in param group {group_index} "
+                        "is sharded (FSDP2/DTensor); Muon's Newton-Schulz needs the whole matrix on one rank. Train "
+                        "with DDP (whole gradients), or put sharded matrices in a use_muon=False (AdamW) group"
+                    )
+        return plan
+
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
+        self._update_group(group, 0, [(param, grad, state, param if full is None else full)])
+
+    def _update_group(self, group: dict, group_index: int, items: list) -> None:
+        muon_items = []
+        for item in items:
+            param, grad, state, full = item
+            if self.takes_muon(full, group):
+                muon_items.append(item)
+            else:
+                self._adamw_update(param, grad, state, group)
+        by_shape: dict[tuple[int, ...], list] = {}
+        for item in muon_items:
+            by_shape.setdefault(tuple(item[0].shape), []).append(item)
+        for shape, same in by_shape.items():
+            for batch in multi_tensor.consecutive_pieces(same, lambda item: 4 * item[0].numel(), BATCH_BYTES):
+                self._muon_batch(group, shape, batch)
+
+    @staticmethod
+    def _check_slots(state: dict, specs: tuple[StateSpec, ...], p: torch.Tensor) -> None:
+        present = {k for k in state if k.startswith("state")}
+        if present != {spec.key for spec in specs}:
+            rule = "Muon" if specs is MUON_SLOTS else "AdamW"
+            raise ValueError(
+                f"a parameter of shape {tuple(p.shape)} now takes the {rule} rule but its state holds {sorted(present)}"
+                " (its group's use_muon or route changed after its state was created); keep use_muon as it was, or "
+                "start this parameter's state afresh"
+            )
+
+    def _muon_batch(self, group: dict, shape: tuple[int, ...], batch: list) -> None:
+        """Momentum of each matrix through its state format, one batched Newton-Schulz, then torch's update."""
+        updates = torch.empty((len(batch), *shape), dtype=torch.float32, device=batch[0][0].device)
+        for row, (param, grad, state, _) in zip(updates, batch):
+            self._run_rule(self.rule, param, grad, state, self._hyper(group, state["step"]), out=row.view(-1))
+        orthogonal = newton_schulz(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        lr = float(group["lr"])
+        step_lr = adjusted_lr(lr, group["adjust_lr_fn"], shape)
+        decay = 1 - lr * group["weight_decay"]
+        for (param, _, state, _), update in zip(batch, orthogonal):
+            stream = self._stream(group, state, param)
+            if stream is None:
+                param.mul_(decay)
+                param.add_(update, alpha=-step_lr)
+            else:  # bf16 stochastic rounding of the new value, computed in fp32
+                values = param.float().mul_(decay).add_(update.float(), alpha=-step_lr)
+                rounding.write_rounded(param, values, stream.ordinal, stream.key)
+
+    def _adamw_update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        """hf_optim.AdamW's step (its rule and scalars) on the parameter's two slots."""
+        if param.numel() == 0:
+            return
+        hyper = adamw_hyper(adamw_settings(group), state["step"])
+        flat_param = param.view(-1) if param.is_contiguous() else param.contiguous().view(-1)
+        layouts = slot_layouts(state, ADAMW_SLOTS)
+        tensors = [t for spec in ADAMW_SLOTS for t in slot_tensors(state, spec)]
+        multi_tensor.step_tensor(adamw_rule, layouts, flat_param, grad.reshape(-1), None, tensors, hyper,
+                                 stream=self._stream(group, state, param))
+        if not param.is_contiguous():
+            param.copy_(flat_param.view_as(param))
+
+
+def adamw_settings(group: dict) -> dict:
+    """The AdamW hyperparameters of ``group``'s AdamW-ruled parameters, as :func:`adamw_hyper` reads them."""
+    lr = group["lr"]
+    if group["adamw_lr"] is not None:
+        initial = group.get("initial_lr")
+        schedule = float(lr) / float(initial) if initial else 1.0  # torch's LR schedulers keep initial_lr
+        lr = group["adamw_lr"] * schedule
+    weight_decay = group["weight_decay"] if group["adamw_weight_decay"] is None else group["adamw_weight_decay"]
+    return {"lr": float(lr), "betas": group["adamw_betas"], "eps": group["adamw_eps"], "weight_decay": weight_decay}
+
+
+class MuonRoutes(NamedTuple):
+    """How :func:`route_model` split a model's trainable parameters: (tensors, elements) per rule."""
+
+    muon_tensors: int
+    muon_elements: int
+    adamw_tensors: int
+    adamw_elements: int
+
+    def describe(self) -> str:
+        return (f"Muon: {self.muon_tensors} tensors ({self.muon_elements:,} elements); AdamW: {self.adamw_tensors} "
+                f"tensors ({self.adamw_elements:,} elements)")
+
+
+def route_model(model: torch.nn.Module, muon_lora: bool = True) -> MuonRoutes:
+    """Mark every trainable parameter of ``model`` with the rule it takes in a ``use_muon=None`` group
+    (:data:`MUON_ROUTE_ATTR`): the hidden 2-D matrices Muon, the rest AdamW.
+
+    AdamW: the weights of ``model.get_input_embeddings()`` and ``model.get_output_embeddings()`` (when the model
+    has them; tied or not), of every other ``nn.Embedding``, and every parameter that is not 2-D (norms, biases,
+    conv kernels). Muon: every other 2-D weight. LoRA adapters (peft's ``lora_A`` / ``lora_B``) are marked
+    ``"lora"``: Muon when the group's ``muon_lora`` is True (``muon_lora`` here only counts them for the summary),
+    AdamW otherwise; peft's embedding adapters (``lora_embedding_A/B``) take AdamW.
+
+    Args:
+        model: the model (a transformers ``PreTrainedModel`` or any ``nn.Module``).
+        muon_lora (bool, default True): count LoRA adapters as Muon's in the returned summary.
+
+    Returns:
+        the split, as :class:`MuonRoutes`.
+    """
+    embeddings = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            embeddings.add(id(weight))
+    embeddings |= {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    counts = {"muon": [0, 0], "adamw": [0, 0]}
+    seen = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if id(p) in embeddings or p.ndim != 2 or "lora_embedding_" in name:
+            route = "adamw"
+        elif "lora_A" in name or "lora_B" in name:
+            route = "lora"
+        else:
+            route = "muon"
+        setattr(p, MUON_ROUTE_ATTR, route)
+        side = "muon" if route == "muon" or (route == "lora" and muon_lora) else "adamw"
+        counts[side][0] += 1
+        counts[side][1] += p.numel()
+    return MuonRoutes(*counts["muon"], *counts["adamw"])
+
+
+_twins = register_algorithm(MUON, Muon)
+Muon4bit = _twins["Muon4bit"]
+Muon8bit = _twins["Muon8bit"]
+Muon32bit = _twins["Muon32bit"]
+PagedMuon = _twins["PagedMuon"]
+PagedMuon4bit = _twins["PagedMuon4bit"]
+PagedMuon8bit = _twins["PagedMuon8bit"]
+PagedMuon32bit = _twins["PagedMuon32bit"]
