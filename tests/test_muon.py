@@ -233,7 +233,7 @@ def test_use_muon_none_routes_by_shape_and_by_marks():
     params = make_params([(40, 30), (30,), (2, 3, 4), (50, 20), (20, 10)])
     setattr(params[3], MUON_ROUTE_ATTR, "adamw")
     setattr(params[4], MUON_ROUTE_ATTR, "lora")
-    opt = Muon(params, muon_lora=False)
+    opt = Muon(params)  # muon_lora defaults to False: LoRA adapters take AdamW (docs/muon_defaults.md)
     run(opt, params, 1)
     slots = [sorted(k for k in opt.state[p] if k.startswith("state")) for p in params]
     assert slots == [["state1"], ["state1", "state2"], ["state1", "state2"], ["state1", "state2"],
