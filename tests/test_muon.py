@@ -454,3 +454,33 @@ def test_a_sharded_matrix_under_muon_is_refused_with_the_alternative(tmp_path):
         adamw_side.step()  # sharded parameters under the AdamW rule step as hf_optim.AdamW's shards do
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# On a GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp32", "blockwise8", "fp8"])
+def test_on_cuda_follows_torch_optim_muon(fmt):
+    """On CUDA (bf16 Newton-Schulz on the GPU's tensor cores, the momentum on whatever path the format takes there):
+    32-bit within the CPU test's bounds of ``torch.optim.Muon`` on the same GPU, 8-bit and fp8 momentum moving the
+    parameters as 32-bit does (the CPU test's cosine and size bounds)."""
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(MATRICES, seed=3)]
+    start = [p.detach().clone() for p in params]
+    reference = clones(params)
+    ours = Muon(params, lr=0.02, state_format=fmt)
+    theirs = torch.optim.Muon(reference, lr=0.02)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(10_000 + step)
+        for p, q in zip(params, reference):
+            p.grad = torch.randn(p.shape, generator=gen).cuda()
+            q.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+    for p, q, p0 in zip(params, reference, start):
+        step_lr = adjusted_lr(0.02, None, tuple(p.shape))
+        if fmt == "fp32" or p.numel() < 4096:
+            assert (p - q).abs().max() <= STEPS * step_lr * 2.0**-7, tuple(p.shape)
+            continue
+        moved, low_moved = (q - p0).flatten(), (p - p0).flatten()
+        assert torch.nn.functional.cosine_similarity(moved, low_moved, dim=0) >= 0.999
+        assert (moved - low_moved).norm() <= 0.06 * moved.norm()
