@@ -48,10 +48,12 @@ def decode_e4m3(codes, NATIVE: tl.constexpr):
         bits = codes.to(tl.int32)
         exponent = (bits >> 3) & 0xF
         mantissa = bits & 7
-        negative = (bits & 0x80) != 0
         normal = ((exponent << 3 | mantissa) + EXPONENT_REBIAS) << 20
         magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * (2.0**-9), normal.to(tl.float32, bitcast=True))
-        values = tl.where(negative, -magnitude, magnitude)
+        # the sign goes in as a bit, not by negation: compiled for a GPU, ``where(negative, -m, m)`` gave +0.0 for
+        # code 0x80 (-0.0) on an H200
+        sign = (bits & 0x80).to(tl.uint32) << 24
+        values = (magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return values
 
 
