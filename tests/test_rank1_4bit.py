@@ -13,7 +13,7 @@ import torch
 
 import hf_optim
 from hf_optim.kernels.formats import BLOCKWISE4, FORMATS, format_for_bits, format_named, rank1_quant4
-from hf_optim.kernels.formats.base import StateDictError
+from hf_optim.kernels.formats.base import StateDictError, zeroed_buffer
 from hf_optim.kernels.formats.quant4 import encoder_thresholds, qmap4
 from hf_optim.kernels.formats.rank1_4bit import RANK1_4BIT
 from hf_optim.kernels.state_store import slot_format
@@ -240,7 +240,7 @@ def test_paged_class_and_trainer_names():
 
 def test_no_flat_buffer_form():
     with pytest.raises(NotImplementedError, match="no flat-buffer"):
-        RANK1_4BIT.flat_buffers(1, 256, False, torch.device("cpu"), torch.zeros)
+        RANK1_4BIT.flat_buffers(1, 256, False, torch.device("cpu"), zeroed_buffer)
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_optim.kernels.formats import SlotLayout, StateFormat, loaded_format
-from hf_optim.kernels.formats.base import StateDictError
+from hf_optim.kernels.formats.base import StateDictError, zeroed_buffer
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,11 @@ def slot_shape(spec: StateSpec, param: torch.Tensor) -> tuple[int, ...]:
     return tuple(param.shape) if spec.rows == 1 else (spec.rows, *param.shape)
 
 
-def init_slot(state: dict, spec: StateSpec, param: torch.Tensor, fmt: StateFormat, allocate=torch.zeros) -> None:
+def init_slot(state: dict, spec: StateSpec, param: torch.Tensor, fmt: StateFormat,
+              allocate=zeroed_buffer) -> None:
     """Create one zeroed slot in ``state`` for ``param`` (its local tensor, for sharded parameters) in format
-    ``fmt``. ``allocate(shape, dtype=, device=)`` makes the big buffers, so paged memory can be plugged in."""
+    ``fmt``. ``allocate(shape, *, dtype, device, elements)`` makes the big buffers, so paged memory can be plugged
+    in (:meth:`hf_optim.kernels.formats.StateFormat.init_slot`)."""
     fmt.init_slot(state, spec, param, allocate)
 
 

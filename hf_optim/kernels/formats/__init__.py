@@ -22,7 +22,9 @@ folder holds the PyTorch math of their codes: :mod:`dynamic_map` (bitsandbytes' 
 :mod:`quant8` (8-bit blockwise quantization), :mod:`encode8` (the arithmetic 8-bit encoder's table and PyTorch
 twin), :mod:`quant4` (4-bit blockwise quantization) and :mod:`rank1_quant4` (rank-1 normalized 4-bit); fp8's
 conversion is in its format module. The Triton twins of this math are in ``hf_optim.kernels.triton_path``. Modules
-here import only torch and each other: never ``triton``, another kernels folder or a higher layer.
+here import torch, each other and two leaf helpers of the PyTorch path, ``torch_path.exact_math`` (correctly rounded
+division and ``lerp``) and ``torch_path.rounding`` (the stochastic-rounding bits, which fp8's second moments use);
+never ``triton``, ``triton_path`` or a higher layer (``tests/test_import_layers.py``).
 """
 
 from hf_optim.kernels.formats.base import (

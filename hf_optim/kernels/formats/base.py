@@ -90,7 +90,9 @@ class StateFormat:
 
     # -- allocation -------------------------------------------------------------------------------------------
     def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
-        """Create the zeroed slot ``spec`` for ``param`` (a local tensor) in ``state``."""
+        """Create the zeroed slot ``spec`` for ``param`` (a local tensor) in ``state``. ``allocate(shape, *, dtype,
+        device, elements)`` makes a zeroed buffer serving ``elements`` parameter elements: the optimizer's
+        :class:`hf_optim.paging.StateAllocator` (which pages by ``elements``), or :func:`zeroed_buffer`."""
         raise NotImplementedError
 
     def raw(self, state: dict, spec) -> list[torch.Tensor]:
@@ -183,6 +185,11 @@ class StateFormat:
 
     def __reduce__(self):  # a format pickles as its name: optimizers and their plans stay picklable
         return format_named, (self.name,)
+
+
+def zeroed_buffer(shape, *, dtype: torch.dtype, device: torch.device | str, elements: int) -> torch.Tensor:
+    """The plain allocator of a format's buffers (``torch.zeros``): for buffers that are never paged."""
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def in_blocks(rows: torch.Tensor, width: int) -> torch.Tensor:

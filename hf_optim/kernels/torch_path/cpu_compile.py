@@ -89,6 +89,7 @@ import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from hf_optim.kernels.formats import SlotLayout
+from hf_optim.kernels.formats.base import zeroed_buffer
 from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.torch_path import cpu_threads, elementwise
 
@@ -253,7 +254,7 @@ def _probe_factory(kernel: Kernel, hyper: tuple, key: torch.Tensor | None) -> Ca
         tensors = []
         for layout, rows in zip(kernel.layouts, kernel.rows):
             n = blocks * BLOCK_SIZE
-            buffers = layout.format.flat_buffers(rows, 3 * n, layout.signed, device, torch.zeros)
+            buffers = layout.format.flat_buffers(rows, 3 * n, layout.signed, device, zeroed_buffer)
             tensors += [canonical(t) for t in layout.format.kernel_chunk(buffers, n, 2 * n, layout.signed, device)]
         stochastic = (torch.zeros(blocks, dtype=torch.int64), key) if kernel.stochastic else None
         return param, grad, out, tensors, hyper, stochastic
