@@ -20,6 +20,7 @@ import torch
 from helpers import make_params, set_grads
 from test_format_conformance import element_scale, round_trip_bound
 from test_state_format import build
+from test_triton_kernels import cuda_scalars  # noqa: F401 (fixture)
 
 import hf_optim
 from hf_optim.integrations.names import OPTIMIZER_NAMES
@@ -226,3 +227,33 @@ def test_trainer_name_builds_a_class_whose_bytes_the_estimator_predicts(family, 
     tensors = [TensorCount(p.numel(), p.element_size(), tuple(p.shape), False) for p in params]
     predicted = state_bytes(name, tensors)
     assert hf_optim.state_memory(opt).total_bytes == predicted, f"the estimator prices {name} at {predicted} bytes"
+
+
+TWIN_CASES = [
+    pytest.param(family, fmt, id=f"{family.algorithm.name}-{fmt.name}")
+    for family in registry.families()
+    if family.algorithm.triton_rule is not None and family.algorithm.triton_plan.elementwise
+    for fmt in family.base._supported_formats()
+    if fmt.triton
+]
+
+
+@pytest.mark.usefixtures("cuda_scalars")
+@pytest.mark.parametrize("family,fmt", TWIN_CASES)
+def test_triton_twin_in_the_interpreter_equals_the_pytorch_rule(family, fmt, monkeypatch):
+    """Every registered elementwise algorithm's Triton twin (``optim/<algo>/triton_rule.py``), in Triton's interpreter,
+    against its PyTorch rule (dividing by scalars as on CUDA: ``cuda_scalars``, since torch's vectorized CPU division
+    is not always correctly rounded): parameters and state bit for bit after ``STEPS`` steps on fp32 tensors. (The
+    parameter dtypes, stochastic rounding and tile shapes of the built-ins: ``tests/test_triton_kernels.py``.)"""
+    from test_triton_kernels import assert_bit_identical
+
+    runs = []
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("HF_OPTIM_BACKEND", backend)
+        params = make_params(SHAPES)
+        opt = make(family, fmt, False, params)
+        run(opt, params, STEPS)
+        runs.append((opt, params, repr(opt)))  # the repr names the backend the environment selects now
+    (ref_opt, ref_params, ref_repr), (opt, params, triton_repr) = runs
+    assert "backend=triton" in triton_repr and "backend=triton" not in ref_repr
+    assert_bit_identical(ref_opt, ref_params, opt, params)
