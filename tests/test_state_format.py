@@ -82,7 +82,7 @@ def test_state_format_and_optim_bits_that_disagree_are_one_error_naming_both(kwa
 def test_an_unknown_state_format_lists_the_names_and_the_closest_one():
     p = torch.nn.Parameter(torch.randn(8))
     with pytest.raises(ValueError, match=r"Invalid state_format: 'blockwise9'; expected one of 'fp32', "
-                                         r"'blockwise8', .*'blockwise4'.*did you mean 'blockwise8'\?"):
+                                         r".*'blockwise8'.*'blockwise4'.*did you mean 'blockwise8'\?"):
         hf_optim.AdamW([p], state_format="blockwise9")
     with pytest.raises(ValueError, match="Invalid state_format: 'blockwise4'; Adafactor runs with 'fp32', "
                                          "'blockwise8'"):
@@ -182,6 +182,7 @@ def test_the_state_format_table_lists_every_registered_format():
                 "rank1_4bit": (n / 2 + 4 * (n / 128 + 128) + 4 * 16) / n,
                 "fp8": (n + 4 * n / 256) / n}
     shown = {line.split()[0]: float(line.split()[-1]) for line in table.splitlines()[1:]}
-    assert shown == pytest.approx(expected, rel=1e-3)
+    # the built-in formats against their layouts; a format registered later is priced by test_format_conformance
+    assert {name: shown[name] for name in expected} == pytest.approx(expected, rel=1e-3)
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert table in readme  # the README shows the table as it prints
