@@ -363,6 +363,23 @@ def test_route_model_marks_lora_adapters():
     assert routes.muon_tensors == 0 and routes.adamw_tensors == len(marked)
 
 
+@pytest.mark.parametrize("optim_args,warned", [(None, True), ("muon_lora=true", False)])
+def test_a_lora_run_under_a_muon_name_says_that_no_tensor_takes_muon(optim_args, warned, tmp_path, caplog):
+    peft = pytest.importorskip("peft")
+    from transformers import TrainingArguments
+
+    from hf_optim.integrations.transformers import optimizer_cls_and_kwargs
+    from hf_optim.tiny import tiny_llama
+
+    model = peft.get_peft_model(tiny_llama(layers=1), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    args = TrainingArguments(output_dir=str(tmp_path), optim="muon_8bit", optim_args=optim_args, report_to="none")
+    with caplog.at_level("INFO", logger="hf_optim"):
+        optimizer_cls_and_kwargs(args, model)
+    warnings_seen = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert (len(warnings_seen) == 1 and "muon_lora=true" in warnings_seen[0]) == warned, warnings_seen
+    assert ("Muon: 0 tensors" in caplog.text) == warned
+
+
 @pytest.mark.parametrize("name,cls", [
     ("muon", hf_optim.Muon32bit), ("muon_32bit", hf_optim.Muon32bit), ("muon_8bit", Muon8bit),
     ("muon_4bit", hf_optim.Muon4bit), ("paged_muon_8bit", hf_optim.PagedMuon8bit),

@@ -108,7 +108,12 @@ def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None, name: st
         check_release_arguments(args)
     route = getattr(entry.cls, "route_model", None)  # Muon: which parameters take Muon, which AdamW
     if model is not None and route is not None:
-        logger.info("optim=%r routes %s", name, route(model, kwargs).describe())
+        routes = route(model, kwargs)
+        logger.info("optim=%r routes %s", name, routes.describe())
+        if routes.muon_tensors == 0 and routes.adamw_tensors:
+            logger.warning(
+                "optim=%r: no trainable tensor takes Muon, every one steps with its AdamW rule (LoRA adapters take "
+                "AdamW by default, docs/muon_defaults.md); optim_args='muon_lora=true' sends adapters to Muon", name)
     if model is not None and entry.state_format.quantized:
         skipped = keep_embeddings_32bit(model)
         if skipped:

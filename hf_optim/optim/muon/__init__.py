@@ -9,7 +9,7 @@ of every layer share shapes: one ``baddbmm`` per iteration instead of one ``addm
 same bits). The parameter update is torch's: ``p.mul_(1 - lr * wd)`` then ``p.add_(O, alpha=-adjusted_lr)``.
 
 Each param group says which rule its parameters take (``use_muon``: True, False, or None to route each parameter
-by its shape and by the marks :func:`hf_optim.integrations.muon_routing.route_model` puts on a model's parameters),
+by its shape and by the marks :func:`hf_optim.optim.muon.routing.route_model` puts on a model's parameters),
 so state dicts, paging and formats stay those of one :class:`~hf_optim.optim.base.HfOptimizer`. A parameter under
 the AdamW rule keeps bitsandbytes' two AdamW slots (``state1`` signed, ``state2`` unsigned) in the group's format and
 steps exactly as :class:`hf_optim.AdamW` (the same rule and scalars).

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 MUON_ROUTE_ATTR = "hf_optim_muon_route"
-"""A parameter attribute set by :func:`hf_optim.integrations.muon_routing.route_model`: ``"muon"``, ``"adamw"`` or
+"""A parameter attribute set by :func:`hf_optim.optim.muon.routing.route_model`: ``"muon"``, ``"adamw"`` or
 ``"lora"``; read by groups with ``use_muon=None``."""
 ROUTES = ("muon", "adamw", "lora")
 
