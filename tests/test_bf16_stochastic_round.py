@@ -286,7 +286,8 @@ def test_triton_kernels_draw_the_pytorch_bits(cls, kwargs, monkeypatch):
     assert int(distance.max()) <= 1 and float((distance > 0).float().mean()) < 0.01
 
 
-@pytest.mark.parametrize("name", ["llama-3.2-1b-full", "llama-3.2-3b-full", "llama-3.1-8b-full"])
+@pytest.mark.parametrize("name", ["llama-3.2-1b-full", "llama-3.2-1b-full-muon", "llama-3.2-3b-full",
+                                  "llama-3.1-8b-full"])
 def test_full_recipes_turn_it_on(name):
     """The full recipes train bf16 weights at lr 1e-5..2e-5, where rounding to nearest drops most updates
     (docs/bf16_stochastic_rounding.md): they pass the option through optim_args, and its key is validated."""

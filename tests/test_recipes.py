@@ -43,8 +43,19 @@ def test_every_bundled_recipe_validates():
     for name in names:
         recipe = load_recipe(name)
         assert recipe.hardware, name  # every bundled recipe says what it targets
-        assert recipe.method == ("full" if name.endswith("full") else "qlora" if "qlora" in name or
+        assert recipe.method == ("full" if "full" in name.split("-") else "qlora" if "qlora" in name or
                                  name == "quickstart" else "lora"), name
+
+
+def test_muon_recipe_is_the_full_recipe_with_muon_8bit_at_the_adamw_lr():
+    """llama-3.2-1b-full-muon changes only the optimizer (and its run's names): with match_rms_adamw, the Trainer's
+    default for the muon names, the AdamW recipe's lr is the one its header promises (docs/muon_defaults.md)."""
+    muon, adamw = load_recipe("llama-3.2-1b-full-muon").to_dict(), load_recipe("llama-3.2-1b-full").to_dict()
+    assert muon["training"].pop("optim") == "muon_8bit" and adamw["training"].pop("optim") == "paged_adamw_8bit"
+    for recipe, name in ((muon, "llama-3.2-1b-full-muon"), (adamw, "llama-3.2-1b-full")):
+        assert recipe["training"].pop("output_dir") == f"runs/{name}" and recipe["logging"].pop("run_name") == name
+        recipe.pop("description")
+    assert muon == adamw
 
 
 def test_misspelled_key_in_each_section_is_reported_with_file_key_and_suggestion(tmp_path):
