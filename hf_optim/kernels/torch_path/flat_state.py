@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_optim.kernels.formats import SlotLayout
+from hf_optim.kernels.formats.base import zeroed_buffer
 from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.formats.quant8 import num_blocks
 from hf_optim.kernels.state_store import StateSpec, slot_shape
@@ -61,7 +62,7 @@ class FlatState:
         layouts: Sequence[SlotLayout],
         shapes: Sequence[torch.Size],
         device: torch.device,
-        allocate: Callable = torch.zeros,
+        allocate: Callable = zeroed_buffer,
     ) -> None:
         self.specs, self.layouts, self.device = tuple(specs), tuple(layouts), device
         self.members: list[Member] = []
