@@ -329,6 +329,27 @@ def test_estimator_prices_one_momentum_per_matrix_and_two_moments_elsewhere(name
     assert sum(v.nbytes for v in opt.state[params[2]].values() if isinstance(v, torch.Tensor)) == 2 * 4 * 512
 
 
+@pytest.mark.parametrize("lora,optim_args", [(False, None), (True, None), (True, "muon_lora=true")])
+@pytest.mark.parametrize("name", ["muon", "muon_8bit", "muon_4bit"])
+def test_estimator_prices_each_tensor_with_the_rule_the_trainer_routes_it_to(name, lora, optim_args):
+    """The tied embedding (2-D, AdamW's two moments) and the LoRA adapters (AdamW unless muon_lora) priced as the
+    Trainer-built optimizer holds them, on a Llama-shaped model."""
+    from hf_optim.recipes.estimate import trainable_tensors
+    from hf_optim.tiny import tiny_llama
+
+    model = tiny_llama(layers=1)
+    if lora:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    args = _Args()
+    args.optim_args = optim_args
+    cls, kwargs = optimizer_cls_and_kwargs(args, model, name=name)  # routes the model; the embedding keeps fp32
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = cls(params, **kwargs)
+    run(opt, params, 1)
+    assert state_bytes(name, trainable_tensors(model), optim_args) == hf_optim.state_memory(opt).total_bytes
+
+
 class _Args:
     learning_rate, adam_beta1, adam_beta2, adam_epsilon, optim_args = 1e-3, 0.9, 0.95, 1e-8, None
 

@@ -110,7 +110,8 @@ class Algorithm:
             (:class:`hf_optim.optim.trainer_mapping.TrainerMapping`; None: the default mapping).
         state_bytes: ``state_bytes(shape, quantized, fmt) -> int`` for state that is not per-element slots
             (Adafactor's factored statistics): ``fmt`` is the optimizer's :class:`StateFormat`, ``quantized``
-            whether this tensor's state is in it (else fp32); None: the slots' bytes.
+            whether this tensor's state is in it (else fp32); None: the slots' bytes. A hybrid algorithm's hook also
+            takes ``rule=`` (the rule the optimizer gives the tensor, e.g. Muon's ``"muon"`` or ``"adamw"``).
         variant_formats: the names of the formats with named classes (``<class_name><suffix>`` and their paged
             twins); default bitsandbytes' family (fp32, blockwise8); None: every registered format (a format
             registered later included). Any class runs with every format it supports through ``state_format``.
@@ -159,10 +160,13 @@ class Algorithm:
             raise TypeError(f"{self.name}: hyper_at returned {type(values).__name__}, expected {self.hyper.__name__}")
         return values
 
-    def bytes_per_tensor(self, shape: tuple[int, ...], quantized: bool, fmt: StateFormat) -> int:
+    def bytes_per_tensor(self, shape: tuple[int, ...], quantized: bool, fmt: StateFormat,
+                         rule: str | None = None) -> int:
         """Bytes of state for one tensor of ``shape`` in an optimizer of format ``fmt`` (``quantized``: this tensor's
-        slots are in ``fmt``, not fp32: it has at least ``min_8bit_size`` elements)."""
+        slots are in ``fmt``, not fp32: it has at least ``min_8bit_size`` elements; ``rule``: the rule a hybrid
+        optimizer gives it, None where only the shape decides)."""
         if self.state_bytes is not None:
-            return self.state_bytes(shape, quantized, fmt)
+            return self.state_bytes(shape, quantized, fmt) if rule is None else self.state_bytes(
+                shape, quantized, fmt, rule=rule)
         numel = math.prod(shape)
         return sum(slot_bytes(spec, numel, fmt if quantized else FP32, shape) for spec in self.slots)

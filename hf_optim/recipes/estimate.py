@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_optim.integrations.names import OPTIMIZER_NAMES
+from hf_optim.optim.muon.routing import MUON_ROUTE_ATTR, route_model
 from hf_optim.recipes.schema import Recipe
 
 MIN_8BIT_SIZE = 4096
@@ -55,12 +56,14 @@ def known_architecture(model_id: str) -> dict | None:
 
 @dataclass
 class TensorCount:
-    """One trainable tensor: elements, bytes per element, and whether it is an ``nn.Embedding`` weight."""
+    """One trainable tensor: elements, bytes per element, whether it is an ``nn.Embedding`` weight, and its route
+    for hybrid Muon (:func:`hf_optim.optim.muon.routing.route_model`: ``"muon"``, ``"adamw"`` or ``"lora"``)."""
 
     numel: int
     element_size: int
     shape: tuple[int, ...]
     embedding: bool
+    route: str | None = None
 
 
 @dataclass
@@ -104,18 +107,40 @@ class MemoryEstimate:
         return None if nbytes is None else nbytes / self.total_params
 
 
-def state_bytes(optim: str, tensors: list[TensorCount]) -> int | None:
-    """Optimizer-state bytes of ``optim`` for ``tensors`` (None when the name has no state model here)."""
+def state_bytes(optim: str, tensors: list[TensorCount], optim_args: str | None = None) -> int | None:
+    """Optimizer-state bytes of ``optim`` for ``tensors`` (None when the name has no state model here).
+    ``optim_args``: the recipe's, for a hybrid optimizer's routing (Muon's ``muon_lora``)."""
     entry = OPTIMIZER_NAMES.get(optim)
     if entry is None:
         count = TORCH_STATE_COUNT.get(optim)
         return None if count is None else sum(count * t.numel * t.element_size for t in tensors)
     algorithm = entry.algorithm
+    rule_for = getattr(entry.cls, "rule_for", None)  # a hybrid optimizer (Muon): the rule of each tensor
+    kwargs = _typed_optim_args(entry, optim_args) if rule_for else {}
     total = 0
     for t in tensors:
         quantized = entry.state_format.quantized and t.numel >= MIN_8BIT_SIZE and not t.embedding
-        total += algorithm.bytes_per_tensor(t.shape, quantized, entry.state_format)
+        rule = rule_for(t.route, len(t.shape), kwargs) if rule_for else None
+        total += algorithm.bytes_per_tensor(t.shape, quantized, entry.state_format, rule=rule)
     return total
+
+
+def trainable_tensors(model: torch.nn.Module) -> list[TensorCount]:
+    """The trainable tensors of ``model`` (a tied weight once), with their routes for hybrid Muon."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    route_model(model)  # marks each trainable parameter's route (an attribute only Muon reads)
+    return [TensorCount(p.numel(), p.element_size(), tuple(p.shape), id(p) in embeddings,
+                        getattr(p, MUON_ROUTE_ATTR, None)) for p in model.parameters() if p.requires_grad]
+
+
+def _typed_optim_args(entry, optim_args: str | None) -> dict:
+    """``optim_args`` as the class reads them ({} when absent or invalid: the recipe check reports that)."""
+    from hf_optim.integrations.optim_args import OptimArgsError, parse_optim_args, typed_optim_args
+
+    try:
+        return typed_optim_args(entry, parse_optim_args(optim_args)) if optim_args else {}
+    except OptimArgsError:
+        return {}
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -208,19 +233,12 @@ def estimate(recipe: Recipe) -> MemoryEstimate:
             for param in model.parameters():
                 if param.requires_grad:
                     param.data = param.data.to(torch.bfloat16)
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    tensors, weights = [], 0
-    for param in model.parameters():  # parameters() yields a tied weight once
-        if id(param) in quantized:
-            weights += _quantized_bytes(param, recipe.quantization or {})
-        else:
-            weights += param.numel() * param.element_size()
-        if param.requires_grad:
-            tensors.append(TensorCount(param.numel(), param.element_size(), tuple(param.shape),
-                                       id(param) in embeddings))
+    tensors = trainable_tensors(model)
+    weights = sum(_quantized_bytes(p, recipe.quantization or {}) if id(p) in quantized else p.numel() * p.element_size()
+                  for p in model.parameters())  # parameters() yields a tied weight once
     gradients = sum(t.numel * t.element_size for t in tensors)
     optim = recipe.optim
-    state = state_bytes(optim, tensors)
+    state = state_bytes(optim, tensors, recipe.training.get("optim_args"))
     if state is None:
         notes.append(f"no state model for {optim!r}: optimizer state not included")
     elif optim in TORCH_STATE_COUNT and tensors:

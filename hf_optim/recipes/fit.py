@@ -150,7 +150,7 @@ def plan(recipe: Recipe, card_bytes: int, batches: tuple[int, ...] = ()) -> FitP
     largest_two = sum(sorted((t.numel * t.element_size for t in est.tensors), reverse=True)[:2])
     results = []
     for setup in setups(recipe.optim):
-        state = state_bytes(setup.optim, est.tensors)
+        state = state_bytes(setup.optim, est.tensors, recipe.training.get("optim_args"))
         state_gpu = 0 if setup.paged else state
         gradients = largest_two if setup.release else est.gradient_bytes
         foreach_temporary = est.gradient_bytes if setup.optim in TORCH_STATE_COUNT else 0

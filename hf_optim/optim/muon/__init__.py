@@ -44,7 +44,7 @@ from hf_optim.optim.muon.newton_schulz import (
     adjusted_lr,
     newton_schulz,
 )
-from hf_optim.optim.muon.routing import MUON_ROUTE_ATTR, MuonRoutes, route_model
+from hf_optim.optim.muon.routing import MUON_ROUTE_ATTR, MuonRoutes, route_model, takes_muon
 from hf_optim.optim.registry import register_algorithm
 from hf_optim.optim.trainer_mapping import TrainerMapping
 
@@ -75,13 +75,12 @@ def muon_hyper(group: dict, step: int) -> MuonHyper:
     return MuonHyper(one_minus_momentum=1.0 - momentum, update_weight=momentum if group["nesterov"] else 1.0)
 
 
-def _state_bytes(shape: tuple[int, ...], quantized: bool, fmt: StateFormat) -> int:
-    """Bytes of one tensor's state when routed by shape (``use_muon=None`` without marks): a matrix keeps Muon's
-    momentum, anything else AdamW's two moments. (An embedding or LM head that the Trainer routes to AdamW keeps two
-    slots: the estimator, which sees only shapes, counts one for it.)"""
+def _state_bytes(shape: tuple[int, ...], quantized: bool, fmt: StateFormat, rule: str | None = None) -> int:
+    """Bytes of one tensor's state: Muon's momentum under ``rule="muon"``, AdamW's two moments under ``"adamw"``;
+    without a rule (an estimate from shapes alone) a matrix counts as Muon's, anything else as AdamW's."""
     stored = fmt if quantized else FP32
-    slots = MUON_SLOTS if len(shape) == 2 else ADAMW_SLOTS
-    return sum(slot_bytes(spec, math.prod(shape), stored, shape) for spec in slots)
+    muon = rule == "muon" if rule is not None else len(shape) == 2
+    return sum(slot_bytes(spec, math.prod(shape), stored, shape) for spec in (MUON_SLOTS if muon else ADAMW_SLOTS))
 
 
 def _adjust_trainer_kwargs(kwargs: dict, args: Any, betas: list, optim_args: dict, state_format: StateFormat) -> None:
@@ -221,6 +220,13 @@ class Muon(HfOptimizer):
         groups): see :func:`route_model`. Called by the Trainer integration with the constructor ``kwargs``."""
         return route_model(model, muon_lora=kwargs.get("muon_lora", False))
 
+    @staticmethod
+    def rule_for(route: str | None, ndim: int, kwargs: dict) -> str:
+        """``"muon"`` or ``"adamw"``: the rule of a parameter marked ``route`` by :meth:`route_model` (None:
+        unmarked), with ``ndim`` dimensions, in a Trainer-built optimizer (one group, ``use_muon=None``) with
+        constructor ``kwargs``: what the memory estimate prices."""
+        return "muon" if takes_muon(route, ndim, bool(kwargs.get("muon_lora", False))) else "adamw"
+
     # ----------------------------------------------------------------------------------------------------
     # Which rule a parameter takes, and its state
     @staticmethod
@@ -228,10 +234,7 @@ class Muon(HfOptimizer):
         """Whether parameter ``p`` of ``group`` steps with Muon (else AdamW); see the class docstring."""
         if group["use_muon"] is not None:
             return bool(group["use_muon"])
-        route = getattr(p, MUON_ROUTE_ATTR, None)
-        if route == "adamw" or p.ndim != 2:
-            return False
-        return route != "lora" or bool(group["muon_lora"])
+        return takes_muon(getattr(p, MUON_ROUTE_ATTR, None), p.ndim, bool(group["muon_lora"]))
 
     def _init_state(self, full: torch.Tensor, group: dict, state: dict) -> None:
         param = sharding.local_tensor(full)

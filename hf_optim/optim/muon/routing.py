@@ -63,7 +63,15 @@ def route_model(model: torch.nn.Module, muon_lora: bool = False) -> MuonRoutes:
         else:
             route = "muon"
         setattr(p, MUON_ROUTE_ATTR, route)
-        side = "muon" if route == "muon" or (route == "lora" and muon_lora) else "adamw"
+        side = "muon" if takes_muon(route, p.ndim, muon_lora) else "adamw"
         counts[side][0] += 1
         counts[side][1] += p.numel()
     return MuonRoutes(*counts["muon"], *counts["adamw"])
+
+
+def takes_muon(route: str | None, ndim: int, muon_lora: bool) -> bool:
+    """Whether a parameter marked ``route`` (None: unmarked) with ``ndim`` dimensions takes Muon in a group with
+    ``use_muon=None``: matrices do, unless marked ``"adamw"``, or ``"lora"`` without ``muon_lora``."""
+    if route == "adamw" or ndim != 2:
+        return False
+    return route != "lora" or muon_lora
