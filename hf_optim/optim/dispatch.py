@@ -53,8 +53,13 @@ class Dispatch:
         param = local_tensor(full)
         state["step"] = 0
         fmt = self._state_format(full, group)
-        for spec in self.state_specs:
+        for spec in self._slots_for(full, group):
             init_slot(state, spec, param, fmt, self._allocate)
+
+    def _slots_for(self, full: torch.Tensor, group: dict) -> tuple:
+        """The slots parameter ``full`` of ``group`` keeps: the algorithm's (a hybrid optimizer, Muon, picks the
+        slots of the rule the parameter takes)."""
+        return self.state_specs
 
     def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
         """Update the local tensor ``param``; ``full`` is the parameter itself (a DTensor when sharded), for

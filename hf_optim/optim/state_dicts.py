@@ -43,13 +43,23 @@ class StateDicts:
         """Map a bitsandbytes param group's keys to this optimizer's (inverse of :meth:`_to_bnb_group`)."""
         return saved
 
+    def _all_slots(self) -> tuple:
+        """Every slot a parameter's state may hold (their buffers are paged; their layouts are sharded): the
+        algorithm's; a hybrid optimizer (Muon) returns the union of its rules' slots."""
+        return self.state_specs
+
+    def _slots_of_state(self, state: Mapping) -> tuple:
+        """The slots one parameter's loaded ``state`` must hold: the algorithm's; a hybrid optimizer picks the set
+        of the rule the state was saved under."""
+        return self.state_specs
+
     def _state_dims(self, key: str, ndim: int, state: Mapping | None = None):
         """How state ``key`` of an ``ndim``-dim parameter is laid out, for sharded checkpoints (see
         :func:`hf_optim.optim.sharding.export_state`): the parameter dimension of each state dimension, a
         ``sharding.PerShard`` for state counted on the local shard (absmax vectors, packed 4-bit codes), or None
         for state that is the same on every rank. ``state`` (the parameter's state, nested or not) tells the
         slot's format."""
-        for spec in self.state_specs:
+        for spec in self._all_slots():
             if key not in (spec.key, spec.absmax_key):
                 continue
             flat = {**state, **state.get(QUANT_STATE_KEY, {})} if state is not None else {}
@@ -168,7 +178,7 @@ class StateDicts:
             # Copy: the loaded optimizer must never share (and mutate) the caller's tensors. State buffers go
             # through the allocator, which pages them for a paged optimizer as it did when they were created.
             device, elements = local_tensor(p).device, local_tensor(p).numel()
-            slots = {spec.key for spec in self.state_specs}
+            slots = {spec.key for spec in self._all_slots()}
             new_state[p] = {
                 k: (
                     (self._allocate.copy_of(v, device, elements) if k in slots else v.to(device, copy=True))
@@ -209,7 +219,8 @@ class StateDicts:
     def _check_loaded_state(self, param: torch.Tensor, state: dict, index) -> None:
         """Refuse state of another algorithm, shape or block size before it can corrupt training."""
         where = f"state of parameter {index} (shape {tuple(param.shape)})"
-        expected = {spec.key for spec in self.state_specs}
+        specs = self._slots_of_state(state)
+        expected = {spec.key for spec in specs}
         present = {k for k in state if k.startswith("state")}
         foreign = sorted(TORCH_ADAM_KEYS & set(state))
         if foreign and not present:
@@ -228,7 +239,7 @@ class StateDicts:
                 f"{where} has slots {sorted(present)}, but {type(self).__name__} ({self.algorithm}) keeps "
                 f"{sorted(expected)}: the state dict was saved by another algorithm"
             )
-        for spec in self.state_specs:
+        for spec in specs:
             fmt = loaded_format(state, spec)
             if fmt is None:
                 value = state[spec.key]
@@ -280,7 +291,7 @@ class StateDicts:
     def _page_state_again(self) -> None:
         """Move unpickled state to its parameter's device, state buffers through the allocator (managed memory
         where paging is available), exactly as :meth:`load_state_dict` places loaded state."""
-        slots = {spec.key for spec in self.state_specs}
+        slots = {spec.key for spec in self._all_slots()}
         for p, param_state in self.state.items():
             if not isinstance(p, torch.Tensor) or not isinstance(param_state, dict):
                 continue

@@ -20,7 +20,6 @@ enter Newton-Schulz as 0, so one NaN does not turn the whole matrix into NaN (to
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import math
 from collections.abc import Iterable
@@ -30,7 +29,7 @@ import torch
 
 from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.formats import FP32, StateFormat
-from hf_optim.kernels.state_store import StateSpec, init_slot, slot_bytes, slot_layouts, slot_tensors
+from hf_optim.kernels.state_store import StateSpec, slot_bytes, slot_layouts, slot_tensors
 from hf_optim.kernels.torch_path import exact_math, multi_tensor, rounding
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_real, check_weight_decay
@@ -236,48 +235,17 @@ class Muon(HfOptimizer):
             return bool(group["use_muon"])
         return takes_muon(getattr(p, MUON_ROUTE_ATTR, None), p.ndim, bool(group["muon_lora"]))
 
-    def _init_state(self, full: torch.Tensor, group: dict, state: dict) -> None:
-        param = sharding.local_tensor(full)
-        state["step"] = 0
-        fmt = self._state_format(full, group)
-        for spec in MUON_SLOTS if self.takes_muon(full, group) else ADAMW_SLOTS:
-            init_slot(state, spec, param, fmt, self._allocate)
+    def _slots_for(self, full: torch.Tensor, group: dict) -> tuple[StateSpec, ...]:
+        return MUON_SLOTS if self.takes_muon(full, group) else ADAMW_SLOTS
 
-    @contextlib.contextmanager
-    def _reading_slots(self, specs: tuple[StateSpec, ...]):
-        """Let the base class's state-dict helpers, which read ``self.state_specs``, see ``specs``: both rules' slots
-        (AdamW's are a superset of Muon's ``state1``) when loading, paging or exporting state, or the slots one
-        parameter's state holds when checking it."""
-        had = "state_specs" in self.__dict__
-        saved = self.__dict__.get("state_specs")
-        self.__dict__["state_specs"] = specs
-        try:
-            yield
-        finally:
-            if had:
-                self.__dict__["state_specs"] = saved
-            else:
-                del self.__dict__["state_specs"]
+    def _all_slots(self) -> tuple[StateSpec, ...]:
+        return ADAMW_SLOTS  # AdamW's slots are a superset of Muon's state1
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        with self._reading_slots(ADAMW_SLOTS):  # state2 of AdamW-ruled parameters goes through the allocator too
-            super().load_state_dict(state_dict)
-
-    def _page_state_again(self) -> None:
-        with self._reading_slots(ADAMW_SLOTS):
-            super()._page_state_again()
-
-    def _state_dims(self, key: str, ndim: int, state=None):
-        with self._reading_slots(ADAMW_SLOTS):
-            return super()._state_dims(key, ndim, state)
-
-    def _check_loaded_state(self, param: torch.Tensor, state: dict, index) -> None:
-        """A Muon-ruled parameter has one slot, an AdamW-ruled one two: check the state against the set it holds
-        (any other set, another algorithm's state, still raises)."""
+    def _slots_of_state(self, state) -> tuple[StateSpec, ...]:
+        """A Muon-ruled parameter's state holds one slot, an AdamW-ruled one's two: check the state against the set
+        it holds (any other set, another algorithm's state, still raises)."""
         present = {k for k in state if k.startswith("state")}
-        specs = ADAMW_SLOTS if present == {spec.key for spec in ADAMW_SLOTS} else MUON_SLOTS
-        with self._reading_slots(specs):
-            super()._check_loaded_state(param, state, index)
+        return ADAMW_SLOTS if present == {spec.key for spec in ADAMW_SLOTS} else MUON_SLOTS
 
     # ----------------------------------------------------------------------------------------------------
     # The step
