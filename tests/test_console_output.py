@@ -34,7 +34,7 @@ ALLOWED = [
     r"run directory: .*\(recipe\.yaml, metrics\.jsonl, summary\.json, loss\.png, memory\.png, dashboard\.png\)",
     # the optimizer's CPU kernel: compiling it (in a background process, once per cache), and how long it took
     # (a busy machine adds the one-thread variant)
-    r"\[hf_optim\] compiling the optimizer's CPU kernel for adamw_rule, 8-bit \+ 8-bit state, .*"
+    r"\[hf_optim\] compiling the optimizer's CPU kernel for adamw_rule, blockwise8 \+ blockwise8 state, .*"
     r" \(once, cached in .*\)",
     r"\[hf_optim\] compiled the optimizer's CPU kernel for adamw_rule, .* in [\d.]+ s"
     r"( \(in a background process; loaded from the cache in [\d.]+ s\))?",

@@ -153,6 +153,9 @@ def test_a_second_format_with_the_same_bits_registers_and_gets_trainer_names(tes
     with pytest.raises(ValueError, match="clashes with 'blockwise8' \\(optim_suffix\\)"):
         register_format(type("Again", (_Test8,), {"name": "again", "code": 98, "class_suffix": "Again",
                                                  "optim_suffix": "8bit"})())
+    with pytest.raises(ValueError, match="clashes with 'blockwise8' \\(rank\\)"):  # tables would have no order
+        register_format(type("Again", (_Test8,), {"name": "again", "code": 98, "class_suffix": "Again",
+                                                 "optim_suffix": "again", "rank": 2})())
 
 
 @pytest.mark.parametrize("cls", BASES, ids=lambda cls: cls.__name__)

@@ -37,8 +37,9 @@ class StateFormat:
     """Suffix of the ``optim=`` names (``"8bit"``: ``adamw_8bit``, ``paged_adamw_8bit``)."""
     label: ClassVar[str]
     """How tables name the state (``"8-bit blockwise"``)."""
-    rank: ClassVar[int]
-    """Table order and the planner's preference: exact state first (fp32: 0), then smaller ones."""
+    rank: ClassVar[float]
+    """Table order and the planner's preference: exact state first (fp32: 0), then smaller ones (unique: two formats
+    of one rank would have no order)."""
     optim_bits: ClassVar[int | None] = None
     """bitsandbytes' ``optim_bits`` value that selects this format (an alias of ``state_format``), or None for a
     format bitsandbytes has no value for."""
@@ -207,12 +208,13 @@ FORMATS: dict[str, StateFormat] = {}
 """Registered formats by name."""
 
 
-_UNIQUE = ("name", "code", "class_suffix", "optim_suffix")
+_UNIQUE = ("name", "code", "class_suffix", "optim_suffix", "rank")
 
 
 def register_format(fmt: StateFormat) -> StateFormat:
-    """Add ``fmt`` to :data:`FORMATS`. Its name, code, class and ``optim=`` suffixes and ``optim_bits`` alias
-    (when it has one) must be new: the rest of hf_optim derives class and Trainer names from them. A format with
+    """Add ``fmt`` to :data:`FORMATS`. Its name, code, class and ``optim=`` suffixes, rank and ``optim_bits`` alias
+    (when it has one) must be new: the rest of hf_optim derives class and Trainer names and its tables' order from
+    them. A format with
     :attr:`StateFormat.ahead_of` goes in ahead of that format (which must be registered)."""
     for other in FORMATS.values():
         same = [key for key in _UNIQUE if getattr(other, key) == getattr(fmt, key)]

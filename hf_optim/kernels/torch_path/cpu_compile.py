@@ -157,8 +157,9 @@ class Kernel:
     stochastic: bool
 
     def describe(self) -> str:
-        """``adamw_rule, 8-bit + 8-bit state, float32 parameters`` (for the log lines)."""
-        state = " + ".join(f"{layout.format.bits}-bit" for layout in self.layouts)
+        """``adamw_rule, blockwise8 + blockwise8 state, float32 parameters`` (for the log lines: each slot's format by
+        its name, which tells fp8 from blockwise8 where a bit count would not)."""
+        state = " + ".join(layout.format.name for layout in self.layouts)
         text = f"{getattr(self.rule, '__name__', 'rule')}, {state} state, {str(self.param_dtype)[6:]} parameters"
         if self.grad_dtype != self.param_dtype:
             text += f" ({str(self.grad_dtype)[6:]} gradients)"
