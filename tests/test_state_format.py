@@ -156,6 +156,9 @@ def test_a_second_format_with_the_same_bits_registers_and_gets_trainer_names(tes
     with pytest.raises(ValueError, match="clashes with 'blockwise8' \\(rank\\)"):  # tables would have no order
         register_format(type("Again", (_Test8,), {"name": "again", "code": 98, "class_suffix": "Again",
                                                  "optim_suffix": "again", "rank": 2})())
+    with pytest.raises(ValueError, match="rank 1, which the planner keeps for torch's own state"):
+        register_format(type("Again", (_Test8,), {"name": "again", "code": 98, "class_suffix": "Again",
+                                                 "optim_suffix": "again", "rank": 1})())
 
 
 @pytest.mark.parametrize("cls", BASES, ids=lambda cls: cls.__name__)

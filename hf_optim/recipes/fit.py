@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from hf_optim.errors import UserValueError
 from hf_optim.integrations.names import OPTIMIZER_NAMES
 from hf_optim.kernels.formats import StateFormat
+from hf_optim.kernels.formats.base import TORCH_STATE_RANK
 from hf_optim.recipes.activations import DecoderShape, backward_peak_bytes
 from hf_optim.recipes.estimate import TORCH_STATE_COUNT, MemoryEstimate, estimate, state_bytes
 from hf_optim.recipes.schema import Recipe
@@ -34,7 +35,7 @@ FRAGMENTATION_SHARE = 0.05
 """Part of the card kept free for the caching allocator's fragmentation."""
 MAX_BATCH = 1 << 16
 TORCH_BASELINE = "adamw_torch"
-TORCH_STATE, TORCH_RANK = "bf16 (torch)", 1
+TORCH_STATE, TORCH_RANK = "bf16 (torch)", TORCH_STATE_RANK
 """torch's AdamW state with bf16 weights, as the planner labels and ranks it: after fp32 state (rank 0), before
 the quantized formats (their ``rank``: exact state first, then the smaller ones)."""
 

@@ -210,6 +210,10 @@ FORMATS: dict[str, StateFormat] = {}
 
 _UNIQUE = ("name", "code", "class_suffix", "optim_suffix", "rank")
 
+TORCH_STATE_RANK = 1
+"""The rank no format may take: the planner's tables (``hf-optim validate --fit``) put torch's own AdamW state, in
+the parameters' dtype, there, between fp32 state (0) and the 1-byte formats (2)."""
+
 
 def register_format(fmt: StateFormat) -> StateFormat:
     """Add ``fmt`` to :data:`FORMATS`. Its name, code, class and ``optim=`` suffixes, rank and ``optim_bits`` alias
@@ -222,6 +226,9 @@ def register_format(fmt: StateFormat) -> StateFormat:
             same.append("optim_bits")
         if same:
             raise ValueError(f"state format {fmt.name!r} clashes with {other.name!r} ({', '.join(same)})")
+    if fmt.rank == TORCH_STATE_RANK:
+        raise ValueError(f"state format {fmt.name!r} has rank {fmt.rank}, which the planner keeps for torch's own "
+                         "state; choose another rank (fractions are fine: fp8's is 2.5)")
     if fmt.ahead_of is None:
         FORMATS[fmt.name] = fmt
         return fmt
