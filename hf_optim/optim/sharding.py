@@ -93,6 +93,27 @@ def mean(tensor: torch.Tensor, dim: int, param, param_dim: int, keepdim: bool = 
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Whole matrices of sharded parameters (Muon's Newton-Schulz)
+
+
+def gathered(local: torch.Tensor, param) -> torch.Tensor:
+    """The whole tensor of which ``local`` is this rank's part, laid out like the sharded parameter ``param`` (an
+    all-gather over ``param``'s mesh: every rank of the shard group must call it, in the same order)."""
+    DTensor, _, _ = _dtensor_types()
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride()).full_tensor()
+
+
+def local_part(whole: torch.Tensor, param) -> torch.Tensor:
+    """This rank's part of ``whole`` (the same on every rank) under ``param``'s placements: a slice, no
+    communication."""
+    DTensor, Replicate, _ = _dtensor_types()
+    mesh = param.device_mesh
+    replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, param.placements).to_local()
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Distributed views of the state, for torch.distributed.checkpoint
 
 

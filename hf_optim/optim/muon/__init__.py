@@ -250,21 +250,15 @@ class Muon(HfOptimizer):
     # ----------------------------------------------------------------------------------------------------
     # The step
     def _plan_step(self, only=None):
-        """torch's plan, after refusing (before anything changes) a sharded matrix under Muon, and state whose
-        slots are the other rule's (a group's ``use_muon`` or a parameter's route changed after its first step)."""
+        """torch's plan, after refusing (before anything changes) state whose slots are the other rule's (a group's
+        ``use_muon`` or a parameter's route changed after its first step)."""
         plan = super()._plan_step(only)
-        for group_index, group, entries in plan:
+        for _, group, entries in plan:
             for p, _, _, overrides in entries:
-                muon = self.takes_muon(p, {**group, **(overrides or {})})
                 state = self.state.get(p)  # .get: the state defaultdict would add an empty entry
                 if state:
+                    muon = self.takes_muon(p, {**group, **(overrides or {})})
                     self._check_slots(state, MUON_SLOTS if muon else ADAMW_SLOTS, p)
-                if muon and sharding.is_sharded(p):
-                    raise ValueError(
-                        f"{type(self).__name__}: a parameter of shape {tuple(p.shape)} in param group {group_index} "
-                        "is sharded (FSDP2/DTensor); Muon's Newton-Schulz needs the whole matrix on one rank. Train "
-                        "with DDP (whole gradients), or put sharded matrices in a use_muon=False (AdamW) group"
-                    )
         return plan
 
     def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
@@ -279,8 +273,8 @@ class Muon(HfOptimizer):
             else:
                 self._adamw_update(param, grad, state, group)
         by_shape: dict[tuple[int, ...], list] = {}
-        for item in muon_items:
-            by_shape.setdefault(tuple(item[0].shape), []).append(item)
+        for item in muon_items:  # by the whole matrix's shape (a sharded parameter's local part is smaller)
+            by_shape.setdefault(tuple(item[3].shape), []).append(item)
         for shape, same in by_shape.items():
             for batch in multi_tensor.consecutive_pieces(same, lambda item: 4 * item[0].numel(), BATCH_BYTES):
                 self._muon_batch(group, shape, batch)
@@ -297,15 +291,29 @@ class Muon(HfOptimizer):
             )
 
     def _muon_batch(self, group: dict, shape: tuple[int, ...], batch: list) -> None:
-        """Momentum of each matrix through its state format, one batched Newton-Schulz, then torch's update."""
+        """Momentum of each matrix through its state format, one batched Newton-Schulz of the whole matrices of
+        ``shape``, then torch's update.
+
+        A sharded (FSDP2/DTensor) matrix's momentum and update stay on its local part; only the update to
+        orthogonalize is all-gathered, every rank runs Newton-Schulz on the whole matrix (the same bits on every
+        rank), and keeps its own part of the result: one all-gather per sharded matrix per step, and the
+        Newton-Schulz work of every matrix on every rank."""
         updates = torch.empty((len(batch), *shape), dtype=torch.float32, device=batch[0][0].device)
-        for row, (param, grad, state, _) in zip(updates, batch):
-            self._run_rule(self.rule, param, grad, state, self._hyper(group, state["step"]), out=row.view(-1))
+        for row, (param, grad, state, full) in zip(updates, batch):
+            hyper = self._hyper(group, state["step"])
+            if sharding.is_sharded(full):
+                local = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                self._run_rule(self.rule, param, grad, state, hyper, out=local.view(-1))
+                row.copy_(sharding.gathered(local, full))
+            else:
+                self._run_rule(self.rule, param, grad, state, hyper, out=row.view(-1))
         orthogonal = newton_schulz(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
         lr = float(group["lr"])
         step_lr = adjusted_lr(lr, group["adjust_lr_fn"], shape)
         decay = 1 - lr * group["weight_decay"]
-        for (param, _, state, _), update in zip(batch, orthogonal):
+        for (param, _, state, full), update in zip(batch, orthogonal):
+            if sharding.is_sharded(full):
+                update = sharding.local_part(update, full)
             stream = self._stream(group, state, param)
             if stream is None:
                 param.mul_(decay)
