@@ -384,6 +384,30 @@ def test_route_model_marks_lora_adapters():
     assert routes.muon_tensors == 0 and routes.adamw_tensors == len(marked)
 
 
+def test_routes_survive_parameters_swapped_at_their_place():
+    """accelerate's FSDP2 preparation replaces each parameter in param_groups by a new (DTensor) one: the marks
+    stay on the old objects, so the optimizer keeps them by position (the tied embedding stays AdamW's)."""
+    import copy
+
+    from hf_optim.tiny import tiny_llama
+
+    model = tiny_llama(layers=1)
+    route_model(model)
+    names = [name for name, _ in model.named_parameters()]
+    opt = Muon(model.parameters(), lr=0.01)
+    swapped = [torch.nn.Parameter(p.detach().clone()) for p in opt.param_groups[0]["params"]]
+    assert not any(hasattr(p, MUON_ROUTE_ATTR) for p in swapped)
+    opt.param_groups[0]["params"] = swapped
+    opt = copy.deepcopy(opt)  # the record travels with the optimizer (pickling, deepcopy)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    slots = {name: sorted(k for k in opt.state[p] if k.startswith("state"))
+             for name, p in zip(names, opt.param_groups[0]["params"])}
+    assert slots["model.embed_tokens.weight"] == ["state1", "state2"]  # 2-D, but AdamW's: its mark was recorded
+    assert slots["model.layers.0.self_attn.q_proj.weight"] == ["state1"]
+
+
 @pytest.mark.parametrize("optim_args,warned", [(None, True), ("muon_lora=true", False)])
 def test_a_lora_run_under_a_muon_name_says_that_no_tensor_takes_muon(optim_args, warned, tmp_path, hf_optim_records):
     peft = pytest.importorskip("peft")

@@ -213,6 +213,31 @@ class Muon(HfOptimizer):
                         "(None) to route every parameter by its shape"
                     )
 
+    _PICKLED_ATTRS = HfOptimizer._PICKLED_ATTRS + ("_routes_by_position",)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        # Route marks are recorded by position too, as per-parameter overrides are: accelerate's FSDP2 preparation
+        # swaps each parameter for a new DTensor parameter at the same place in param_groups, and the mark stays
+        # behind on the old one (an embedding would then be routed by its shape, to Muon).
+        recorded = self.__dict__.setdefault("_routes_by_position", {})
+        group_index = len(self.param_groups) - 1
+        for index, p in enumerate(self.param_groups[-1]["params"]):
+            route = getattr(p, MUON_ROUTE_ATTR, None)
+            if route is not None:
+                recorded[group_index, index] = route
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_routes_by_position", {})
+
+    def _restore_routes(self) -> None:
+        """Mark parameters that replaced marked ones (same group, same index) with the recorded route."""
+        for (group_index, index), route in self._routes_by_position.items():
+            params = self.param_groups[group_index]["params"] if group_index < len(self.param_groups) else []
+            if index < len(params) and getattr(params[index], MUON_ROUTE_ATTR, None) is None:
+                setattr(params[index], MUON_ROUTE_ATTR, route)
+
     @classmethod
     def route_model(cls, model: torch.nn.Module, kwargs: dict) -> MuonRoutes:
         """Mark which rule each trainable parameter of ``model`` takes under ``use_muon=None`` (the Trainer's
@@ -252,6 +277,7 @@ class Muon(HfOptimizer):
     def _plan_step(self, only=None):
         """torch's plan, after refusing (before anything changes) state whose slots are the other rule's (a group's
         ``use_muon`` or a parameter's route changed after its first step)."""
+        self._restore_routes()
         plan = super()._plan_step(only)
         for _, group, entries in plan:
             for p, _, _, overrides in entries:
