@@ -31,6 +31,10 @@ OPTIMIZERS = {
     "rmsprop_8bit": (hf_optim.RMSprop8bit, dict(lr=1e-3)),
     "adafactor_32bit": (hf_optim.Adafactor, dict(beta1=0.9, weight_decay=0.01)),
     "adafactor_8bit": (hf_optim.Adafactor, dict(beta1=0.9, weight_decay=0.01, optim_bits=8)),
+    # Muon: the 2-D tensors (aligned, head, unaligned) take Muon, gathered whole for Newton-Schulz under FSDP2; the
+    # bias and the 3-D cube take its AdamW rule
+    "muon_32bit": (hf_optim.Muon32bit, dict(lr=2e-2, adamw_lr=1e-2)),
+    "muon_8bit": (hf_optim.Muon8bit, dict(lr=2e-2, adamw_lr=1e-2)),
 }
 ROW_WISE = ("lamb", "adafactor")  # algorithms with cross-shard reductions (float sums in another order)
 

@@ -141,7 +141,8 @@ def accelerate_resume_runs(checkpoint_dir: str) -> dict:
     return results
 
 
-RESHARD_NAMES = ["adamw_32bit", "lamb_32bit", "adafactor_32bit", "adamw_8bit", "adamw_4bit", "adafactor_8bit"]
+RESHARD_NAMES = ["adamw_32bit", "lamb_32bit", "adafactor_32bit", "muon_32bit", "adamw_8bit", "adamw_4bit",
+                 "adafactor_8bit", "muon_8bit"]
 
 
 def reshard_runs(checkpoint_dir: str) -> dict:

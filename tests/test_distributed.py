@@ -117,7 +117,7 @@ def test_fsdp2_sharded_checkpoint_resumes_exactly(results, name):
         assert torch.equal(run["resumed"][param], expected), (param, max_diff(run["resumed"][param], expected))
 
 
-@pytest.mark.parametrize("name", ["adamw_32bit", "lamb_32bit", "adafactor_32bit"])
+@pytest.mark.parametrize("name", ["adamw_32bit", "lamb_32bit", "adafactor_32bit", "muon_32bit"])
 def test_fsdp2_32bit_checkpoint_loads_into_another_sharding(results, name):
     """2 shards saved, loaded as HSDP over a (2, 1) mesh (Replicate, Shard placements): 32-bit state reshards and
     training goes on as if uninterrupted (LAMB / Adafactor to summation order)."""
@@ -127,7 +127,7 @@ def test_fsdp2_32bit_checkpoint_loads_into_another_sharding(results, name):
         assert max_diff(run["resumed"][param], expected) <= tolerance, param
 
 
-@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_4bit", "adafactor_8bit"])
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_4bit", "adafactor_8bit", "muon_8bit"])
 def test_fsdp2_8bit_checkpoint_is_refused_by_another_sharding(results, name):
     """8-bit (and 4-bit) absmax counts the blocks of each saved shard, and 4-bit codes are packed per shard:
     torch.distributed.checkpoint refuses to load them into another shard count (same world size and mesh only,

@@ -199,6 +199,8 @@ class StateDicts:
                 merged["state_format"] = format_for_bits(merged["optim_bits"]).name  # bitsandbytes' (or older) dict
             for key, value in self.defaults.items():
                 merged.setdefault(key, value)
+                if isinstance(value, tuple) and isinstance(merged[key], list):
+                    merged[key] = tuple(merged[key])  # a checkpoint format without tuples (DCP, JSON) saved a list
             merged["params"] = group["params"]
             if "param_names" in group and "param_names" not in merged:
                 merged["param_names"] = group["param_names"]

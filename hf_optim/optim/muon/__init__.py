@@ -139,7 +139,8 @@ class Muon(HfOptimizer):
             adapters were level with AdamW's at AdamW's best lr and worse below it (``docs/muon_defaults.md``).
         adamw_lr (float | None, default None): the AdamW rule's learning rate; None: the group's ``lr``. A number is
             scaled by the group's schedule (``lr / initial_lr``, which torch's LR schedulers maintain), so the AdamW
-            side follows the same schedule.
+            side follows the same schedule; without a scheduler it is used as it is, except that a group ``lr`` of 0
+            stops it too (torch's ``get/set_optimizer_state_dict`` create state by a step with ``lr=0``).
         adamw_betas (tuple[float, float], default (0.9, 0.999)): the AdamW rule's betas.
         adamw_eps (float, default 1e-8): the AdamW rule's eps.
         adamw_weight_decay (float | None, default None): the AdamW rule's weight decay; None: the group's
@@ -366,8 +367,10 @@ def adamw_settings(group: dict) -> dict:
     """The AdamW hyperparameters of ``group``'s AdamW-ruled parameters, as :func:`adamw_hyper` reads them."""
     lr = group["lr"]
     if group["adamw_lr"] is not None:
-        initial = group.get("initial_lr")
-        schedule = float(lr) / float(initial) if initial else 1.0  # torch's LR schedulers keep initial_lr
+        initial = group.get("initial_lr")  # torch's LR schedulers keep it
+        # Without a scheduler the AdamW side keeps adamw_lr, except where the group's lr is 0: torch's
+        # get/set_optimizer_state_dict create state by a step with lr=0, which must move no weight.
+        schedule = float(lr) / float(initial) if initial else float(float(lr) != 0.0)
         lr = group["adamw_lr"] * schedule
     weight_decay = group["weight_decay"] if group["adamw_weight_decay"] is None else group["adamw_weight_decay"]
     return {"lr": float(lr), "betas": group["adamw_betas"], "eps": group["adamw_eps"], "weight_decay": weight_decay}
