@@ -395,9 +395,11 @@ def test_routes_survive_parameters_swapped_at_their_place():
     route_model(model)
     names = [name for name, _ in model.named_parameters()]
     opt = Muon(model.parameters(), lr=0.01)
-    swapped = [torch.nn.Parameter(p.detach().clone()) for p in opt.param_groups[0]["params"]]
-    assert not any(hasattr(p, MUON_ROUTE_ATTR) for p in swapped)
-    opt.param_groups[0]["params"] = swapped
+    from accelerate.utils.fsdp_utils import fsdp2_switch_optimizer_parameters
+
+    swapped = {p.data_ptr: torch.nn.Parameter(p.detach().clone()) for p in model.parameters()}
+    fsdp2_switch_optimizer_parameters(opt, swapped)  # what accelerate's FSDP2 preparation does
+    assert not any(hasattr(p, MUON_ROUTE_ATTR) for p in opt.param_groups[0]["params"])
     opt = copy.deepcopy(opt)  # the record travels with the optimizer (pickling, deepcopy)
     for p in opt.param_groups[0]["params"]:
         p.grad = torch.randn_like(p)
