@@ -101,3 +101,23 @@ def test_baseline_defaults_to_first_run_that_finished_and_bad_baseline_is_named(
         compare_runs([run_dirs["adamw_torch"], run_dirs["adamw_8bit"]], tmp_path / "cmp", baseline="adamw_8bt")
     with pytest.raises(ValueError, match="at least one run directory"):
         compare_runs([], tmp_path / "cmp")
+
+
+@pytest.mark.parametrize("steps,inset", [(40, True), (10, False)])
+def test_loss_overlay_zooms_into_the_last_half_of_long_runs(tmp_path, steps, inset):
+    """Two runs whose losses fall from 6 to about 0.4 and end 2% apart: on the main axis the ends overlap; a run
+    of 40 logged steps gets an inset whose loss axis spans only the last half's EMA values."""
+    from hf_optim.monitor.compare import _loss_overlay, _Row
+    from hf_optim.monitor.runfiles import RunData
+
+    def run(name: str, floor: float) -> _Row:
+        records = [{"kind": "train", "step": s, "loss": floor + 6.0 * math.exp(-s / 4)} for s in range(1, steps + 1)]
+        return _Row(name, RunData(tmp_path / name, records, {"ema_beta": 0.5}))
+
+    fig = _loss_overlay([run("a", 0.40), run("b", 0.408)])
+    assert len(fig.axes[0].child_axes) == (1 if inset else 0)
+    if inset:
+        zoom = fig.axes[0].child_axes[0]
+        low, high = zoom.get_ylim()
+        assert 0.39 < low and high < 0.5  # the main axis spans 0.4 to 6
+        assert zoom.get_xlim() == (steps / 2, steps)

@@ -163,10 +163,15 @@ def _colors(count: int) -> list:
     return [palette(i % 10) for i in range(count)]
 
 
+ZOOM_MIN_POINTS = 20
+"""Runs with at least this many logged losses get an inset of the last half of their EMA curves."""
+
+
 def _loss_overlay(rows: list[_Row]):
     fig = new_figure(10, 5.5)
     ax = fig.add_subplot()
     drawn = 0
+    curves = []
     for i, (row, color) in enumerate(zip(rows, _colors(len(rows)))):
         points = [(r["step"], r["loss"]) for r in row.run.train if r.get("loss") is not None]
         if not points:
@@ -176,10 +181,13 @@ def _loss_overlay(rows: list[_Row]):
         beta = auto_ema_beta(len(losses)) if beta is None else beta
         suffix = " (OOM)" if row.oom else ""
         style = ("-", "--", "-.", ":")[i % 4]  # runs that learn alike overlap: keep each one visible
+        smoothed = ema(losses, beta)
         ax.plot(steps, losses, color=color, lw=0.8, alpha=0.35, ls=style)
-        ax.plot(steps, ema(losses, beta), color=color, lw=2.0, ls=style, marker="o" if len(steps) == 1 else None,
+        ax.plot(steps, smoothed, color=color, lw=2.0, ls=style, marker="o" if len(steps) == 1 else None,
                 label=f"{row.label}{suffix}: EMA, raw faint")
         drawn = max(drawn, len(steps))
+        curves.append((steps, smoothed, color, style))
+    zoomed = drawn >= ZOOM_MIN_POINTS and _zoom_last_half(ax, curves)
     if drawn < 2:
         ax.text(0.5, 0.5, "too few logged loss points to draw curves (fewer than 2 per run)",
                 transform=ax.transAxes, ha="center", va="center", color="#8a2c0d",
@@ -189,8 +197,32 @@ def _loss_overlay(rows: list[_Row]):
     ax.set_title("training loss by run")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower left" if zoomed else "best")  # the inset takes the upper right
     return fig
+
+
+def _zoom_last_half(ax, curves: list) -> bool:
+    """An inset of the EMA curves over the last half of the steps, its loss axis fitted to them: the main axis
+    spans the first steps' high loss, which flattens the end, where optimizers differ by a percent or two.
+    Returns whether it was drawn (not when the curves are flat there)."""
+    last = max(max(steps) for steps, *_ in curves)
+    start = last / 2
+    tails = [[(s, v) for s, v in zip(steps, values) if s >= start] for steps, values, *_ in curves]
+    values = [v for tail in tails for _, v in tail]
+    low, high = min(values), max(values)
+    if not high > low:
+        return False
+    inset = ax.inset_axes([0.52, 0.45, 0.45, 0.5])
+    for tail, (_, _, color, style) in zip(tails, curves):
+        if tail:
+            inset.plot(*zip(*tail), color=color, lw=1.6, ls=style)
+    margin = (high - low) * 0.08
+    inset.set_xlim(start, last)
+    inset.set_ylim(low - margin, high + margin)
+    inset.set_title("EMA, last half of the steps", fontsize=8)
+    inset.tick_params(labelsize=7)
+    inset.grid(alpha=0.3)
+    return True
 
 
 def _stacked_bars(ax, rows: list[_Row], parts, size: int) -> list[float]:
