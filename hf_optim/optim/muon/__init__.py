@@ -326,9 +326,10 @@ class Muon(HfOptimizer):
         rank), and keeps its own part of the result: one all-gather per sharded matrix per step, and the
         Newton-Schulz work of every matrix on every rank."""
         updates = torch.empty((len(batch), *shape), dtype=torch.float32, device=batch[0][0].device)
-        for row, (param, grad, state, full) in zip(updates, batch):
+        sharded = [sharding.is_sharded(full) for *_, full in batch]
+        for row, (param, grad, state, full), split in zip(updates, batch, sharded):
             hyper = self._hyper(group, state["step"])
-            if sharding.is_sharded(full):
+            if split:
                 local = torch.empty(param.shape, dtype=torch.float32, device=param.device)
                 self._run_rule(self.rule, param, grad, state, hyper, out=local.view(-1))
                 row.copy_(sharding.gathered(local, full))
@@ -338,8 +339,8 @@ class Muon(HfOptimizer):
         lr = float(group["lr"])
         step_lr = adjusted_lr(lr, group["adjust_lr_fn"], shape)
         decay = 1 - lr * group["weight_decay"]
-        for (param, _, state, full), update in zip(batch, orthogonal):
-            if sharding.is_sharded(full):
+        for (param, _, state, full), update, split in zip(batch, orthogonal, sharded):
+            if split:
                 update = sharding.local_part(update, full)
             stream = self._stream(group, state, param)
             if stream is None:
