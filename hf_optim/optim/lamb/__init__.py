@@ -218,7 +218,7 @@ class LAMB(HfOptimizer):
 
     def _warn_zero_start(self, params: list[torch.Tensor]) -> None:
         """Warn (once) when the trust ratio applies to tensors that are all zero at their first step: LoRA's B
-        matrices, which the ratio keeps near zero (README, "LAMB and LoRA")."""
+        matrices, which the ratio keeps near zero (docs/guide/optimizers.md, "LAMB and LoRA")."""
         params = [param for param in params if param.numel() > 0]
         if not params:
             return
@@ -286,7 +286,8 @@ ZERO_START_WARNING = (
     "{name}: {count} tensor(s) under LAMB's trust ratio start at zero (LoRA's B matrices: peft initializes them to "
     "0). The ratio ||p|| / ||u|| moves a tensor by lr * ||p|| per step, so such a tensor stays near zero at an "
     "AdamW-sized lr and LoRA barely trains (hf-optim's quickstart at lr 5e-3: final loss 6.32 against 2.78 for "
-    "AdamW; at lr 0.05: 2.88). With LoRA give LAMB about 10x AdamW's lr, or use adamw_8bit (README: \"LAMB and LoRA\")"
+    "AdamW; at lr 0.05: 2.88). With LoRA give LAMB about 10x AdamW's lr, or use adamw_8bit "
+    "(docs/guide/optimizers.md, \"LAMB and LoRA\")"
 )
 
 FLAT_DIRECTION_NUMEL = 1 << 22
