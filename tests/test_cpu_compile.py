@@ -1,9 +1,10 @@
 """When the CPU kernels compile (hf_optim.kernels.torch_path.cpu_compile) and with how many threads they run
 (cpu_threads).
 
-The fast tests replace inductor by a stand-in that runs the eager update and the background compiler process by a
-handle the test finishes (the policy is what is tested, not the compiler); the real compiler and a real background
-process are exercised by the slow tests here and in test_multi_tensor.py.
+The fast tests replace inductor by a stand-in that runs the eager update and the background compiler by a handle the
+test finishes, or play the background worker's part in its queue themselves (the policy is what is tested, not the
+compiler); the real compiler and the real background worker are exercised by the slow tests here, in
+test_compile_queue.py and in test_multi_tensor.py.
 """
 
 import logging
@@ -20,7 +21,7 @@ from helpers import make_params, set_grads
 
 import hf_optim
 from hf_optim.kernels import formats
-from hf_optim.kernels.torch_path import cpu_compile, cpu_threads, elementwise, multi_tensor
+from hf_optim.kernels.torch_path import compile_queue, cpu_compile, cpu_threads, elementwise, multi_tensor
 from hf_optim.optim.adamw import adamw_rule
 from hf_optim.optim.base import HfOptimizer
 
@@ -203,13 +204,13 @@ def test_background_process_failure_warns_once_per_kernel_with_its_error_and_run
     assert "failed (CppCompileError: C++ compile error); it runs eagerly" in warnings[0]
 
 
-def test_forget_kills_and_reaps_the_background_processes_still_running(stand_in, monkeypatch):
+def test_forget_withdraws_this_process_requests(stand_in, monkeypatch):
     warmups = Warmups()
     monkeypatch.setattr(cpu_compile, "start_warmup", warmups)
     monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
     steps(hf_optim.Lion8bit, 1)
     cpu_compile.forget()
-    assert warmups.handles and all(handle.killed and handle.closed for handle in warmups.handles)
+    assert warmups.handles and all(handle.closed for handle in warmups.handles)
 
 
 def test_compile_mode_1_compiles_before_the_first_step(stand_in, monkeypatch):
@@ -492,11 +493,11 @@ def test_per_tensor_path_uses_the_same_policy(stand_in, monkeypatch):
 
 @pytest.mark.slow
 def test_a_real_background_process_warms_the_cache_and_this_process_then_loads_it(monkeypatch, tmp_path):
-    """A real ``python -m hf_optim.kernels.torch_path.cpu_compile_worker``: the compilation here afterwards is a cache
-    hit (inductor's counters), and the results equal the eager run's bit for bit."""
+    """The real background worker: the compilation here afterwards is a cache hit (inductor's counters), and the
+    results equal the eager run's bit for bit."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: only the background process fills it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: only the background worker fills it
     monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
     cpu_compile.forget()
     expected, _ = reference(hf_optim.Lion8bit, 3, monkeypatch)
@@ -516,11 +517,80 @@ def test_a_real_background_process_warms_the_cache_and_this_process_then_loads_i
     assert [len(entry.ready) for entry in cpu_compile._entries.values()] == [1, 1]
     assert counters["inductor"]["fxgraph_cache_hit"] == hits + 2
     assert counters["inductor"]["fxgraph_cache_miss"] == misses
-    assert not any(os.path.exists(handle.job) for handle in handles)  # the worker removed its job file
-    # and left its marker: a later process compiles these kernels from the cache at its first step
+    queue = cpu_compile.queue().directory
+    assert {path.suffix for path in queue.iterdir()} <= {".lock", ".log"}  # no job or request left in the queue
+    # and it left its markers: a later process compiles these kernels from the cache at its first step
     kernels = list(cpu_compile._entries)
     assert all(cpu_compile.warm_marker(kernel, torch.get_num_threads()).exists() for kernel in kernels)
     cpu_compile.forget()
+
+
+def test_a_kernel_queued_by_another_process_is_not_queued_again_and_runs_when_its_marker_appears(
+        stand_in, log_lines, monkeypatch):
+    """The real queue, this test playing the worker (no process started): a kernel already queued gets this
+    process's request only; the steps run eagerly until its marker appears, then compiled (a cache hit)."""
+    expected, _ = reference(hf_optim.Lion8bit, 4, monkeypatch)
+    fake = StandIn()
+    monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    started = []
+    monkeypatch.setattr(compile_queue.Queue, "ensure_worker", lambda self, root: started.append(root))
+    monkeypatch.setattr(cpu_compile.QueuedCompile, "CHECK_EVERY_S", 0.0)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    warmups = Warmups()  # which kernels these steps need
+    with monkeypatch.context() as probe:
+        probe.setattr(cpu_compile, "start_warmup", warmups)
+        steps(hf_optim.Lion8bit, 1)
+    cpu_compile.forget()
+    lion8 = next(job[0] for job in warmups.jobs if job[0].layouts[0].format.bits == 8)
+    key = cpu_compile.kernel_key(lion8, torch.get_num_threads())
+    queue = cpu_compile.queue()
+    other = _other_process_identity()
+    queue.directory.mkdir(parents=True)
+    (queue.directory / f"{key}.job").write_bytes(b"queued by another process")
+    (queue.directory / f"{key}.{other}.req").touch()
+
+    def after_step(step):
+        if step == 1:  # the worker compiled the 8-bit kernel
+            marker = cpu_compile.marker_of(key)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+
+    params, _ = steps(hf_optim.Lion8bit, 4, after_step)
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    assert (queue.directory / f"{key}.job").read_bytes() == b"queued by another process"  # not queued again
+    assert started  # made sure a worker runs for it
+    assert fake.compilations == [lion8.rule] and fake.calls > 0  # loaded when its marker appeared, and ran
+    assert not list(queue.directory.glob(f"{key}.{compile_queue.me()}.*"))  # this process's request withdrawn
+
+
+def test_an_error_of_the_worker_reaches_the_requester_as_one_warning_and_the_kernel_runs_eagerly(
+        stand_in, log_lines, monkeypatch):
+    expected, _ = reference(hf_optim.RMSprop8bit, 3, monkeypatch)
+    fake = StandIn()
+    monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
+    monkeypatch.setattr(compile_queue.Queue, "ensure_worker", lambda self, root: None)
+    monkeypatch.setattr(cpu_compile.QueuedCompile, "CHECK_EVERY_S", 0.0)
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    queue = cpu_compile.queue()
+
+    def after_step(step):
+        if step == 0:  # the worker's part: it takes each job and fails on it
+            while (key := queue.next_job()) is not None:
+                queue.claim(key)
+                queue.fail(key, "CppCompileError: C++ compile error")
+
+    params, _ = steps(hf_optim.RMSprop8bit, 3, after_step)
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    warnings = [message for level, message in log_lines if level == logging.WARNING]
+    assert len(warnings) == 2 and fake.compilations == []  # one per kernel (8-bit and fp32 state)
+    assert all("failed (CppCompileError: C++ compile error); it runs eagerly" in line for line in warnings)
+    assert [path.name for path in queue.directory.iterdir() if path.suffix in (".job", ".req", ".failed")] == []
+
+
+def _other_process_identity() -> str:
+    """The identity of a process other than this one that outlives the test (this test process's parent)."""
+    parent = os.getppid()
+    return f"{parent}-{compile_queue._start_time(parent)}"
 
 
 def test_a_kernel_a_background_process_compiled_before_is_compiled_at_the_first_step_without_a_new_process(

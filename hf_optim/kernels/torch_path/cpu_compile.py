@@ -3,18 +3,26 @@
 The multi-tensor path (:mod:`hf_optim.kernels.torch_path.multi_tensor`) calls
 :func:`hf_optim.kernels.torch_path.elementwise.update` once per chunk. Compiled by inductor it runs several times faster
 than eagerly (8-bit state most), but compiling costs seconds to minutes the first time (docs/benchmarks.md, the
-first-step table): dynamo traces the rule, inductor writes C++ and gcc builds it; the first compilation of a process
-also probes the CPU's vector instructions by compiling
-test programs, and the first of a machine precompiles torch's headers. ``HF_OPTIM_COMPILE`` says when to pay:
+first-step table): dynamo traces the rule, inductor writes C++ and gcc builds it. ``HF_OPTIM_COMPILE`` says when to
+pay:
 
-- ``auto`` (the default, also when unset or empty): in the background. The first chunk of a kernel starts a
-  background process (:mod:`hf_optim.kernels.torch_path.cpu_compile_worker`, at a lower priority) that compiles the
-  kernel into inductor's on-disk cache and exits, and runs eagerly, as does every chunk of that kernel until that
-  process has exited; the next step then compiles the kernel in the training thread from the warm cache (a cache hit:
-  1-3 s instead of tens) and from then on the steps use it. A short run never waits for a compiler; a long one runs
-  compiled after the first seconds (a few steps on a large model, more on a small one, whose eager steps are short).
+- ``auto`` (the default, also when unset or empty): in the background. The first chunk of a kernel queues it for
+  the background compiler and runs eagerly, as does every chunk of that kernel until it is compiled; the next step
+  then compiles it in the training thread from the warm cache (a cache hit) and from then on the steps use it. A
+  short run never waits for a compiler.
 - ``1``: before the first step that needs it, which waits for the compilation.
 - ``0``: never; every step runs eagerly (no C++ compiler needed).
+
+The background compiler is one process per machine and inductor cache directory
+(:mod:`hf_optim.kernels.torch_path.cpu_compile_worker`, at a lower priority), however many training processes,
+notebooks or test runs need kernels: a lock in the cache directory admits one, and the kernels wait in a queue there
+(:mod:`hf_optim.kernels.torch_path.compile_queue`), one job per kernel whichever processes asked for it. It compiles
+them one after another into inductor's on-disk cache, leaves a warm marker per kernel (:func:`warm_marker`; a later
+process that finds it compiles that kernel from the cache at its first step) and exits once no queued kernel has a
+live requester: after the processes that asked for kernels have exited it finishes the kernel it is compiling (that
+warms the cache) and starts no other. A process that finds its kernel queued or being compiled by another's request
+waits for the marker, running eagerly meanwhile. A compile error reaches each requester (one WARNING; the kernel runs
+eagerly).
 
 Why switching in mid-run changes no result: eager and compiled updates compute the same bits (the rules use
 single-rounding operations only, see :mod:`hf_optim.kernels.torch_path.exact_math`; inductor compiles without
@@ -22,21 +30,15 @@ contraction; every reduction is within one 256-element block), and ``tests/test_
 bit, a run that switches after its first steps included. So the step at which a run switches depends on the machine's
 speed, the optimizer's results do not, and neither do the model's.
 
-Why a process and not a thread of the training process: a compilation that runs in a thread beside the training
-changes the training thread's results. Measured on the quickstart (8 steps): with an unrelated function compiled by
-``torch.compile`` in a background thread and the optimizer eager throughout, the losses left the eager run's from
-step 5 on (5.854667663 against 5.854668617), so the model's forward or backward computed differently while dynamo
-and inductor ran beside it (dynamo also sets the process's random state back after tracing, which rewinds the
-generator another thread draws from); which other process-wide state they touch was not pinned down. In a separate
-process they touch none of the training's: the quickstart with ``auto`` prints the eager run's losses, bit for bit,
-with the switch to the compiled kernel mid-run too. The compilation in the training thread itself is one cache
-hit between two steps, as ``HF_OPTIM_COMPILE=1``'s is before the first.
+Why a process and not a thread of the training process: dynamo and inductor running in a thread beside the training
+changed the training thread's results (measured on the quickstart: the losses left the eager run's from step 5 on;
+dynamo also sets the process's random state back after tracing). In a separate process they touch none of the
+training's state: the quickstart with ``auto`` prints the eager run's losses bit for bit, the mid-run switch
+included. The training thread itself only loads the compiled kernel from the cache, between two steps.
 
-The background process compiles exactly what the training process compiles afterwards (:func:`_run_probe`: the same
+The background worker compiles exactly what the training process compiles afterwards (:func:`_run_probe`: the same
 compiled function and code object name, probe inputs, dynamic marks, options and thread count), so the key of
-inductor's cache is the same. A run that ends while its background process still compiles does not wait for it:
-the process finishes writing the cache for the next run and exits on its own (it is not the training's child any
-more, so nothing is left unreaped); :func:`forget` kills and reaps the ones still running.
+inductor's cache is the same.
 
 One graph per kernel: a kernel (:class:`Kernel`: rule, slot layouts, output mode, parameter and gradient dtypes,
 stochastic rounding) is compiled once, on probe inputs of :data:`PROBE_BLOCKS` blocks whose block dimension is marked
@@ -48,27 +50,21 @@ rather than gathered, and so on. The OpenMP thread count is part of a graph's gu
 :mod:`hf_optim.kernels.torch_path.cpu_threads` may ask for is a second graph, compiled the same way when it is asked
 for.
 
-Compile options (:data:`INDUCTOR_OPTIONS`), measured as CPU seconds of the whole process tree for the quickstart's
-AdamW8bit on a cold cache (``benchmarks/first_step.py``): 34 s with inductor's defaults, 22 s with these:
-
-- ``cpp.vec_isa_ok=True``: inductor trusts the CPU's flags (``/proc/cpuinfo``) for its vector instruction sets
-  instead of compiling and loading a test program per instruction set, which cost 11 CPU seconds the first time a
-  cache directory is used and 3 in every later process. An old compiler that lacks those instructions then fails
-  the kernel's own compilation (a warning; the kernel runs eagerly). The result is cached per process by inductor,
-  so a later ``torch.compile`` of the user's in the same process skips the test programs too.
-- ``cpp_cache_precompile_headers=False``: inductor would precompile torch's headers once per user and machine (a
-  150 MB file in the temporary directory, 10 CPU seconds) to save about a second per later kernel; an optimizer has
-  one to four kernels.
-- ``compile_threads=1``: one generated kernel per graph gains nothing from a pool of compile workers (the same CPU
-  time measured with 2), and no worker processes are started.
+Compile options (:data:`INDUCTOR_OPTIONS`; the quickstart's AdamW8bit on a cold cache took 22 CPU seconds with them,
+34 with inductor's defaults, ``benchmarks/first_step.py``): ``cpp.vec_isa_ok=True`` trusts the CPU's flags for its
+vector instruction sets instead of compiling a test program per set (an old compiler that lacks one then fails the
+kernel's own compilation: a warning, the kernel runs eagerly); ``cpp_cache_precompile_headers=False`` skips a 150 MB
+precompiled header that only pays off over many kernels; ``compile_threads=1``: one generated kernel per graph gains
+nothing from a pool of compile processes, and none is started.
 
 Log lines (logger ``hf_optim``): one INFO line when a compilation starts (which kernel, where it is cached), one when
-it has taken more than a second (in the background: how long the background process took and the cache hit here),
-and a WARNING when it fails (that kernel then keeps running eagerly), with the background process's error line.
+it has taken more than a second (in the background: how long since it was queued, and the cache hit here), and a
+WARNING when it fails (that kernel then keeps running eagerly), with the worker's error line.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import logging
@@ -80,7 +76,6 @@ import tempfile
 import threading
 import time
 import types
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,7 +86,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from hf_optim.kernels.formats import SlotLayout
 from hf_optim.kernels.formats.base import zeroed_buffer
 from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
-from hf_optim.kernels.torch_path import cpu_threads, elementwise
+from hf_optim.kernels.torch_path import compile_queue, cpu_threads, elementwise
 
 logger = logging.getLogger("hf_optim")
 
@@ -132,15 +127,17 @@ def compile_enabled() -> bool:
 
 
 def cache_location() -> str:
-    """Where inductor keeps compiled kernels (``TORCHINDUCTOR_CACHE_DIR``, else its default), for the log line."""
+    """Where inductor keeps compiled kernels (``TORCHINDUCTOR_CACHE_DIR``, else its default), as an absolute path."""
     found = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if found:
-        return found
+        return os.path.abspath(found)
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # older torch
-        return "inductor's cache directory"
-    return default_cache_dir()
+    except ImportError:  # older torch: its default, computed the same way
+        import getpass
+
+        return os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser().replace("\\", "_"))
+    return os.path.abspath(default_cache_dir())
 
 
 @dataclass(frozen=True)
@@ -204,7 +201,7 @@ class _Entry:
     probe: Callable[[int], tuple] | None = None  # blocks -> probe arguments (after `update`'s rule and layouts)
     hyper: tuple = ()  # the probe inputs' scalars and rounding key (copies), for a background process's job
     key: torch.Tensor | None = None
-    warmups: dict[int, Warmup] = field(default_factory=dict)  # thread count -> its background process
+    warmups: dict[int, QueuedCompile] = field(default_factory=dict)  # thread count -> its request to the worker
     threads: cpu_threads.ThreadChoice | None = None
 
 
@@ -213,13 +210,15 @@ _entries: dict[Kernel, _Entry] = {}
 
 
 def _after_fork_in_child() -> None:
-    """A forked process (a dataloader worker, say) has nothing pending: the background processes are its
-    parent's (it neither waits for them nor reaps them); it starts its own if it ever needs one."""
+    """A forked process (a dataloader worker, say) has nothing pending: the requests and the worker are its
+    parent's (it neither waits for them nor reaps the worker); it queues its own if it ever needs a kernel."""
     global _lock
     _lock = threading.Lock()
     for entry in _entries.values():
         entry.pending.clear()
         entry.warmups = {}
+    _requests.clear()
+    _spawned.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -308,69 +307,122 @@ def _run_probe(kernel: Kernel, entry: _Entry, threads: int) -> None:
         entry.compiled(kernel.rule, kernel.layouts, *probe)
 
 
-@dataclass
-class Warmup:
-    """A background process that compiles a kernel into inductor's cache (:func:`start_warmup`)."""
+class QueuedCompile:
+    """This process's request for a kernel in the background compiler's queue (:func:`start_warmup`)."""
 
-    process: subprocess.Popen
-    errors: typing.IO[bytes]
-    """Its stderr: an unnamed temporary file, read when it failed."""
-    job: str
-    """The file its job is pickled in (it removes it once read)."""
-    started: float = field(default_factory=time.perf_counter)
+    CHECK_EVERY_S = 0.05
+    """Between two looks at the queue from the steps (a few file system calls each)."""
+    HEAL_EVERY_S = 1.0
+    """Between two checks that the request is still queued and a worker runs for it."""
+
+    def __init__(self, queue: compile_queue.Queue, key: str, job: bytes):
+        self.queue, self.key, self.job = queue, key, job
+        self.marker = marker_of(key)
+        self.started = time.perf_counter()
+        self.status: int | None = None
+        self._error = ""
+        self._checked = self._healed = float("-inf")
+        queue.request(key, job)
+        self._ensure_worker()
+
+    def _ensure_worker(self) -> None:
+        _reap()
+        process = self.queue.ensure_worker(str(PACKAGE_ROOT))
+        if process is not None:
+            _spawned.append(process)
 
     def poll(self) -> int | None:
-        """Its exit status, or None while it runs (reaps it once it has exited)."""
-        return self.process.poll()
+        """0 once the kernel is in the cache (its marker exists), 1 when the worker failed on it (:meth:`error`),
+        None while it is queued or compiling (a request or worker that went missing is replaced)."""
+        if self.status is not None:
+            return self.status
+        now = time.perf_counter()
+        if now - self._checked < self.CHECK_EVERY_S:
+            return None
+        self._checked = now
+        if self.marker.exists():
+            self.status = 0
+        elif (error := self.queue.failure(self.key)) is not None:
+            self.status, self._error = 1, error
+        elif now - self._healed >= self.HEAL_EVERY_S:
+            self._healed = now
+            if not (self.queue.requested(self.key) and self.queue.queued(self.key)):
+                if self.marker.exists():  # done meanwhile (the worker removes the job after the marker is written)
+                    self.status = 0
+                    return self.status
+                self.queue.request(self.key, self.job)
+            self._ensure_worker()  # one that exited just before this request was queued
+        if self.status is not None:
+            self.queue.withdraw(self.key)
+        return self.status
 
     def wait(self) -> int:
-        return self.process.wait()
+        while self.poll() is None:
+            time.sleep(self.CHECK_EVERY_S)
+        return self.status
 
     def error(self) -> str:
-        """The last line it wrote to stderr (the worker writes its error's first line last)."""
-        self.errors.seek(0)
-        lines = [line.strip() for line in self.errors.read().decode(errors="replace").splitlines() if line.strip()]
-        return (lines[-1] if lines else "")[:300]
+        """The worker's error line (type and first line of the exception) when it failed."""
+        return self._error[:300]
 
     def close(self, kill: bool = False) -> None:
-        """Kill it first if ``kill`` and it still runs; reap it and drop its files."""
-        if kill and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self.errors.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.job)
+        """Withdraw the request: the worker skips the kernel unless another process waits for it. ``kill`` is
+        ignored: the worker is shared, and it exits by itself after its current kernel when nobody waits."""
+        self.queue.withdraw(self.key)
 
 
-def start_warmup(kernel: Kernel, hyper: tuple, key: torch.Tensor | None, threads: int) -> Warmup:
-    """Start a process that compiles ``kernel``'s graph for ``threads`` threads into inductor's cache and exits
-    (:mod:`hf_optim.kernels.torch_path.cpu_compile_worker`): same environment, so the same ``TORCHINDUCTOR_CACHE_DIR``.
-    The job (kernel, the probe inputs' scalars and rounding key, thread count) goes in a pickled temporary file."""
-    with tempfile.NamedTemporaryFile("wb", prefix="hf_optim_compile_", suffix=".pkl", delete=False) as job:
-        pickle.dump((kernel, hyper, key, threads), job)
-    errors = tempfile.TemporaryFile()
-    try:
-        # No inherited stdin/stdout: a caller that reads this process's output to its end does not wait for it.
-        process = subprocess.Popen([sys.executable, "-m", "hf_optim.kernels.torch_path.cpu_compile_worker", job.name],
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors)
-    except BaseException:
-        errors.close()
-        os.unlink(job.name)
-        raise
-    return Warmup(process, errors, job.name)
+Warmup = QueuedCompile  # its name before the queue
 
 
-def warm_marker(kernel: Kernel, threads: int) -> Path | None:
-    """The file a background process leaves in inductor's cache directory once it has compiled ``kernel`` for
-    ``threads`` threads there (None where that directory is not known). Its name digests what the cache key depends
-    on: the kernel (its rule by module and name, its layouts' formats, rows, dtypes), the thread count, the torch
-    version, the compile options and the source of the update and of the rule's module. A later process that finds it
-    compiles in the training thread at once (a cache hit, 1-3 s) instead of starting another background process
-    and running eagerly meanwhile; if the cache was cleared since, that compilation is a full one, as with
-    ``HF_OPTIM_COMPILE=1``."""
-    location = cache_location()
-    if not os.path.isabs(location):
-        return None
+_spawned: list[subprocess.Popen] = []
+"""Workers this process started: reaped once they have exited (they outlive it when it exits first)."""
+
+
+def _reap() -> None:
+    _spawned[:] = [process for process in _spawned if process.poll() is None]
+
+
+def queue() -> compile_queue.Queue:
+    """The background compiler's queue for inductor's current cache directory."""
+    return compile_queue.Queue(Path(cache_location()) / "hf_optim" / "queue")
+
+
+def start_warmup(kernel: Kernel, hyper: tuple, key: torch.Tensor | None, threads: int) -> QueuedCompile:
+    """Queue ``kernel``'s graph for ``threads`` threads for the background compiler (started unless it runs;
+    :mod:`hf_optim.kernels.torch_path.compile_queue`): the job is the kernel, the probe inputs' scalars and rounding
+    key and the thread count, pickled; it compiles into the same ``TORCHINDUCTOR_CACHE_DIR``."""
+    job = pickle.dumps((kernel, hyper, key, threads))
+    request = QueuedCompile(queue(), kernel_key(kernel, threads), job)
+    _requests.append(request)
+    return request
+
+
+_requests: list[QueuedCompile] = []
+"""This process's requests, withdrawn at its exit (the worker would notice the exit anyway, a little later)."""
+
+
+@atexit.register
+def _withdraw_all() -> None:
+    for request in _requests:
+        if request.status is None:
+            with contextlib.suppress(OSError):
+                request.close()
+
+
+def release_compiled() -> None:
+    """Drop what dynamo and inductor keep in memory of the kernels compiled so far (the background worker, between
+    kernels; inductor's cache on disk stays)."""
+    torch._dynamo.reset()
+
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]
+"""The directory hf_optim is imported from (the background worker imports it from there too)."""
+
+
+def kernel_key(kernel: Kernel, threads: int) -> str:
+    """A name for ``kernel``'s graph for ``threads`` threads, the same in every process: it digests what inductor's
+    cache key depends on (the kernel: its rule by module and name, its layouts' formats, rows, dtypes; the thread
+    count, the torch version, the compile options and the source of the update and of the rule's module)."""
     # A description, not the pickled kernel: a format object's pickle carries what it cached since it was first
     # used, so the same kernel pickled differently in the process that ran it and in a fresh one.
     rule = f"{getattr(kernel.rule, '__module__', '')}.{getattr(kernel.rule, '__qualname__', kernel.rule)}"
@@ -382,7 +434,20 @@ def warm_marker(kernel: Kernel, threads: int) -> Path | None:
         source = getattr(sys.modules.get(module), "__file__", None)
         if source and os.path.exists(source):
             digest.update(Path(source).read_bytes())
-    return Path(location) / "hf_optim" / f"{digest.hexdigest()[:32]}.ready"
+    return digest.hexdigest()[:32]
+
+
+def marker_of(key: str) -> Path:
+    """The warm marker of the graph named ``key`` (:func:`kernel_key`) in inductor's current cache directory."""
+    return Path(cache_location()) / "hf_optim" / f"{key}.ready"
+
+
+def warm_marker(kernel: Kernel, threads: int) -> Path | None:
+    """The file the background worker leaves in inductor's cache directory once it has compiled ``kernel`` for
+    ``threads`` threads there. A later process that finds it compiles in the training thread at once (a cache hit)
+    instead of queueing the kernel and running eagerly meanwhile; if the cache was cleared since, that compilation is
+    a full one, as with ``HF_OPTIM_COMPILE=1``."""
+    return marker_of(kernel_key(kernel, threads))
 
 
 def _fail(kernel: Kernel, entry: _Entry, threads: int, error: str) -> None:
@@ -415,8 +480,8 @@ def _compile(kernel: Kernel, entry: _Entry, threads: int, background: float | No
 
 
 def _finish(kernel: Kernel, entry: _Entry, threads: int, block: bool) -> None:
-    """If the background process compiling ``kernel`` for ``threads`` threads has exited (``block``: wait for it),
-    load its result: compile in this thread from the warm cache, or warn with its error."""
+    """If the background worker is done with ``kernel`` for ``threads`` threads (``block``: wait for it), load its
+    result: compile in this thread from the warm cache, or warn with its error."""
     warmup = entry.warmups.get(threads)
     if warmup is None:
         return
@@ -435,18 +500,19 @@ def _finish(kernel: Kernel, entry: _Entry, threads: int, block: bool) -> None:
 
 
 def _start(kernel: Kernel, entry: _Entry, threads: int) -> None:
-    """Compile ``kernel`` for ``threads`` threads now (``HF_OPTIM_COMPILE=1``) or start a background process that
-    compiles it into inductor's cache."""
+    """Compile ``kernel`` for ``threads`` threads now (``HF_OPTIM_COMPILE=1``, a warm marker, or no ``flock`` on this
+    platform) or queue it for the background worker, which compiles it into inductor's cache."""
     entry.pending.add(threads)
     marker = warm_marker(kernel, threads) if compile_mode() == "auto" else None
-    background = compile_mode() != "1" and not (marker is not None and marker.exists())
+    background = (compile_mode() != "1" and compile_queue.supported()
+                  and not (marker is not None and marker.exists()))
     _announce(kernel, entry, threads, background)
     if not background:
         _compile(kernel, entry, threads)
         return
     try:
         entry.warmups[threads] = start_warmup(kernel, entry.hyper, entry.key, threads)
-    except (OSError, pickle.PicklingError, TypeError, AttributeError) as error:  # cannot start it: run eagerly
+    except (OSError, pickle.PicklingError, TypeError, AttributeError) as error:  # cannot queue it: run eagerly
         entry.pending.discard(threads)
         _fail(kernel, entry, threads, f"{type(error).__name__}: {str(error).strip()[:300]}")
 
@@ -514,8 +580,8 @@ def record(kernel: Kernel, threads: int, seconds: float, elements: int) -> None:
 
 
 def wait(timeout: float | None = None) -> bool:
-    """Wait until no compilation is pending (tests, benchmarks): each background process's kernel is then loaded
-    in this thread; False if ``timeout`` seconds passed first."""
+    """Wait until no compilation is pending (tests, benchmarks): each kernel the background worker compiled is then
+    loaded in this thread; False if ``timeout`` seconds passed first."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         for kernel, entry in list(_entries.items()):
@@ -529,10 +595,12 @@ def wait(timeout: float | None = None) -> bool:
 
 
 def forget() -> None:
-    """Drop every compiled kernel and thread choice of this process (tests); kills and reaps the background
-    processes still compiling."""
+    """Drop every compiled kernel and thread choice of this process (tests), and withdraw its requests from the
+    background worker's queue (the worker is shared: it finishes its current kernel and exits when nobody waits)."""
     with _lock:
         for entry in _entries.values():
             for warmup in entry.warmups.values():
                 warmup.close(kill=True)
         _entries.clear()
+        _requests.clear()
+        _reap()

@@ -1,47 +1,71 @@
-"""The background process of ``HF_OPTIM_COMPILE=auto``: compiles one CPU kernel into inductor's cache and exits.
+"""The one background compiler of ``HF_OPTIM_COMPILE=auto`` for a machine and inductor cache directory.
 
-``python -m hf_optim.kernels.torch_path.cpu_compile_worker JOB``: ``JOB`` is a pickled ``(Kernel, hyper, key, threads)``
-written by :func:`hf_optim.kernels.torch_path.cpu_compile.start_warmup` (removed here once read). The kernel is compiled
-exactly as the training process compiles it (:func:`cpu_compile._run_probe`: the same compiled function, probe inputs,
-dynamic marks, options and thread count), so that process's own compilation afterwards is a cache hit. Exit status 0
-when compiled (it then leaves :func:`cpu_compile.warm_marker`'s file, so later runs compile from the cache at their
-first step); 1 with the error's type and first line as the last line of stderr when not. It runs at a lower priority
-(``nice`` +10) than the training it works beside.
+``python .../cpu_compile_worker.py PACKAGE_ROOT QUEUE_DIR [LOCK_FD]``, started by
+:meth:`hf_optim.kernels.torch_path.compile_queue.Queue.ensure_worker` (run as a file, not with ``-m``: importing
+``hf_optim`` would import torch before the lock is taken). First, before importing torch, it takes the queue's lock
+(``LOCK_FD``: the lock its starter took and handed over) and exits at once if another process holds it. Then it
+compiles the queued kernels one after another, oldest first, at a lower priority (``nice`` +10) than the training it
+works beside, each exactly as the requesting process compiles it (:func:`cpu_compile._run_probe`: the same compiled
+function, probe inputs, dynamic marks, options and thread count), so that process's own compilation afterwards is a
+cache hit. After each kernel it writes the kernel's warm marker (done), or the error's type and first line for each
+requester (failed). It exits when no queued kernel has a live requester (:mod:`compile_queue`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import sys
 
 NICENESS = 10
 
 
+def _take_lock(queue_dir: str, handed: str | None) -> int | None:
+    """The worker lock's file descriptor, or None when another worker holds it (stdlib only: torch is not imported
+    yet)."""
+    import fcntl
+
+    fd = int(handed) if handed else os.open(os.path.join(queue_dir, "worker.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a no-op on the open file our starter locked for us
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def main(argv: list[str]) -> int:
-    """Compile the job in ``argv[1]``; the exit status."""
+    """Compile the queue in ``argv[2]`` until no live requester waits; the exit status (0 also when another worker
+    runs)."""
+    if _take_lock(argv[2], argv[3] if len(argv) > 3 else None) is None:
+        return 0
     with contextlib.suppress(OSError, AttributeError):  # not permitted, or no nice() on this platform
         os.nice(NICENESS)
-    try:
-        from hf_optim.kernels.torch_path import cpu_compile
+    sys.path[0] = argv[1]  # the package's root, instead of this file's directory (whose modules would shadow)
 
-        with open(argv[1], "rb") as job:
-            kernel, hyper, key, threads = pickle.load(job)
-        with contextlib.suppress(OSError):
-            os.unlink(argv[1])
-        entry = cpu_compile._Entry(cpu_compile._twin(kernel.rule))
-        entry.probe = cpu_compile._probe_factory(kernel, hyper, key)
-        cpu_compile._run_probe(kernel, entry, threads)
-        marker = cpu_compile.warm_marker(kernel, threads)  # the next process compiles from the cache at once
-        if marker is not None:
-            with contextlib.suppress(OSError):
+    import pickle
+
+    from hf_optim.kernels.torch_path import compile_queue, cpu_compile
+
+    queue = compile_queue.Queue(argv[2])
+    queue.recover()
+    while (key := queue.next_job()) is not None:
+        try:
+            kernel, hyper, rounding_key, threads = pickle.loads(queue.claim(key))
+            marker = cpu_compile.marker_of(key)
+            if not marker.exists():  # else compiled since it was queued (by an earlier job of the same kernel)
+                entry = cpu_compile._Entry(cpu_compile._twin(kernel.rule))
+                entry.probe = cpu_compile._probe_factory(kernel, hyper, rounding_key)
+                cpu_compile._run_probe(kernel, entry, threads)
                 marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.touch()
-    except Exception as error:
-        first_line = (str(error).strip().splitlines() or [""])[0][:300]
-        print(f"{type(error).__name__}: {first_line}", file=sys.stderr, flush=True)
-        return 1
+                marker.touch()  # its requesters, and later processes, now compile it from the cache
+        except Exception as error:
+            first_line = (str(error).strip().splitlines() or [""])[0][:300]
+            print(f"{key}: {type(error).__name__}: {first_line}", file=sys.stderr, flush=True)
+            queue.fail(key, f"{type(error).__name__}: {first_line}")
+        else:
+            queue.done(key)
+        cpu_compile.release_compiled()  # what dynamo and inductor keep of the kernel: the worker stays small
     return 0
 
 
