@@ -17,6 +17,7 @@ import torch
 
 from hf_optim.kernels.formats import FORMATS, format_for_bits, loaded_format
 from hf_optim.kernels.formats.base import StateDictError
+from hf_optim.kernels.formats.blockwise8 import one_map_note_per_load
 from hf_optim.kernels.state_store import QUANT_KEYS
 from hf_optim.kernels.torch_path.flat_state import FlatStates
 from hf_optim.optim import sharding
@@ -118,6 +119,7 @@ class StateDicts:
         return state_dict
 
     @torch._disable_dynamo  # as torch's own load_state_dict (imports dynamo only when first called)
+    @one_map_note_per_load()  # one log line per load for 8-bit maps 1 ulp off ours, not one per parameter
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by hf_optim or bitsandbytes (nested or flat form).
 
