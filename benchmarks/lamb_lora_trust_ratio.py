@@ -1,5 +1,5 @@
-"""What LAMB's trust ratio does to LoRA's tensors on the quickstart recipe (the evidence behind README's "LAMB with
-LoRA").
+"""What LAMB's trust ratio does to LoRA's tensors on the quickstart recipe (the evidence behind "LAMB and LoRA" in
+docs/guide/optimizers.md).
 
 Trains ``hf-optim train quickstart`` in this process with the overrides given (default ``training.optim=lamb_8bit``)
 and prints, every few optimizer steps, for LoRA's A matrices (random init) and B matrices (zero init): the median

@@ -4,8 +4,9 @@
 ``<root>/<setup>_lr<lr>/<optim>/``. This script reads those run directories back and prints, per setup, every
 (optimizer, lr) cell: the EMA loss that compare.md reports (the best lr of each optimizer, by it, in bold), the final
 loss (the last logged training loss: one batch, the same batch for every run of a setup, as the data order is the
-recipe's seed) and the mean of the last 20 training losses; then 8-bit and 4-bit Muon against 32-bit Muon, each at
-its best lr, and the run directories to pass to `hf-optim compare`. Commands: docs/benchmarks.md, "Muon: quality".
+recipe's seed) and the mean of the last 20 training losses; then 8-bit and 4-bit Muon against 32-bit Muon, each at its
+best lr, and the run directories to pass to `hf-optim compare`. Commands:
+docs/lab/2026-measurements.md#muon-quality-issue-25.
 
     python benchmarks/muon_quality.py runs/muon_quality full lora loramuon
 """

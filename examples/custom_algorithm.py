@@ -3,8 +3,8 @@ arXiv 1802.04434), with decoupled weight decay.
 
 One PyTorch rule, its (optional) Triton twin, one registration call: hf_optim derives ``Signum32bit``,
 ``Signum8bit``, ``PagedSignum``, ``PagedSignum8bit``, ``PagedSignum32bit``, and the Trainer accepts
-``optim="signum"``, ``"signum_8bit"``, ``"paged_signum_8bit"``, ... (README: "Adding an algorithm";
-``tests/test_custom_algorithm.py`` runs this file).
+``optim="signum"``, ``"signum_8bit"``, ``"paged_signum_8bit"``, ... (docs/guide/extending.md, "Adding an
+algorithm", shows this file; ``tests/test_custom_algorithm.py`` runs it).
 
     python examples/custom_algorithm.py
 """

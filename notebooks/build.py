@@ -344,7 +344,7 @@ def qlora_8b():
         An 8B model on a 15 GB T4: 4-bit weights (about 5.5 GB with the fp16 embeddings and head), gradient
         checkpointing, batch 1 with 8 accumulation steps, and `paged_adamw_8bit`, whose 8-bit state for the 42M
         LoRA parameters is about 80 MB instead of about 340 MB for fp32 AdamW (whether the state is paged to CPU
-        memory yet: see "Paged optimizers" in the README). Same flow as the quickstart; the memory read-outs are
+        memory yet: see docs/guide/paging.md in the repository). Same flow as the quickstart; the memory read-outs are
         the point here.
         """,
         QLORA_8B_PARAMS,

@@ -1,4 +1,4 @@
-"""An algorithm added from outside the package, as the README's "Adding an algorithm" shows: the Signum of
+"""An algorithm added from outside the package, as docs/guide/extending.md's "Adding an algorithm" shows: the Signum of
 ``examples/custom_algorithm.py`` (one PyTorch rule, a Triton twin, one ``register_algorithm`` call) run through its
 32-bit and 8-bit classes against a hand-written reference, its paged class, its Triton twin (Triton's interpreter on
 CPU), a state-dict round trip, the memory estimator and a Trainer run by ``optim=`` name."""

@@ -1,6 +1,6 @@
-"""LAMB with LoRA (README: "LAMB and LoRA"): peft starts LoRA's B matrices at zero, and LAMB's trust ratio
-``||p|| / ||u||`` then keeps them near zero, so LAMB warns at the first step; with weights that are not zero (a
-full fine-tune) it trains them at its relative step."""
+"""LAMB with LoRA (docs/guide/optimizers.md, "LAMB and LoRA"): peft starts LoRA's B matrices at zero, and LAMB's
+trust ratio ``||p|| / ||u||`` then keeps them near zero, so LAMB warns at the first step; with weights that are not
+zero (a full fine-tune) it trains them at its relative step."""
 
 import warnings
 
@@ -103,8 +103,8 @@ def final_loss(factory, steps=STEPS):
 
 
 def test_a_tenfold_lr_lets_lamb_train_lora_as_adamw_does():
-    """README's rule for LAMB under LoRA (about 10x AdamW's lr): at AdamW's lr LAMB leaves the loss near where
-    it started; at 10x it gets about as far as AdamW."""
+    """The guide's rule for LAMB under LoRA (docs/guide/optimizers.md#lamb-and-lora: about 10x AdamW's lr): at
+    AdamW's lr LAMB leaves the loss near where it started; at 10x it gets about as far as AdamW."""
     start = final_loss(lambda p: hf_optim.AdamW(p, lr=LR), steps=0)
     adamw = final_loss(lambda p: hf_optim.AdamW(p, lr=LR))
     lamb = final_loss(lambda p: hf_optim.LAMB(p, lr=LR))

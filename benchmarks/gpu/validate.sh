@@ -2,7 +2,8 @@
 # The GPU checks of work merged since the last GPU run, in one bounded call (about 6 minutes on an H200): the GPU
 # tests (fp8's Triton branch, paging, Muon on CUDA among them), the step time of the fp8 and 8-bit optimizers, and
 # Muon's step time beside torch.optim.Muon. Logs under $OUT (default ./gpu-out). The first version of this script
-# (git history) also ran host_overhead.py, paged_memory.py and Nsight Compute: docs/benchmarks.md, "Second H200 run".
+# (git history) also ran host_overhead.py, paged_memory.py and Nsight Compute: docs/lab/2026-measurements.md,
+# "Second H200 run".
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"

@@ -11,15 +11,15 @@ even, what ``Tensor.to(float8)`` does); non-negative slots (second moments) roun
 correctly rounded division (``exact_math.div``; Triton's ``div_rn``), so every path (eager, inductor, Triton) rounds
 the same way.
 
-Both moments are e4m3 (``torch.float8_e4m3fn``: 3 mantissa bits, 448 at most, subnormals down to 2**-9), as in
-torchao's ``AdamWFp8``. Chosen by measurement (docs/benchmarks.md "FP8 state (issue 24)", ``benchmarks/quality4.py``)
-over storing ``sqrt(v)`` in e4m3 (half the dynamic range, but twice the relative step on ``v``) and ``v`` in e5m2
-(more range, 2 mantissa bits): rounded to nearest, on the MLP regression their final losses moved 6-8% off 32-bit
-AdamW's, e4m3's 3-4%; on the tiny fine-tune all stay within 0.6%. That gap is the second moment's (with an fp32
-``v`` and an e4m3 ``m`` the MLP ends within 0.3%): rounded to nearest, a ``v`` re-rounded to 3 mantissa bits every
-step cannot take ``beta2``'s 0.1% decrements (``0.999 * v`` rounds back to ``v``), so it stays high after a large
-gradient. Rounded stochastically it keeps them in expectation: the MLP ends within 0.3%, at no extra state. Blocks
-of 128 measured no better than 256. :func:`variant` builds the other choices for the benchmark.
+Both moments are e4m3 (``torch.float8_e4m3fn``: 3 mantissa bits, 448 at most, subnormals down to 2**-9), as in torchao's
+``AdamWFp8``. Chosen by measurement (docs/lab/2026-measurements.md#fp8-state-issue-24, ``benchmarks/quality4.py``) over
+storing ``sqrt(v)`` in e4m3 (half the dynamic range, but twice the relative step on ``v``) and ``v`` in e5m2 (more
+range, 2 mantissa bits): rounded to nearest, on the MLP regression their final losses moved 6-8% off 32-bit AdamW's,
+e4m3's 3-4%; on the tiny fine-tune all stay within 0.6%. That gap is the second moment's (with an fp32 ``v`` and an e4m3
+``m`` the MLP ends within 0.3%): rounded to nearest, a ``v`` re-rounded to 3 mantissa bits every step cannot take
+``beta2``'s 0.1% decrements (``0.999 * v`` rounds back to ``v``), so it stays high after a large gradient. Rounded
+stochastically it keeps them in expectation: the MLP ends within 0.3%, at no extra state. Blocks of 128 measured no
+better than 256. :func:`variant` builds the other choices for the benchmark.
 
 The stochastic rounding's random bits are a hash of the scaled value's fp32 bits and its lane in the block
 (:func:`sr_bits20`), not of the step and element counters that bf16 parameter rounding uses (``rounding``): those
@@ -46,7 +46,7 @@ from hf_optim.kernels.torch_path import exact_math, rounding
 
 BLOCK_SIZE = 256
 """Elements per scale block: the multi-tensor chunks' block, so block form needs no reshaping (128 measured no
-better: docs/benchmarks.md)."""
+better: docs/lab/2026-measurements.md#quality-and-the-second-moment-choice, the B128 row)."""
 
 FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 """Largest finite value of each float8 type."""
@@ -103,7 +103,7 @@ def _unblocked(blocked: torch.Tensor, like_shape: torch.Size) -> torch.Tensor:
 class Fp8(StateFormat):
     name, bits, code, width, block_size = "fp8", 8, 4, 2, BLOCK_SIZE
     # rank between blockwise8 (2) and blockwise4 (3): as large as blockwise8, and measured further from 32-bit
-    # AdamW (docs/benchmarks.md), so tables and the planner put bitsandbytes' format first
+    # AdamW (docs/performance.md#quality-of-quantized-state), so tables and the planner put bitsandbytes' format first
     class_suffix, optim_suffix, label, rank, optim_bits = "Fp8", "fp8", "8-bit float (fp8)", 2.5, None
     second_moment = SECOND_MOMENT
     # The Triton branch (kernels/triton_path/fp8.py): bit-exact with this file's math in the interpreter

@@ -2,9 +2,9 @@
 
 The multi-tensor path (:mod:`hf_optim.kernels.torch_path.multi_tensor`) calls
 :func:`hf_optim.kernels.torch_path.elementwise.update` once per chunk. Compiled by inductor it runs several times faster
-than eagerly (8-bit state most), but compiling costs seconds to minutes the first time (docs/benchmarks.md, the
-first-step table): dynamo traces the rule, inductor writes C++ and gcc builds it. ``HF_OPTIM_COMPILE`` says when to
-pay:
+than eagerly (8-bit state most), but compiling costs seconds to minutes the first time
+(docs/performance.md#first-step-and-compilation-cpu): dynamo traces the rule, inductor writes C++ and gcc builds it.
+``HF_OPTIM_COMPILE`` says when to pay:
 
 - ``auto`` (the default, also when unset or empty): in the background. The first chunk of a kernel queues it for
   the background compiler and runs eagerly, as does every chunk of that kernel until it is compiled; the next step
@@ -99,11 +99,12 @@ PROBE_BLOCKS = 37
 256 elements or 128 bytes per block, maps and tables) is a multiple of it and only the block dimensions vary."""
 
 EAGER_WHILE_COMPILING = 1 << 20
-"""Largest run of a kernel's chunks (elements per step) that runs eagerly while the kernel compiles in the
-background; a larger one waits for the compilation. Eagerly an 8-bit chunk costs 20-50x its compiled time (measured:
-docs/benchmarks.md), so a large step would take longer than the compilation, and an eager step competes with the
-compiler for the cores and for Python's GIL: on Llama-3.2-1B's LoRA set (11.3M elements) one eager AdamW8bit step
-outlasted the whole compilation. A 1M-element eager step takes well under a second on an idle 2-core machine."""
+"""Largest run of a kernel's chunks (elements per step) that runs eagerly while the kernel compiles in the background; a
+larger one waits for the compilation. Eagerly an 8-bit chunk costs 20-50x its compiled time (measured; eager against
+compiled runs: docs/lab/2026-measurements.md#cpu-first-step-and-busy-machines-issue-23), so a large step would take
+longer than the compilation, and an eager step competes with the compiler for the cores and for Python's GIL: on
+Llama-3.2-1B's LoRA set (11.3M elements) one eager AdamW8bit step outlasted the whole compilation. A 1M-element eager
+step takes well under a second on an idle 2-core machine."""
 
 INDUCTOR_OPTIONS = {"compile_threads": 1, "cpp_cache_precompile_headers": False, "cpp.vec_isa_ok": True}
 """Inductor settings for these compilations only (see the module docstring)."""

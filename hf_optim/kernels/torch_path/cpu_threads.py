@@ -3,9 +3,10 @@
 A compiled chunk (:mod:`hf_optim.kernels.torch_path.cpu_compile`) is one OpenMP parallel region with about seven
 barriers, and a step is tens of chunks. When other processes keep the cores busy (dataloader workers, a second job), a
 barrier waits for a thread the scheduler is not running, and libgomp's waiting threads spin meanwhile. Measured on a
-2-core machine under load (docs/benchmarks.md, the busy-machine table): AdamW8bit on one 16.8M-element tensor took 10x
-longer per step with 2 threads than with 1, and its CPU time per element grew 10x (spinning); on an idle machine 2
-threads are about 1.3x faster than 1. Neither is right everywhere, so each kernel measures both:
+2-core machine under load (docs/lab/2026-measurements.md, the busy-machine tables of issue 23): AdamW8bit on one
+16.8M-element tensor took 10x longer per step with 2 threads than with 1, and its CPU time per element grew 10x
+(spinning); on an idle machine 2 threads are about 1.3x faster than 1. Neither is right everywhere, so each kernel
+measures both:
 
 - it starts with torch's thread count (:func:`torch.get_num_threads`), timing every step's chunks per element;
 - once it has seen a few steps, it asks for the one-thread variant of its kernel (a second compiled graph: the
@@ -20,11 +21,12 @@ threads are about 1.3x faster than 1. Neither is right everywhere, so each kerne
   change of load is noticed within a few steps while tries of all threads under load, which cost up to 10
   one-thread runs each, stay rare.
 
-One thread is a remedy for libgomp's spinning waits, not the best possible: with N other busy processes on 2
-cores it gets 2/(N+1) of a core where 2 threads would get 4/(N+2). With ``OMP_WAIT_POLICY=PASSIVE`` in the
-environment the process starts with, waiting threads sleep at once and the 2-thread kernel keeps its share under
-load (measured 3x faster than without it under heavy load, docs/benchmarks.md); the choice measures either way, and
-the one-thread variant's log line names the setting when it is not there (:func:`spinning_waits`).
+One thread is a remedy for libgomp's spinning waits, not the best possible: with N other busy processes on 2 cores it
+gets 2/(N+1) of a core where 2 threads would get 4/(N+2). With ``OMP_WAIT_POLICY=PASSIVE`` in the environment the
+process starts with, waiting threads sleep at once and the 2-thread kernel keeps its share under load (measured 3x
+faster than without it under heavy load, docs/lab/2026-measurements.md, "Busy machine after the lag-free trigger and
+with OMP_WAIT_POLICY=PASSIVE"); the choice measures either way, and the one-thread variant's log line names the setting
+when it is not there (:func:`spinning_waits`).
 
 The thread count changes only the speed: the compiled kernels parallelize over blocks and every reduction is within
 one 256-element block, so one thread and many compute the same bits (``tests/test_multi_tensor.py``). It is set

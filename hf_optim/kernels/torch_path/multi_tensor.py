@@ -43,10 +43,10 @@ compiled kernel's temporaries (a few MiB) stay in glibc's heap between calls. Wi
 unmaps them on every call, and on a VM each fresh page costs a fault: the step took twice as long, and varied."""
 
 DEVICE_CHUNK = 1 << 24
-"""Elements per call of :func:`step_tensor` on a GPU, where the CPU's heap reasons do not apply and each call costs
-host time instead: with :data:`CHUNK`, Muon's momentum on one 4096 x 4096 matrix took 64 calls, about 5.6 ms of host
-time per step against 3.1 ms of GPU work (H200, docs/benchmarks.md). Chunks stay whole blocks, so the values are
-the same; a call's fp32 temporaries stay at 64 MiB each."""
+"""Elements per call of :func:`step_tensor` on a GPU, where the CPU's heap reasons do not apply and each call costs host
+time instead: with :data:`CHUNK`, Muon's momentum on one 4096 x 4096 matrix took 64 calls, about 5.6 ms of host time per
+step against 3.1 ms of GPU work (H200, docs/lab/2026-measurements.md, "Third H200 round"). Chunks stay whole blocks, so
+the values are the same; a call's fp32 temporaries stay at 64 MiB each."""
 
 IN_PLACE_MIN = 1 << 16
 """Tensors of at least this many elements are updated in place, chunk by chunk; smaller ones are gathered."""
