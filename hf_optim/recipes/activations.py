@@ -155,3 +155,122 @@ def backward_peak_bytes(shape: DecoderShape, tokens: int, checkpointing: bool, r
     embedding_stage = base + tokens * e * shape.hidden + (released + tied_sum if release else total_grads + tied_sum)
     peaks.append(embedding_stage)
     return max(peaks)
+
+
+# -- a whole training step as ``hf-optim train`` runs it (TRL's SFTTrainer) -------------------------------------------
+# The estimate above models the model's own loss (full logits, fp32 log-softmax). TRL's SFTTrainer (1.x) replaces it
+# with a chunked LM head (``trl.trainer.utils.add_fused_lm_head``): the logits are never materialised; the head is
+# projected in tiles of at most TOKEN_TILE tokens x VOCAB_TILE vocabulary entries, and its backward recomputes each
+# tile. What that head keeps and makes is counted by :class:`LossHead`; the peak of a step by
+# :func:`training_peak_bytes`, for a full fine-tune or LoRA/QLoRA adapters.
+
+TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
+VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
+TORCH_BACKWARD_TILES = 7.25
+"""fp32 tile-sized tensors alive at once in the backward of TRL's chunked head without Triton (CPU): its
+``_backward_tile`` holds y, z, log_p, p and grad, plus, while it adds the log-prob term, ``is_target.float() - p``
+and then its product by the incoming gradient (the ``float()`` copy is freed as the subtraction returns), and
+``is_target`` itself (bool: a quarter of an fp32 tile). Measured on CPU: 7.25 tiles besides the mm buffer, for
+vocabularies of one and of two tiles. The mm buffer is ``TOKEN_TILE x VOCAB_TILE`` wide whatever the vocabulary (a
+model with fewer than 32768 tokens still gets a 32768-wide buffer). With Triton (CUDA) the tile is folded in place:
+only the mm buffer."""
+
+
+@dataclass(frozen=True)
+class LossHead:
+    """The LM head and loss of a training step.
+
+    Attributes:
+        fused: TRL's chunked head (see above) instead of the model's logits and cross-entropy.
+        torch_tiles: the fused head folds its tiles with torch ops (no Triton: CPU), making the temporaries of
+            :data:`TORCH_BACKWARD_TILES`.
+        trainable: the head's weight trains (a full fine-tune), so its backward accumulates an fp32 weight gradient.
+        compute_size: bytes of an element of the head's projection (the autocast or model dtype).
+    """
+
+    fused: bool = True
+    torch_tiles: bool = False
+    trainable: bool = True
+    compute_size: int = 2
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """LoRA adapters on some linear layers of each decoder layer.
+
+    Attributes:
+        rank: LoRA rank ``r``.
+        in_features: the input width of each adapted linear layer of one decoder layer.
+        element_size: bytes of an adapter element (4: fp32 adapters; 2: QLoRA's bf16 ones).
+        quantized_weight: elements of the largest 4-bit base weight (QLoRA), which bitsandbytes dequantizes, one at
+            a time, in each forward and backward of its layer; 0 when the base is not quantized.
+    """
+
+    rank: int
+    in_features: tuple[int, ...]
+    element_size: int
+    quantized_weight: int = 0
+
+    def saved_per_token(self, activation_size: int) -> int:
+        """What the adapters of one layer add to its saved tensors, per token: the rank-wide output of each A
+        (B's input, kept for B's gradient) and, when the adapters' dtype differs from the activations', the copy of
+        each input that peft casts to it (autocast casts an fp32 copy back to the compute dtype: the smaller one
+        is what is kept)."""
+        cast = min(activation_size, self.element_size) if self.element_size != activation_size else 0
+        return sum(self.rank * self.element_size + cast * width for width in self.in_features)
+
+
+def training_peak_bytes(shape: DecoderShape, tokens: int, checkpointing: bool, head: LossHead,
+                        adapters: Adapters | None = None, gradient_bytes: int | None = None,
+                        accumulating: bool = False) -> int:
+    """Peak of activations + gradients during one forward and backward over ``tokens`` tokens, as TRL's
+    SFTTrainer runs it (weights and optimizer state excluded).
+
+    Args:
+        shape: the decoder.
+        tokens: tokens of the micro-batch (batch x sequence length).
+        checkpointing: gradient checkpointing (each layer keeps its input and is recomputed in backward).
+        head: the LM head and loss (:class:`LossHead`).
+        adapters: LoRA/QLoRA adapters (None: a full fine-tune, every weight trains).
+        gradient_bytes: all gradients of the step (LoRA: the adapters'); None: the full fine-tune's, from the shape.
+        accumulating: gradient accumulation over several micro-batches: every gradient is alive from the start.
+
+    Stages, as in :func:`backward_peak_bytes`: the loss head's backward, each layer's backward from the last, the
+    embedding. Gradients kept (not released); a LoRA layer's gradients count when its backward ends.
+    """
+    e = shape.element_size
+    full = adapters is None
+    head_grad = e * shape.vocab * shape.hidden if full else 0
+    layer_grad = e * shape.layer_params() if full else (gradient_bytes or 0) // shape.layers
+    total_grads = gradient_bytes if gradient_bytes is not None else \
+        head_grad + shape.layers * layer_grad + e * shape.hidden + (0 if shape.tied else head_grad)
+    layer_saved = shape.layer_bytes() + (adapters.saved_per_token(e) if adapters else 0)
+    per_layer_kept = tokens * (e * shape.hidden if checkpointing else layer_saved)
+    base = tokens * INDEX_BYTES
+    dequantized = adapters.quantized_weight * e if adapters else 0
+    if head.fused:
+        # final norm, the hidden copy the head keeps, fp32 log_z and entropy, int64 targets; then, in the head's
+        # backward: the fp32 gradient of the hidden states, the tile buffers and (full fine-tune) an fp32 weight
+        # gradient that becomes one in the weights' dtype at the end
+        kept = base + shape.layers * per_layer_kept + tokens * (shape.norm_bytes() + e * shape.hidden + 16)
+        rows = min(tokens, TOKEN_TILE)
+        tiles = rows * VOCAB_TILE * head.compute_size  # the mm buffer
+        if head.torch_tiles:
+            tiles += int(TORCH_BACKWARD_TILES * rows * min(shape.vocab, VOCAB_TILE) * FP32)
+        weight_grad = shape.vocab * shape.hidden * (FP32 + e) if head.trainable else 0
+        head_stage = kept + tokens * FP32 * shape.hidden + tiles + weight_grad
+    else:
+        kept = base + shape.layers * per_layer_kept + tokens * shape.head_bytes()
+        head_stage = kept + tokens * shape.head_transient_bytes() + (head_grad if full else 0)
+    grads = total_grads if accumulating else (head_grad if full else 0)
+    peaks = [head_stage + (total_grads if accumulating else 0)]
+    for remaining in range(shape.layers, 0, -1):
+        alive = base + remaining * per_layer_kept + tokens * shape.layer_transient_bytes() + dequantized
+        if checkpointing:
+            alive += tokens * layer_saved
+        if not accumulating:
+            grads = (head_grad if full else 0) + (shape.layers - remaining) * layer_grad
+        peaks.append(alive + grads)
+    tied_sum = 2 * head_grad if shape.tied else 0
+    peaks.append(base + tokens * e * shape.hidden + total_grads + tied_sum)
+    return max(peaks)

@@ -40,6 +40,8 @@ class RunResult:
         resumed_from: the checkpoint this run resumed from, None for a run from step 0.
         checkpoint: after an interruption, the checkpoint a resume starts from (the one saved when it stopped, else
             the last complete one), None when there is none.
+        memory: a random-weights run's measured memory by component beside the estimate (the contents of
+            ``memory_by_component.json``, :mod:`hf_optim.recipes.real_shape`), None for other runs.
     """
 
     output_dir: Path
@@ -51,6 +53,7 @@ class RunResult:
     global_step: int | None = None
     resumed_from: str | None = None
     checkpoint: str | None = None
+    memory: dict | None = None
 
 
 def default_output_dir(recipe: Recipe) -> Path:
@@ -131,7 +134,7 @@ class KeepAdapterDtypes:
 
 
 def run(recipe: Recipe, output_dir: str | Path | None = None, quiet: bool = False, resume: str | None = None,
-        overwrite: bool = False) -> RunResult:
+        overwrite: bool = False, measure=None) -> RunResult:
     """Train ``recipe`` once (``auto`` resolved for this machine) into ``output_dir``.
 
     Args:
@@ -143,6 +146,9 @@ def run(recipe: Recipe, output_dir: str | Path | None = None, quiet: bool = Fals
             recipe. None: start at step 0.
         overwrite (bool, default False): start again at step 0 in a directory that holds a run, deleting its
             checkpoints and logs first (:func:`hf_optim.recipes.rundir.clear`).
+        measure (default None): a random-weights run (:mod:`hf_optim.recipes.real_shape`, which passes its
+            ``RandomWeightsRun``): called with the resolved recipe, it gives the callback that measures, builds the
+            tokenizer, data and model, and writes the report; no model is saved. None: a normal run.
 
     A directory that holds a run (checkpoints, logged steps or a saved model) is never written over without
     ``resume`` or ``overwrite``: :class:`~hf_optim.recipes.rundir.RunDirectoryError` says so, before anything is
@@ -151,7 +157,7 @@ def run(recipe: Recipe, output_dir: str | Path | None = None, quiet: bool = Fals
     directory if this call created it and nothing was logged in it yet.
     """
     with quiet_console(quiet):
-        return _run(recipe, output_dir, quiet, resume, overwrite)
+        return _run(recipe, output_dir, quiet, resume, overwrite, measure)
 
 
 def resume_request(recipe: Recipe, resume: str | None) -> str | None:
@@ -165,7 +171,7 @@ def resume_request(recipe: Recipe, resume: str | None) -> str | None:
 
 
 def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool, resume: str | None,
-         overwrite: bool) -> RunResult:
+         overwrite: bool, measure=None) -> RunResult:
     from trl import SFTTrainer
 
     from hf_optim.monitor import TrainingMonitor
@@ -195,10 +201,17 @@ def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool, resume: str
         callbacks.insert(0, monitor)
     stop = GracefulStop(monitor)
     callbacks.append(stop)
+    measuring = measure(recipe) if measure is not None else None
+    if measuring is not None:
+        callbacks.append(measuring.probe)
     try:
-        tokenizer = build_tokenizer(recipe)
-        train_data, eval_data = build_datasets(recipe)
-        model = build_model(recipe)
+        if measuring is not None:
+            tokenizer, train_data, model = measuring.build()
+            eval_data = None
+        else:
+            tokenizer = build_tokenizer(recipe)
+            train_data, eval_data = build_datasets(recipe)
+            model = build_model(recipe)
         trainer = RecipeTrainer(model=model, args=build_sft_config(recipe, out), train_dataset=train_data,
                                 eval_dataset=eval_data, processing_class=tokenizer,
                                 peft_config=build_lora_config(recipe), callbacks=callbacks)
@@ -220,7 +233,8 @@ def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool, resume: str
         logger.error("out of memory: %s", str(exc).splitlines()[0] if str(exc) else "CUDA out of memory")
         if monitor is not None:
             monitor.record_oom(exc)
-        return RunResult(out, "oom", found.get("optimizer"), resumed_from=checkpoint)
+        memory = measuring.finish(out, [], "oom") if measuring is not None else None
+        return RunResult(out, "oom", found.get("optimizer"), resumed_from=checkpoint, memory=memory)
     except KeyboardInterrupt:  # before training began: nothing to keep
         rundir.remove_failed_attempt(out, created)
         return RunResult(out, "interrupted", resumed_from=checkpoint)
@@ -234,8 +248,12 @@ def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool, resume: str
         resume_point = str(saved) if saved.is_dir() and not checkpoint_problems(saved) else \
             last_complete_checkpoint(out)
         return RunResult(out, "interrupted", found.get("optimizer"), *done, checkpoint=resume_point)
+    if measuring is not None:  # random weights: nothing worth saving, the measurement is the result
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        return RunResult(out, "ok", found.get("optimizer"), *done, memory=measuring.finish(out, losses, "ok"))
     trainer.save_model(str(out))
     return RunResult(out, "ok", found.get("optimizer"), *done)
+
 
 
 def sweep_values(spec: str) -> tuple[str, list[str]]:
