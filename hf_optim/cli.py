@@ -2,6 +2,9 @@
 
 Also runs as ``python -m hf_optim.cli``. Only the standard library is imported before a verb runs: ``run`` and
 ``optimizers`` work on an install without extras, and a verb whose extra is missing says which one to install.
+torch is imported only after the checks that need none have passed (:mod:`hf_optim._startup`,
+:mod:`hf_optim.recipes.quickcheck`): ``--help``, a mistyped recipe, optimizer name or key, an output directory that
+holds a run, or a run directory that does not exist are answered at once.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (argparse prints the usage block first): ``hf-optim train: error: ...``."""
 
     def error(self, message: str):
+        if message.startswith("the following arguments are required: recipe"):  # argparse also names the overrides
+            message = ("a recipe is required: a recipe file or the name of a bundled one (`hf-optim ls` lists them, "
+                       "e.g. quickstart)")
         choice = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
         if choice:  # argparse before Python 3.14 has no did-you-mean
-            from hf_optim.integrations.names import suggest
+            from hf_optim.errors import suggest
 
             close = suggest(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)), count=1)
             if close:
@@ -70,6 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true",
                        help="start again from step 0 in an output directory that holds a run (its checkpoints and "
                             "logs are deleted first); without --resume or --overwrite such a directory is refused")
+    train.add_argument("--random-weights", action="store_true",
+                       help="measure before you download: build the recipe's model from its architecture with random "
+                            "weights (offline), train a few steps as the recipe says (bundled tokenizer and data), and "
+                            "write memory_by_component.json: measured peak memory by component beside the estimate")
+    train.add_argument("--steps", type=int, help="with --random-weights: optimizer steps (default 3)")
+    train.add_argument("--seq-len", type=int, help="with --random-weights: tokens per sequence (training.max_length)")
+    train.add_argument("--batch-size", type=int,
+                       help="with --random-weights: sequences per device batch (per_device_train_batch_size)")
 
     validate = verbs.add_parser("validate", help="check a recipe offline and estimate its training memory",
                                 description="Check every key against the installed classes and the optimizer "
@@ -173,10 +187,33 @@ def cmd_validate(args, console) -> int:
     return 0
 
 
-def _print_fit(recipe, card_bytes: int, console) -> int:
-    """The --fit table: every setup that fits, ranked, with its largest batch; or why nothing does."""
+def _uncut_table(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, ...]], width: int,
+                 optional: tuple[str, ...] = ()):
+    """A rich table whose cells are never cut or wrapped (numbers and names are read whole: ``19.…`` is no
+    figure); headers wrap (and fold) instead. On a terminal too narrow for every column, the ``optional`` ones are
+    left out, in that order, until the rest fits. Returns (table, the headers left out)."""
     from rich.table import Table
 
+    # a column needs its longest cell; its header wraps, and folds within a word when it must
+    widths = {name: max([1] + [len(row[i]) for row in rows]) for i, (name, _) in enumerate(columns)}
+    kept, left_out = list(columns), []
+    for name in optional:
+        if sum(widths[n] + 3 for n, _ in kept) + 1 <= width:
+            break
+        kept = [c for c in kept if c[0] != name]
+        left_out.append(name)
+    natural = sum(max(len(name), widths[name]) + 3 for name, _ in kept) + 1
+    table = Table(title=title)
+    for name, justify in kept:  # too narrow for whole headers: each column as narrow as its cells, headers wrapped
+        table.add_column(name, justify=justify, overflow="fold", width=None if natural <= width else widths[name])
+    index = {name: i for i, (name, _) in enumerate(columns)}
+    for row in rows:
+        table.add_row(*(row[index[name]] for name, _ in kept))
+    return table, left_out
+
+
+def _print_fit(recipe, card_bytes: int, console) -> int:
+    """The --fit table: every setup that fits, ranked, with its largest batch; or why nothing does."""
     from hf_optim.recipes.fit import gib, nothing_fits_message, plan, state_label
 
     try:
@@ -185,23 +222,23 @@ def _print_fit(recipe, card_bytes: int, console) -> int:
         console.print(f"no fit plan: {exc}")
         return 0
     batch = result.recipe_batch
-    table = Table(title=f"Fit on a {gib(card_bytes)} GiB card ({card_bytes / 1e9:,.2f} GB): {result.estimate.model_id}"
-                        f", full fine-tune, {result.seq_len} tokens per sequence")
-    # The optimizer name never wraps or shortens (paged_adamw_8bit and paged_adamw_32bit differ at the end); on a
-    # narrow terminal the headers of the short columns wrap instead.
-    longest = max((len(fit.setup.optim) for fit in result.fits), default=9)
-    for column, justify in (("#", "right"), ("optimizer", "left"), ("state", "left"), ("paged", "left"),
-                            ("grads", "left"), ("ckpt", "left"), ("B/param", "right"),
-                            (f"GiB at batch {batch} (est.)", "right"), ("largest batch (est.)", "right")):
-        name = column == "optimizer"
-        table.add_column(column, justify=justify, no_wrap=name, min_width=max(longest, 9) if name else None)
+    title = (f"Fit on a {gib(card_bytes)} GiB card ({card_bytes / 1e9:,.2f} GB): {result.estimate.model_id}, full "
+             f"fine-tune, {result.seq_len} tokens per sequence")
+    columns = [("#", "right"), ("optimizer", "left"), ("state", "left"), ("paged", "left"), ("grads", "left"),
+               ("ckpt", "left"), ("B/param", "right"), (f"GiB at batch {batch} (est.)", "right"),
+               ("largest batch (est.)", "right")]
+    rows = []
     for rank, fit in enumerate(result.fits, 1):
         s = fit.setup
         peak = fit.batch_bytes[batch]
-        over = "" if peak <= result.usable_bytes else " [red](over)[/red]"
-        table.add_row(str(rank), s.optim, state_label(s), "yes" if s.paged else "no",
-                      "released" if s.release else "kept", "on" if s.checkpointing else "off",
-                      f"{fit.bytes_per_param:.2f}", gib(peak) + over, str(fit.max_batch))
+        rows.append((str(rank), s.optim, state_label(s), "yes" if s.paged else "no",
+                     "released" if s.release else "kept", "on" if s.checkpointing else "off",
+                     f"{fit.bytes_per_param:.2f}", gib(peak) + ("" if peak <= result.usable_bytes else " (over)"),
+                     str(fit.max_batch)))
+    table, left_out = _uncut_table(title, columns, rows, console.width, optional=("state", "paged"))
+    if left_out:
+        table.caption = (f"{' and '.join(left_out)} left out at {console.width} columns (the optimizer's name says "
+                         f"{'it' if len(left_out) == 1 else 'them'})")
     if result.fits:
         console.print(table)
     else:
@@ -210,10 +247,19 @@ def _print_fit(recipe, card_bytes: int, console) -> int:
         names = "; ".join(f"{m.setup.label()} ({gib(m.batch_bytes[1])} GiB at batch 1)" for m in result.misfits[:4])
         more = f" and {len(result.misfits) - 4} more" if len(result.misfits) > 4 else ""
         console.print(f"{len(result.misfits)} setup(s) do not fit even at batch 1: {names}{more}", highlight=False)
+    over = [fit for fit in result.fits if fit.batch_bytes[batch] > result.usable_bytes]
+    if over:
+        setting = f"the recipe's batch of {batch} (training.per_device_train_batch_size)"
+        if len(over) == len(result.fits) and {fit.max_batch for fit in over} == {1}:
+            console.print(f"(over): no setup fits {setting}: each fits at batch 1 only", highlight=False)
+        else:
+            console.print(f"(over): the setup does not fit {setting}; it fits at the largest batch of the last "
+                          "column", highlight=False)
     console.print("B/param: bytes per model parameter of weights + gradients (grads kept: all; released: those "
                   "alive at once) + optimizer state (paged included); activations excluded. paged: the optimizer "
-                  "state lives in host memory and is paged to the GPU for each step. ckpt: activation "
-                  "(gradient) checkpointing")
+                  "state is in CUDA managed memory, which stays on the GPU while there is room and moves to host "
+                  "memory when the GPU is short (steps slow down then); the plan counts it as off the GPU. ckpt: "
+                  "activation (gradient) checkpointing", highlight=False)
     for assumption in result.assumptions:
         console.print(f"assumption: {assumption}", highlight=False)
     return 0
@@ -227,6 +273,10 @@ def cmd_train(args, console) -> int:
     from hf_optim.recipes.rundir import RunDirectoryError
 
     quiet = not args.verbose
+    if args.random_weights or (args.steps, args.seq_len, args.batch_size) != (None, None, None):
+        from hf_optim.recipes.real_shape import cli_train
+
+        return cli_train(args, console, quiet)
     if args.sweep:
         if args.resume not in (None, "auto"):
             raise RunDirectoryError(f"--resume {args.resume}: a sweep resumes each of its runs from its own "
@@ -238,11 +288,12 @@ def cmd_train(args, console) -> int:
                            resume=args.resume, overwrite=args.overwrite)
     if args.sweep:
         table = Table(title=f"sweep {args.sweep.partition('=')[0]}")
-        for column in ("run", "status", "optimizer", "train loss (run mean)"):
-            table.add_column(column)
+        for column in ("run", "status", "optimizer", "train loss (mean of all logged steps)"):
+            table.add_column(column, no_wrap=column != "run", overflow="fold")
         for result in results:
-            loss = "-" if result.train_loss is None else f"{result.train_loss:.4f}"
-            table.add_row(str(result.output_dir), result.status, result.optimizer or "-", loss)
+            loss = None if result.status == "oom" else _whole_run_loss(result)
+            table.add_row(str(result.output_dir), result.status, result.optimizer or "-",
+                          "-" if loss is None else f"{loss:.4f}")
         console.print(table)
         if results[-1].status == "interrupted":
             print(interrupted_line(results[-1], args), file=sys.stderr)
@@ -255,15 +306,29 @@ def cmd_train(args, console) -> int:
     if result.status == "oom":
         console.print(f"[red]out of memory[/red]; recorded in {result.output_dir / 'summary.json'}")
         return 3
-    mean_of = "run mean" if result.resumed_from is None else \
-        f"mean of the steps after {Path(result.resumed_from).name}, where this run resumed"
-    console.print(f"done: optimizer {result.optimizer}, train loss ({mean_of}) {result.train_loss:.4f}")
+    loss, mean_of = result.train_loss, "run mean"
+    if result.resumed_from is not None:  # the Trainer's mean covers only the steps after the resume
+        loss = _whole_run_loss(result)
+        mean_of = f"mean of all logged steps, those before {Path(result.resumed_from).name} included"
+    console.print(f"done: optimizer {result.optimizer}, train loss ({mean_of}) {loss:.4f}")
     if result.state is not None:
         parts = ", ".join(f"{dtype} {nbytes / 2**20:.2f}" for dtype, nbytes in sorted(result.state.by_dtype.items()))
         console.print(f"optimizer state: {result.state.total_bytes / 2**20:.2f} MiB ({parts})")
     console.print(f"run directory: {result.output_dir}  (recipe.yaml, metrics.jsonl, summary.json, loss.png, "
                   "memory.png, dashboard.png)")
     return 0
+
+
+def _whole_run_loss(result) -> float | None:
+    """The mean training loss over every logged step of ``result``'s run (a resumed run's earlier steps included),
+    read from its metrics.jsonl; the Trainer's mean where nothing was logged there (no monitor)."""
+    from hf_optim.monitor.compare import logged_loss_mean
+
+    try:
+        logged = logged_loss_mean(result.output_dir)
+    except (OSError, ValueError):  # no run files (logging.monitor: false), or unreadable ones
+        logged = None
+    return logged if logged is not None else result.train_loss
 
 
 def rerun_command(argv: list[str] | None, resume_value: str | None, flag: str) -> str:
@@ -310,19 +375,32 @@ def cmd_ls(args, console) -> int:
     from hf_optim.recipes.errors import RecipeError
     from hf_optim.recipes.loading import bundled_dir, bundled_names, load_raw
 
-    table = Table(title=f"bundled recipes ({bundled_dir()})")
-    for column in ("name", "model", "method", "optim", "hardware"):
-        table.add_column(column)
+    rows = []
     for name in bundled_names():
         try:
             data = load_raw(name).data
         except (RecipeError, yaml.YAMLError) as exc:
-            table.add_row(name, f"[red]{exc}[/red]", "", "", "")
+            rows.append((name, f"[red]{exc}[/red]", "", "", ""))
             continue
         method = "full" if not data.get("peft") else ("qlora" if data.get("quantization") else "lora")
-        table.add_row(name, str((data.get("model") or {}).get("id", "?")), method,
-                      str((data.get("training") or {}).get("optim", "default")), str(data.get("hardware", "")))
+        rows.append((name, str((data.get("model") or {}).get("id", "?")), method,
+                     str((data.get("training") or {}).get("optim", "default")), str(data.get("hardware", ""))))
+    table = Table(title=f"bundled recipes ({bundled_dir()})")
+    # The name and the optimizer are what a user types: never cut (llama-3.2-1b-full and llama-3.2-1b-lora differ at
+    # the end); the model id and the hardware fold onto more lines on a narrow terminal, and are left out (said so)
+    # on one too narrow to hold them.
+    columns = ("name", "model", "method", "optim", "hardware")
+    widths = [max((len(row[i]) for row in rows), default=4) for i in range(len(columns))]
+    narrow = console.width < sum(widths[i] + 3 for i in (0, 2, 3)) + 2 * (10 + 3) + 1
+    shown = [i for i, column in enumerate(columns) if not (narrow and column in ("model", "hardware"))]
+    for i in shown:
+        key = columns[i] in ("name", "method", "optim")
+        table.add_column(columns[i], no_wrap=key, overflow="fold", min_width=widths[i] if key else None)
+    for row in rows:
+        table.add_row(*(row[i] for i in shown))
     console.print(table)
+    if narrow:
+        console.print(f"(model and hardware left out at {console.width} columns: a wider terminal shows them)")
     return 0
 
 
@@ -334,8 +412,9 @@ def cmd_cp(args, console) -> int:
     if dest.is_dir():
         dest = dest / source.name
     if dest.exists():
-        console.print(f"[red]{dest} exists[/red]; not overwritten")
-        return 1
+        from hf_optim.errors import UserError
+
+        raise UserError(f"{dest} exists; not overwritten (give another destination, or remove it first)")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, dest)
@@ -348,7 +427,7 @@ def cmd_cp(args, console) -> int:
 
 
 def cmd_plot(args, console) -> int:
-    from hf_optim.monitor import plot_run
+    from hf_optim.monitor.plots import plot_run
 
     for path in plot_run(Path(args.run_dir)):
         print(path)  # plain print: plot and compare run with the monitor extra alone, which has no rich
@@ -356,7 +435,7 @@ def cmd_plot(args, console) -> int:
 
 
 def cmd_compare(args, console) -> int:
-    from hf_optim.monitor import compare_runs
+    from hf_optim.monitor.compare import compare_runs
 
     baseline = Path(args.baseline) if args.baseline else None
     report = compare_runs([Path(d) for d in args.run_dirs], Path(args.out or "."), baseline=baseline)
@@ -373,12 +452,23 @@ def cmd_optimizers(args, console) -> int:
     else:
         from rich.table import Table
 
+        rows = list(names.rows())
+        # name and class are never cut (paged_adamw_8bit / paged_adamw_32bit differ at the end); state and origin
+        # wrap, and origin is left out (said so) on a terminal too narrow for it.
+        widths = [max(len(str(row[i])) for row in [names.HEADER, *rows]) for i in range(len(names.HEADER))]
+        keys = {"name", "class", "paged"}
+        fixed = sum(w + 3 for column, w in zip(names.HEADER, widths) if column in keys) + 1
+        dropped = {"origin"} if console.width < fixed + 2 * (10 + 3) else set()
+        shown = [i for i, column in enumerate(names.HEADER) if column not in dropped]
         table = Table(title="training.optim names built by hf_optim")
-        for column in names.HEADER:
-            table.add_column(column, no_wrap=column == "name")
-        for row in names.rows():
-            table.add_row(*row)
+        for i in shown:
+            key = names.HEADER[i] in keys
+            table.add_column(names.HEADER[i], no_wrap=key, overflow="fold", min_width=widths[i] if key else None)
+        for row in rows:
+            table.add_row(*(row[i] for i in shown))
         console.print(table)
+        if dropped:
+            console.print(f"(origin left out at {console.width} columns: a wider terminal shows it)")
     print("transformers' other names (adamw_torch, adafactor, ...) work too: "
           "transformers.training_args.OptimizerNames")
     return 0
@@ -481,6 +571,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def quick_checks(args) -> None:
+    """Raise the user errors that need no torch before it is imported (it takes seconds): a recipe name, key or
+    optimizer name, an output directory that holds a run (:mod:`hf_optim.recipes.quickcheck`), a run directory
+    that ``plot`` or ``compare`` cannot read. What these checks cannot decide the verb's own checks decide next."""
+    if args.verb == "validate" and args.no_estimate and args.fit is not None:
+        from hf_optim.errors import UserError
+
+        raise UserError(f"--fit {args.fit} plans from the memory estimate, which --no-estimate leaves out: give one "
+                        "of them")
+    if args.verb in ("train", "validate"):
+        import os
+
+        from hf_optim.recipes.quickcheck import quick_check
+
+        smoke = args.smoke or os.environ.get("HF_OPTIM_SMOKE", "0") not in ("", "0")  # smoke.smoke_requested's rule
+        plain_run = args.verb == "train" and not args.sweep and args.resume is None and not args.overwrite \
+            and not args.random_weights  # which goes to its own directory
+        quick_check(args.recipe, args.overrides, smoke, train_into=args.output_dir if plain_run else False)
+    elif args.verb in ("plot", "compare"):
+        from hf_optim.monitor.runfiles import load_run
+
+        for run_dir in [args.run_dir] if args.verb == "plot" else args.run_dirs:
+            load_run(Path(run_dir))
+
+
 def _main(argv: list[str]) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
@@ -500,7 +615,16 @@ def _main(argv: list[str]) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 1
-    from hf_optim import notices
+    try:
+        quick_checks(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    if args.verb in ("ls", "cp"):  # nothing of torch's needed: read the recipe files and answer
+        return COMMANDS[args.verb](args, _console())
+    from hf_optim import _startup, notices
+
+    _startup.finish()  # what `import hf_optim` imports (torch, transformers' patch), deferred until now
 
     notices.show_optional_kernel_notices(getattr(args, "verbose", False))
     try:

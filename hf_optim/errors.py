@@ -11,6 +11,13 @@ Standard library only: every layer of the package may import it.
 from __future__ import annotations
 
 
+def suggest(name: str, candidates: list[str], count: int = 3) -> list[str]:
+    """The closest valid names to a misspelled one, best first (the did-you-mean of every user error)."""
+    import difflib
+
+    return difflib.get_close_matches(str(name), candidates, n=count, cutoff=0.6)
+
+
 class UserError(Exception):
     """A problem with what the user gave (a file, a value, a command line, the environment), not a bug."""
 

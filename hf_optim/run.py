@@ -25,8 +25,9 @@ import shutil
 import sys
 from pathlib import Path
 
-import hf_optim
-from hf_optim.integrations.names import suggest
+from hf_optim import _startup
+from hf_optim.errors import suggest
+from hf_optim.integrations.name_table import HF_OPTIM_OPTIMIZER_NAMES
 from hf_optim.notices import one_line_warnings
 
 HOOK_DIR = Path(__file__).resolve().parent / "_autoimport"
@@ -56,7 +57,7 @@ class CommandNotFound(LookupError):
 
 
 def help_text() -> str:
-    names = ", ".join(entry.name for entry in hf_optim.available_optimizers())
+    names = ", ".join(HF_OPTIM_OPTIMIZER_NAMES)  # read without importing torch: --help answers at once
     return f"{USAGE}\n\n{DESCRIPTION}\nhf_optim's optim names (`hf-optim optimizers` for their classes):\n  {names}\n"
 
 
@@ -139,6 +140,7 @@ def run(command: list[str]) -> int:
     hf_optim imported and exported to the processes it starts. Returns its exit status (a ``SystemExit`` it raises
     propagates)."""
     kind, target, argv = resolve(command)
+    _startup.finish()  # `import hf_optim` in full (in the hf-optim command it waits until the command is found)
     export_to_child_processes()
     one_line_warnings()  # as the processes it starts do (hf_optim/_autoimport/sitecustomize.py)
     sys.argv = argv

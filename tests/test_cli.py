@@ -75,7 +75,10 @@ def test_ls_cp_optimizers(tmp_path, capsys, monkeypatch):
     copied = tmp_path / "llama-3.1-8b-qlora.yaml"
     monkeypatch.chdir(tmp_path)  # the copy extends the bundled LoRA recipe by name, from anywhere
     assert load_recipe(copied).method == "qlora"
-    assert cli.main(["cp", "llama-3.1-8b-qlora", str(tmp_path)]) == 1  # never overwrites
+    capsys.readouterr()
+    assert cli.main(["cp", "llama-3.1-8b-qlora", str(tmp_path)]) == 2  # never overwrites: one error line
+    assert capsys.readouterr().err.splitlines() == [f"error: {copied} exists; not overwritten (give another "
+                                                    "destination, or remove it first)"]
     assert cli.main(["cp", "llama-3.1-8b-qlroa", str(tmp_path)]) == 2
     capsys.readouterr()
     assert cli.main(["optimizers"]) == 0
@@ -210,3 +213,59 @@ def test_missing_extra_is_one_line_naming_it(monkeypatch, capsys):
     assert cli.main(["plot", "runs/x"]) == 1
     assert capsys.readouterr().err.startswith('hf-optim plot needs hf_optim\'s "monitor" extra, which is not installed '
                                               '(missing: matplotlib): pip install "hf_optim[monitor]"')
+
+
+def narrow_console(monkeypatch, width: int = 80):
+    """The console an 80-column terminal gives (rich wraps and cuts at the terminal's width)."""
+    from rich.console import Console
+
+    monkeypatch.setattr(cli, "_console", lambda: Console(width=width, soft_wrap=True))
+
+
+def test_ls_and_optimizers_never_cut_a_name_at_80_columns(capsys, monkeypatch):
+    """The columns a user reads to type a command (recipe names, optimizer names, class names) are whole on an
+    80-column terminal; the long ones fold or, below that, are left out with a line saying so."""
+    from hf_optim import available_optimizers
+
+    narrow_console(monkeypatch)
+    assert cli.main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80
+    cells = [cell.strip() for line in out.splitlines() for cell in line.split("│")]
+    assert set(bundled_names()) <= set(cells)
+    assert "left out" not in out  # 80 columns hold every column (folded)
+    assert cli.main(["optimizers"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and max(len(line) for line in out.splitlines() if "│" in line) <= 80
+    cells = {cell.strip() for line in out.splitlines() for cell in line.split("│")}
+    rows = available_optimizers().rows()
+    assert {row[0] for row in rows} <= cells and {row[1] for row in rows} <= cells
+    narrow_console(monkeypatch, 60)
+    assert cli.main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and set(bundled_names()) <= {c.strip() for line in out.splitlines() for c in line.split("│")}
+    assert "(model and hardware left out at 60 columns: a wider terminal shows them)" in out
+
+
+def test_fit_table_keeps_its_figures_whole_at_80_columns():
+    """The --fit table's GiB figures and optimizer names are never cut (``19.…``): headers wrap, and the columns
+    the optimizer's name already says (state, paged) are left out when 80 columns cannot hold them all."""
+    from rich.console import Console
+
+    columns = [("#", "right"), ("optimizer", "left"), ("state", "left"), ("paged", "left"), ("grads", "left"),
+               ("ckpt", "left"), ("B/param", "right"), ("GiB at batch 8 (est.)", "right"),
+               ("largest batch (est.)", "right")]
+    rows = [(str(i), name, state, "yes", "released", "on", "10.26", "123.91 (over)", "1")
+            for i, (name, state) in enumerate([("paged_adamw_4bit_rank1", "4-bit rank-1"),
+                                               ("paged_adamw_fp8", "8-bit float (fp8)")], 1)]
+    # 9 columns of cells (1+22+17+3+8+2+5+13+1 = 72) + padding and borders (3 each + 1 = 28) = 100; without state
+    # 55 + 25 = 80; without paged either 52 + 22 = 74
+    for width, left_out in ((200, []), (100, []), (80, ["state"]), (79, ["state", "paged"])):
+        table, dropped = cli._uncut_table("fit", columns, rows, width, optional=("state", "paged"))
+        console = Console(width=width, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+        console.print(table)
+        text = console.export_text()
+        assert dropped == left_out and "…" not in text
+        assert max(len(line) for line in text.splitlines()) <= width
+        cells = {c.strip() for line in text.splitlines() for c in line.split("│")}
+        assert {"paged_adamw_4bit_rank1", "paged_adamw_fp8", "123.91 (over)", "10.26"} <= cells

@@ -85,6 +85,8 @@ CASES = {
     "bad HF_OPTIM_BACKEND": (["validate", "quickstart", "--no-estimate"], {"HF_OPTIM_BACKEND": "cuda"},
                              "environment: HF_OPTIM_BACKEND='cuda' is not a valid backend; valid values are 'torch', "
                              "'triton'"),
+    "bad HF_OPTIM_COMPILE": (["validate", "quickstart", "--no-estimate"], {"HF_OPTIM_COMPILE": "bogus"},
+                             "environment: HF_OPTIM_COMPILE='bogus' is not valid; valid values are 'auto'"),
     "--fit without unit": (["validate", "quickstart", "--fit", "24"], {}, "--fit '24': no unit; write a positive size"),
     "empty --sweep": (["train", "quickstart", "--sweep", "training.optim"], {},
                       "command line: --sweep: takes KEY=V1,V2,..."),
@@ -137,7 +139,7 @@ def test_several_problems_are_a_header_and_one_line_each(capsys):
 
 
 @pytest.mark.parametrize("case", ["negative learning rate", "target_modules as a string", "missing data.path",
-                                  "bad HF_OPTIM_BACKEND"])
+                                  "bad HF_OPTIM_BACKEND", "bad HF_OPTIM_COMPILE"])
 def test_train_refuses_what_validate_refuses_with_the_same_line(case, recipes, capsys, monkeypatch):
     """The issue's cases: validate said ok, then train failed with a traceback. Both now share one preflight."""
     argv, environment, _ = CASES[case]

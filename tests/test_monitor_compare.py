@@ -121,3 +121,42 @@ def test_loss_overlay_zooms_into_the_last_half_of_long_runs(tmp_path, steps, ins
         low, high = zoom.get_ylim()
         assert 0.39 < low and high < 0.5  # the main axis spans 0.4 to 6
         assert zoom.get_xlim() == (steps / 2, steps)
+
+
+def test_a_resumed_runs_mean_loss_covers_the_whole_run(tmp_path):
+    """Two identical runs, one stopped after step 3 and resumed from its checkpoint there: the whole-run mean from
+    metrics.jsonl is the same for both (the uninterrupted run's 6 logged losses, as math.fsum averages them), where
+    the Trainer's own mean (summary.json's train_loss_run_mean) covers only the resumed process's steps 4-6."""
+    import shutil
+
+    from monitor_helpers import FAST
+    from trainer_helpers import common_args, text_dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_optim.monitor import TrainingMonitor
+    from hf_optim.monitor.compare import logged_loss_mean
+    from hf_optim.monitor.runfiles import read_records
+    from hf_optim.tiny import tiny_llama, tiny_tokenizer
+
+    def trainer(run_dir):
+        args = {**common_args(tmp_path, "adamw_8bit", output_dir=str(run_dir), max_steps=6, **FAST),
+                "save_strategy": "steps", "save_steps": 3}
+        config = SFTConfig(**args, max_length=64)
+        return SFTTrainer(model=tiny_llama(), args=config, train_dataset=text_dataset(64),
+                          processing_class=tiny_tokenizer(), callbacks=[TrainingMonitor(run_dir)])
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    trainer(straight).train()
+    trainer(resumed).train()
+    shutil.rmtree(resumed / "checkpoint-6")  # as if it had stopped after step 3
+    trainer(resumed).train(resume_from_checkpoint=str(resumed / "checkpoint-3"))
+
+    losses = [r["loss"] for r in read_records(straight) if r.get("kind") == "train"]
+    assert len(losses) == 6
+    assert [r["loss"] for r in read_records(resumed) if r.get("kind") == "train"] == losses
+    assert logged_loss_mean(resumed) == logged_loss_mean(straight) == math.fsum(losses) / 6
+    assert read_summary(resumed)["resumed_at_step"] == 3
+    # the Trainer's mean covers steps 4-6 only; it sums the same fp32 losses in another order than fsum does, so it
+    # agrees with their mean to fp32 rounding (a relative 1e-6 is several fp32 ulps)
+    trainers_mean = read_summary(resumed)["train_loss_run_mean"]
+    assert trainers_mean is not None and abs(trainers_mean - math.fsum(losses[3:]) / 3) < 1e-6 * abs(trainers_mean)

@@ -116,7 +116,13 @@ def test_resume_with_the_printed_command_ends_bit_for_bit_as_the_uninterrupted_r
     assert cli.main(command[1:]) == 0
     straight, resumed = runs["straight"], runs["interrupted"]
     stopped = runs["after_interrupt"]["records"][-1]["step"]
-    assert f"mean of the steps after checkpoint-{stopped}" in capsys.readouterr().out
+    # the loss printed is the mean of the whole run's 60 logged steps, those before the resume included: the
+    # uninterrupted run's mean (the Trainer's own covers only the steps after the resume)
+    from hf_optim.monitor.compare import logged_loss_mean
+
+    whole = logged_loss_mean(runs["straight"])
+    assert f"mean of all logged steps, those before checkpoint-{stopped} included) {whole:.4f}" in \
+        capsys.readouterr().out
 
     # the same losses, grad norms and learning rates, every step logged once, in one metrics.jsonl
     expected = [(r["step"], r["loss"], r["grad_norm"], r["learning_rate"]) for r in train_records(straight)]
@@ -129,6 +135,7 @@ def test_resume_with_the_printed_command_ends_bit_for_bit_as_the_uninterrupted_r
     state = summary(resumed)
     assert state["status"] == "ok" and state["global_step"] == STEPS and state["resumed_at_step"] == stopped
     assert state["final_loss"] == summary(straight)["final_loss"]
+    assert logged_loss_mean(resumed) == logged_loss_mean(straight)  # what the sweep table shows for each
 
     # the final checkpoint: adapter weights, 8-bit optimizer state, scheduler, bit for bit
     final = f"checkpoint-{STEPS}"

@@ -4,9 +4,12 @@ Reports versions (torch, CUDA runtime and driver, Triton, transformers, TRL, bit
 with its arch and the backend it gets (``triton``, ``torch-compile``, ``torch``), whether paged optimizers' CUDA
 managed memory works, and where inductor and Triton cache compiled kernels; then self-tests the backend against
 the eager PyTorch reference for every algorithm x state format x parameter dtype on small odd-sized tensors
-(:mod:`hf_optim.doctor.selftest`), and times one step per algorithm on a 4096 x 4096 tensor beside torch's fused
-AdamW (skipped with ``--quick``). Exit status: 0 when every case matches on the backend the device gets; 1 on a
-mismatch, an error, or a kernel that failed to compile and fell back to the PyTorch path; 2 on a bad command line.
+(:mod:`hf_optim.doctor.selftest`), and times one step per algorithm on a 4096 x 4096 tensor (1024 x 1024 on the CPU)
+beside torch's fused AdamW (skipped with ``--quick``). On the CPU the self-test runs eagerly unless ``--compiled``
+asks for the compiled kernels (compiling them all takes minutes on a cold cache): the doctor answers within a
+minute on a 2-core CPU. Versions and devices print first; without a terminal, one progress line per case goes to
+stderr. Exit status: 0 when every case matches on the backend the device gets; 1 on a mismatch, an error, or a
+kernel that failed to compile and fell back to the PyTorch path; 2 on a bad command line; 130 on Ctrl-C (one line).
 
 This module imports only the standard library: the checks (torch, triton) are imported after the command line is
 read, so ``--interpret`` can set ``TRITON_INTERPRET`` before anything imports triton (when something already has,
@@ -23,8 +26,9 @@ import sys
 DESCRIPTION = (
     "Versions, devices and the backend each gets, paged optimizers' managed memory, the caches of compiled kernels; "
     "then a self-test of that backend against the eager PyTorch reference (every algorithm x state format x "
-    "parameter dtype, a few steps on small tensors) and one timed step per algorithm on a 4096 x 4096 tensor beside "
-    "torch's fused AdamW. Exit status 1 on a mismatch, an error, or a kernel that fell back to the PyTorch path."
+    "parameter dtype, a few steps on small tensors) and one timed step per algorithm on a 4096 x 4096 tensor (1024 x "
+    "1024 on the CPU) beside torch's fused AdamW. On the CPU the self-test runs eagerly unless --compiled. Exit "
+    "status 1 on a mismatch, an error, or a kernel that fell back to the PyTorch path; 130 on Ctrl-C."
 )
 
 
@@ -38,7 +42,10 @@ class _Parser(argparse.ArgumentParser):
 def parser(prog: str = "hf-optim doctor") -> argparse.ArgumentParser:
     result = _Parser(prog=prog, description=DESCRIPTION)
     result.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    result.add_argument("--quick", action="store_true", help="skip the timed steps on a 4096 x 4096 tensor")
+    result.add_argument("--quick", action="store_true", help="skip the timed steps")
+    result.add_argument("--compiled", action="store_true",
+                        help="on the CPU, self-test and time the torch-compile kernels a run uses (compiles each "
+                             "algorithm x state format x dtype first: minutes on a cold cache); default: eagerly")
     result.add_argument("--interpret", action="store_true",
                         help="on the CPU, self-test the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1) "
                              "instead of the torch-compile path: slow, but checks the kernels' math without a GPU")
@@ -56,11 +63,18 @@ def main(argv: list[str] | None = None, prog: str = "hf-optim doctor") -> int:
         args = parser(prog).parse_args(argv)
     except SystemExit as exit:  # --help, or a bad command line (its one line is printed): a status, not an exit
         return exit.code if isinstance(exit.code, int) else 2
-    if args.interpret and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        if "triton" in sys.modules:  # its kernels were defined compiled: only a fresh interpreter can interpret
-            env = {**os.environ, "TRITON_INTERPRET": "1"}
-            return subprocess.call([sys.executable, "-m", "hf_optim.doctor", *argv], env=env)
-        os.environ["TRITON_INTERPRET"] = "1"
-    from hf_optim.doctor.report import run
+    try:
+        if args.interpret and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            if "triton" in sys.modules:  # its kernels were defined compiled: only a fresh interpreter can interpret
+                env = {**os.environ, "TRITON_INTERPRET": "1"}
+                return subprocess.call([sys.executable, "-m", "hf_optim.doctor", *argv], env=env)
+            os.environ["TRITON_INTERPRET"] = "1"
+        from hf_optim import _startup
 
-    return run(args)
+        _startup.finish()  # `import hf_optim` in full (the hf-optim command defers it)
+        from hf_optim.doctor.report import run
+
+        return run(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, whatever the doctor was doing (importing torch, a case)
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

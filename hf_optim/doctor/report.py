@@ -69,24 +69,28 @@ def _quiet_compile_notices() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def collect(args, progress=None) -> dict:
-    """Everything the doctor reports, as plain data (what ``--json`` prints)."""
+def collect(args, progress=None, machine_known=None) -> dict:
+    """Everything the doctor reports, as plain data (what ``--json`` prints); ``machine_known`` (default None) is
+    called with the versions, devices and caches as soon as they are known, before the self-test."""
     device = pick_device(args.device)
     families = pick_families(args.algorithms)
     interpret = bool(args.interpret)
     if interpret and device.type != "cpu":
         raise UsageError("--interpret runs the Triton kernels on the CPU; leave out --device or use --device cpu")
-    cand = selftest.candidate(device, interpret)
+    cand = selftest.candidate(device, interpret, bool(getattr(args, "compiled", False)))
     report = {
         "versions": machine.versions(),
         "devices": [machine.describe_device(d, interpret) for d in machine.devices()],
         "caches": machine.caches(),
     }
+    if machine_known is not None:
+        machine_known(report)
+    numel = selftest.CPU_TIMING_NUMEL if device.type == "cpu" and cand.name == "torch" else selftest.TIMING_NUMEL
     with _quiet_compile_notices(), warnings.catch_warnings():
         # the interpreter computes fp16 in numpy, which warns when a value overflows to inf (as the GPU does, silently)
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
         cases = selftest.self_test(device, cand, families, progress=progress)
-        timings = None if args.quick else selftest.timings(device, cand, families, progress=progress)
+        timings = None if args.quick else selftest.timings(device, cand, families, numel, progress=progress)
     report["self_test"] = {
         "device": str(device),
         "backend": cand.name,
@@ -97,7 +101,7 @@ def collect(args, progress=None) -> dict:
         "cases": selftest.as_dicts(cases),
     }
     report["timings"] = None if timings is None else {
-        "device": str(device), "numel": selftest.TIMING_NUMEL, "backend": cand.name,
+        "device": str(device), "numel": numel, "backend": cand.name,
         "steps": selftest.as_dicts(timings)}
     report["triton_compiles"] = selftest.as_dicts(triton_guard.compile_records())
     report["fallbacks"] = {"triton": selftest.as_dicts(triton_guard.failures()),
@@ -114,8 +118,8 @@ def run(args) -> int:
             print(json.dumps(report, indent=2, default=str))
         else:
             with _progress(console) as progress:
-                report = collect(args, progress)
-            render(report, console)
+                report = collect(args, progress, lambda known: render_machine(known, console))
+            render(report, console, machine_shown=True)
     except UsageError as error:
         print(f"hf-optim doctor: error: {error}", file=sys.stderr)
         return 2
@@ -135,9 +139,13 @@ def _console(stderr: bool = False):
 
 @contextlib.contextmanager
 def _progress(console) -> Iterator:
-    """A one-line status while the cases run (a terminal with rich only)."""
+    """A one-line status while the cases run on a terminal (with rich); else one line per case on stderr, so that
+    a redirected doctor shows where it is."""
     if console is None or not console.is_terminal:
-        yield None
+        def line(text: str) -> None:
+            print(f"doctor: {text}", file=sys.stderr, flush=True)
+
+        yield line
         return
     with console.status("self-test") as status:
         yield lambda text: status.update(f"self-test: {text}")
@@ -171,7 +179,8 @@ def _ulps(value: float) -> str:
     return "0" if value == 0 else f"{value:.3g}"
 
 
-def render(report: dict, console) -> None:
+def render_machine(report: dict, console) -> None:
+    """The versions, devices and caches tables (printed before the self-test runs)."""
     versions = report["versions"]
     _table(console, "Versions", ("package", "version"),
            [(name, version or ("none" if name.startswith("cuda") else "not installed"))
@@ -180,6 +189,15 @@ def render(report: dict, console) -> None:
            [(d["device"], d["name"], d["arch"], d["backend"], d["pytorch_path"], d["paging"])
             for d in report["devices"]])
     _table(console, "Caches of compiled kernels", ("compiler", "directory"), list(report["caches"].items()))
+    if console is None:
+        sys.stdout.flush()  # a redirected stdout is block-buffered: the file shows them now, not at the end
+    else:
+        console.file.flush()
+
+
+def render(report: dict, console, machine_shown: bool = False) -> None:
+    if not machine_shown:
+        render_machine(report, console)
     test = report["self_test"]
     title = (f"Self-test on {test['device']}: {test['backend']} against {test['reference']}, {test['steps']} steps "
              f"on shapes {', '.join('x'.join(map(str, s)) for s in test['shapes'])}")
@@ -189,8 +207,9 @@ def render(report: dict, console) -> None:
              _ulps(c["state_ulps"]), f"{c['codes_differing']}/{c['codes']}" if c["codes"] else "-", c["detail"])
             for c in test["cases"]])
     if test["backend"] == "torch" and test["device"] == "cpu":
-        _line(console, "the CPU runs the eager PyTorch path here (HF_OPTIM_COMPILE=0 or compiling failed), which is "
-                       "the reference itself: this checks that every case runs. --interpret checks the Triton kernels")
+        _line(console, "the CPU ran the eager PyTorch path, which is the reference itself: this checks that every case "
+                       "runs. --compiled checks the compiled kernels a run uses (minutes on a cold cache); "
+                       "--interpret checks the Triton kernels")
     used = {c["tolerance"] for c in test["cases"]}
     for name, why in test["tolerances"].items():
         if name in used:

@@ -36,6 +36,9 @@ REFERENCE_ENV = {kernel_backend.ENV_VAR: "torch", "HF_OPTIM_COMPILE": "0"}
 REFERENCE = "torch (eager)"
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 TIMING_NUMEL = 4096 * 4096
+CPU_TIMING_NUMEL = 1024 * 1024
+"""The timed steps' tensor on the CPU without ``--compiled``: an eager step on 16M elements takes seconds there, and
+the doctor finishes in a minute on a 2-core CPU."""
 
 
 @dataclass(frozen=True)
@@ -83,11 +86,17 @@ class Candidate:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def candidate(device: torch.device, interpret: bool = False) -> Candidate:
-    """What ``device`` runs for a user in this environment; ``interpret``: Triton's interpreter on the CPU."""
+def candidate(device: torch.device, interpret: bool = False, compiled: bool = False) -> Candidate:
+    """What ``device`` runs for a user in this environment; ``interpret``: Triton's interpreter on the CPU.
+
+    On the CPU the compiled kernels are tested only when ``compiled`` (``hf-optim doctor --compiled``): compiling
+    each algorithm x format x dtype takes minutes on a cold cache, so by default the CPU runs every case on the
+    eager PyTorch path (``HF_OPTIM_COMPILE=0``), which checks that every case runs, in well under a minute."""
     if interpret and device.type == "cpu":
         return Candidate("triton (interpreter)", {kernel_backend.ENV_VAR: "triton"})
     name = kernel_backend.backend_name(device)
+    if name == "torch-compile" and not compiled:
+        return Candidate("torch", {cpu_compile.COMPILE_ENV: "0"})
     if name == "torch-compile" and cpu_compile.compile_mode() == "auto":
         # auto runs the first steps eagerly while a background process compiles: test the compiled kernels
         return Candidate(name, {cpu_compile.COMPILE_ENV: "1"})
@@ -314,9 +323,10 @@ def self_test(device: torch.device, cand: Candidate, families: Sequence[registry
         progress: called with each case's name before it runs (default None).
     """
     results = []
-    for family, fmt, dtype in cases(families or registry.families(), dtypes):
+    todo = cases(families or registry.families(), dtypes)
+    for index, (family, fmt, dtype) in enumerate(todo, 1):
         if progress is not None:
-            progress(f"{family.algorithm.name} {fmt.label} {dtype}")
+            progress(f"{family.algorithm.name} {fmt.label} {dtype} ({index}/{len(todo)})")
         results.append(check(family, fmt, dtype, device, cand, shapes))
     return results
 

@@ -18,13 +18,13 @@ blockwise state (``_4bit``: 4-bit blockwise; each format declares its suffix), o
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from hf_optim.errors import suggest  # noqa: F401  (re-exported: the did-you-mean of every name here)
 from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.formats import StateFormat
-from hf_optim.optim import adafactor, adamw, ademamix, lamb, lion, registry, rmsprop  # noqa: F401  (they register)
+from hf_optim.optim import adafactor, adamw, ademamix, lamb, lion, registry, rmsprop  # noqa: F401  (importing registers; muon via hf_optim/__init__.py)
 from hf_optim.optim.trainer_mapping import mapping, parse_name
 
 
@@ -140,8 +140,3 @@ def available_optimizers() -> OptimizerNames:
     """Every ``optim=`` name hf_optim answers to, with its class, precision and paging: a list of
     :class:`OptimizerName` that prints as a table (``print(hf_optim.available_optimizers())``)."""
     return OptimizerNames(OPTIMIZER_NAMES.values())
-
-
-def suggest(name: str, candidates: list[str], count: int = 3) -> list[str]:
-    """The closest valid names to a misspelled one, best first."""
-    return difflib.get_close_matches(str(name), candidates, n=count, cutoff=0.6)

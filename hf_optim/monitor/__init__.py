@@ -5,9 +5,35 @@ runs side by side. Needs transformers, matplotlib and psutil (``pip install 'hf_
 adds device-level GPU memory.
 """
 
-from hf_optim.monitor.callback import TrainingMonitor
-from hf_optim.monitor.compare import compare_runs
-from hf_optim.monitor.plots import plot_run
-from hf_optim.monitor.runfiles import RunData, load_run
+from typing import TYPE_CHECKING
+
+from hf_optim import _startup
+
+if TYPE_CHECKING:  # what _load() binds, for type checkers
+    from hf_optim.monitor.callback import TrainingMonitor
+    from hf_optim.monitor.compare import compare_runs
+    from hf_optim.monitor.plots import plot_run
+    from hf_optim.monitor.runfiles import RunData, load_run
 
 __all__ = ["TrainingMonitor", "plot_run", "compare_runs", "load_run", "RunData"]
+
+
+def _load() -> None:
+    """Import this package's names (at once, except in the ``hf-optim`` command: :mod:`hf_optim._startup`)."""
+    from hf_optim.monitor.callback import TrainingMonitor
+    from hf_optim.monitor.compare import compare_runs
+    from hf_optim.monitor.plots import plot_run
+    from hf_optim.monitor.runfiles import RunData, load_run
+
+    globals().update(TrainingMonitor=TrainingMonitor, compare_runs=compare_runs, plot_run=plot_run,
+                     RunData=RunData, load_run=load_run)
+
+
+if _startup.deferred():
+    def __getattr__(name: str):
+        if name not in __all__:
+            raise AttributeError(f"module 'hf_optim.monitor' has no attribute {name!r}")
+        _startup.finish()
+        return globals()[name]
+else:
+    _load()

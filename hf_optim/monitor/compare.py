@@ -7,8 +7,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from hf_optim.errors import UserValueError
-from hf_optim.integrations.names import suggest
+from hf_optim.errors import UserValueError, suggest
 from hf_optim.monitor.plots import DPI, new_figure, step_axis
 from hf_optim.monitor.runfiles import RunData, load_run
 from hf_optim.monitor.series import auto_ema_beta, byte_unit, ema
@@ -66,6 +65,19 @@ class _Row:
     @property
     def ema_loss(self) -> float | None:
         return None if self.oom else self.run.summary.get("ema_loss")
+
+
+def logged_loss_mean(run_dir) -> float | None:
+    """The mean of the training losses logged over the whole run in ``run_dir`` (its ``metrics.jsonl``), or None
+    when none was logged.
+
+    A resumed run's ``metrics.jsonl`` holds every step, those logged before the checkpoint it resumed from included
+    (the monitor keeps them and appends), whereas the Trainer's ``train_loss`` (``train_loss_run_mean`` in
+    summary.json) covers only the steps the last process ran: two identical runs, one of them resumed, have the same
+    mean here and different ones there."""
+    run = load_run(run_dir)
+    losses = [r["loss"] for r in run.train if r.get("loss") is not None]
+    return math.fsum(losses) / len(losses) if losses else None
 
 
 def _labels(runs: list[RunData]) -> list[str]:

@@ -59,7 +59,7 @@ def _stem(name: str) -> str:
 
 def _bundled_hint(stem: str) -> str:
     """``; did you mean 'quickstart'?`` for the bundled names closest to ``stem``; empty if none is close."""
-    from hf_optim.integrations.names import suggest
+    from hf_optim.errors import suggest
 
     close = suggest(stem, bundled_names())
     return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""

@@ -3,7 +3,8 @@
 :func:`preflight` builds, without weights and without training, what the run builds before its first step and
 reports each rejection as one line naming the key and the file (or ``command line``) that set it:
 
-- the environment variables hf_optim reads (``HF_OPTIM_BACKEND``), for a run that steps an hf_optim optimizer;
+- the environment variables hf_optim reads (``HF_OPTIM_BACKEND``, ``HF_OPTIM_COMPILE``), for a run that steps an
+  hf_optim optimizer;
 - ``training`` -> ``SFTConfig`` (its own combination checks), with ``auto`` resolved for this machine;
 - the optimizer the Trainer would build for ``training.optim``: its class and keyword arguments as the Trainer
   derives them, then the constructor's own checks on two tiny tensors in the Trainer's two weight-decay groups
@@ -203,11 +204,13 @@ def _check_environment(recipe: Recipe, args, issues: list[RecipeIssue]) -> bool:
     """The environment variables hf_optim's optimizers read at their first step; True when one is bad."""
     from hf_optim.integrations.names import OPTIMIZER_NAMES
     from hf_optim.kernels.backend import uses_triton
+    from hf_optim.kernels.torch_path.cpu_compile import compile_mode
 
     if recipe.optim not in OPTIMIZER_NAMES:
         return False
     try:
         uses_triton(_target_device(args))
+        compile_mode()  # HF_OPTIM_COMPILE, read at the first step (building the optimizer reads it too)
     except (ValueError, RuntimeError) as exc:
         issues.append(RecipeIssue(ENVIRONMENT, "", str(exc)))
         return True

@@ -30,6 +30,13 @@ def monitor_files() -> tuple[str, ...]:
             runfiles.RECIPE, runfiles.LOSS_PNG, runfiles.MEMORY_PNG, runfiles.DASHBOARD_PNG)
 
 
+def smoke_dir(path: str | Path) -> Path:
+    """The directory a smoke run (``--smoke``) of a recipe whose real run goes to ``path`` writes to: its own, so
+    that a smoke run never occupies the real run's directory (``runs/quickstart`` -> ``runs/quickstart-smoke``)."""
+    path = Path(path)
+    return path.with_name(f"{path.name}-smoke")
+
+
 class RunDirectoryError(UserValueError):
     """A run directory that cannot be used as asked (one line: what is there and the ways out)."""
 

@@ -8,8 +8,10 @@ bundled recipe runs in CI without downloads or a GPU.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from hf_optim.recipes.loading import RawRecipe, deep_merge
+from hf_optim.recipes.rundir import smoke_dir
 from hf_optim.tiny import BUILTIN_DATA, BUILTIN_MODEL
 
 SMOKE_ENV = "HF_OPTIM_SMOKE"
@@ -46,6 +48,8 @@ def smoke_recipe(raw: RawRecipe) -> RawRecipe:
         "max_length": 128, "logging_steps": 1, "save_strategy": "no", "eval_strategy": "no", "report_to": "none",
         "use_cpu": True, "warmup_steps": 0, "dataloader_num_workers": 0, "disable_tqdm": True,
     })
+    real_run = training.get("output_dir") or Path("runs") / Path(raw.source).stem  # train.default_output_dir's
+    data["training"]["output_dir"] = str(smoke_dir(real_run))  # its own directory: the real run's stays free
     logging = data.get("logging") if isinstance(data.get("logging"), dict) else {}
     data["data"] = {"path": BUILTIN_DATA, "max_samples": 32}
     data["logging"] = logging
