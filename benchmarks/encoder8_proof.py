@@ -22,6 +22,10 @@ the PyTorch twin ``hf_optim.kernels.formats.encode8`` (the interpreter tests tie
    up to 64 ulps either way; and on a sample the sign of the settling fma result is compared with the exact
    rational sign.
 
+The fp32 fma used throughout is Triton's interpreter's C fma where this Triton has one (a private function,
+checked against the twin's ``fma32`` and against exact rational arithmetic), else the twin's ``fma32`` (checked
+against exact rational arithmetic; slower).
+
     python benchmarks/encoder8_proof.py [--maps signed unsigned] [--chunk-log2 22] [--skip-exhaustive]
 
 Part 1 takes about 15 minutes per map on an idle 2-core machine (most of it the reference's bucketize).
@@ -45,14 +49,52 @@ DELTA = e8.RECIPROCAL_TOLERANCE + 2.0**-23
 
 
 def _c_fma():
-    """Triton's interpreter's exact fp32 fma (C ``std::fma``), much faster than the twin's ``fma32``."""
-    from triton._C.libtriton import interpreter
+    """Triton's interpreter's exact fp32 fma (C ``std::fma``), much faster than the twin's ``fma32``; None where
+    Triton lacks it (a private function: Triton 3.8 has none) or is not installed."""
+    try:
+        from triton._C.libtriton import interpreter
+
+        fma_fp32 = interpreter.fma_fp32
+    except (ImportError, AttributeError):
+        return None
 
     def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         a, b, c = (np.ascontiguousarray(t.numpy()) for t in torch.broadcast_tensors(a.float(), b.float(), c.float()))
-        return torch.from_numpy(interpreter.fma_fp32(a, b, c))
+        return torch.from_numpy(fma_fp32(a, b, c))
 
     return fma
+
+
+def _round_to_float32(exact: Fraction) -> float:
+    """``exact`` rounded once to the nearest fp32, ties to even (+-inf past the largest fp32's rounding range)."""
+    if exact == 0:
+        return 0.0
+    magnitude = abs(exact)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    if Fraction(2) ** exponent > magnitude:  # now 2**exponent <= magnitude < 2**(exponent + 1)
+        exponent -= 1
+    ulp = Fraction(2) ** (max(exponent, -126) - 23)  # subnormals: 2**-149
+    rounded = round(magnitude / ulp) * ulp  # Fraction's round() takes an exact half to the even integer
+    value = float("inf") if rounded > (2**24 - 1) * 2**104 else float(rounded)
+    return value if exact > 0 else -value
+
+
+def check_exact_fma(fma) -> tuple[int, int, int]:
+    """The proof's fma against exact rational arithmetic rounded once, on 2048 random triples and 128
+    double-rounding ties. Returns (mismatches, values checked, how many ties the naive float64 route gets wrong:
+    about half, where ties-to-even picks the wrong side; this shows the ties are real)."""
+    generator = torch.Generator().manual_seed(5)
+    n = 2048
+    a = torch.randn(n, generator=generator) * torch.exp2(torch.randint(-40, 40, (n,), generator=generator).float())
+    b = torch.randn(n, generator=generator)
+    c = torch.randn(n, generator=generator) * torch.exp2(torch.randint(-40, 40, (n,), generator=generator).float())
+    ties = _double_rounding_ties(64)
+    a, b, c = torch.cat([a, ties[0]]), torch.cat([b, ties[1]]), torch.cat([c, ties[2]])
+    exact = torch.tensor([_round_to_float32(Fraction(x) * Fraction(y) + Fraction(z))
+                          for x, y, z in zip(a.tolist(), b.tolist(), c.tolist(), strict=True)])
+    mismatches = int((fma(a, b, c) != exact).sum())
+    naive_wrong = int((((ties[0].double() * ties[1].double()) + ties[2].double()).float() != exact[n:]).sum())
+    return mismatches, len(exact), naive_wrong
 
 
 def _double_rounding_ties(count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,20 +114,17 @@ def _double_rounding_ties(count: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return torch.cat([a, -a]), torch.cat([b, b]), torch.cat([torch.ones(count), -torch.ones(count)])
 
 
-def check_fast_fma(fma) -> tuple[int, int]:
-    """The C fma against the twin's fma32, bit for bit: random triples and double-rounding ties. Returns
-    (mismatches, how many ties the naive float64 route gets wrong: about half, where ties-to-even picks the wrong
-    side; this shows the ties are real)."""
+def check_fast_fma(fma) -> int:
+    """The C fma against the twin's fma32, bit for bit, on 2**20 random triples and 128 double-rounding ties.
+    Returns the mismatches."""
     generator = torch.Generator().manual_seed(0)
     n = 1 << 20
     a = torch.randn(n, generator=generator) * torch.exp2(torch.randint(-40, 40, (n,), generator=generator).float())
     b = torch.randn(n, generator=generator)
     c = torch.randn(n, generator=generator) * torch.exp2(torch.randint(-40, 40, (n,), generator=generator).float())
     ties = _double_rounding_ties(64)
-    naive_wrong = int((((ties[0].double() * ties[1].double()) + ties[2].double()).float() != fma(*ties)).sum())
     a, b, c = torch.cat([a, ties[0]]), torch.cat([b, ties[1]]), torch.cat([c, ties[2]])
-    mismatches = int((fma(a, b, c).view(torch.int32) != e8.fma32(a, b, c).view(torch.int32)).sum())
-    return mismatches, naive_wrong
+    return int((fma(a, b, c).view(torch.int32) != e8.fma32(a, b, c).view(torch.int32)).sum())
 
 
 def reference(x: torch.Tensor, signed: bool, qmap: torch.Tensor) -> torch.Tensor:
@@ -299,12 +338,22 @@ def main() -> None:
     parser.add_argument("--chunk-log2", type=int, default=22)
     parser.add_argument("--skip-exhaustive", action="store_true", help="parts 2 and 3 only (about a minute)")
     args = parser.parse_args()
-    fma = _c_fma()
+    fast = _c_fma()
+    fma = fast or e8.fma32
     started = time.time()
-    mismatched_fma, naive_wrong = check_fast_fma(fma)
-    print(f"fast fma vs twin fma32 on 2**20 random triples and 128 double-rounding ties: {mismatched_fma} "
-          f"mismatches (float64-then-fp32 rounding gets {naive_wrong} of the ties wrong: they are real)")
-    ok = mismatched_fma == 0 and naive_wrong > 0
+    mismatched_exact, checked, naive_wrong = check_exact_fma(fma)
+    print(f"{'the C fma' if fast else 'the twin fma32'} vs exact rational arithmetic on {checked} triples (128 of them "
+          f"double-rounding ties): {mismatched_exact} mismatches (float64-then-fp32 rounding gets {naive_wrong} of "
+          f"the ties wrong: they are real)")
+    ok = mismatched_exact == 0 and naive_wrong > 0
+    if fast is not None:
+        mismatched_fma = check_fast_fma(fast)
+        print(f"fast fma vs twin fma32 on 2**20 random triples and 128 double-rounding ties: {mismatched_fma} "
+              "mismatches")
+        ok &= mismatched_fma == 0
+    else:
+        print("this Triton has no interpreter fma_fp32 (a private function): the proof runs the twin's fma32, "
+              "which makes part 1 slower")
     for name in args.maps:
         signed = name == "signed"
         print(f"\n== {name} map ==")

@@ -9,6 +9,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_OPTIM_COMPILE", "0")
 
 import logging  # noqa: E402
+import platform  # noqa: E402
+from importlib import metadata  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -19,6 +21,37 @@ import torch  # noqa: E402
 # only when a test forces it with HF_OPTIM_BACKEND=triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def machine_line() -> str:
+    """The CPU, the ISA torch's CPU kernels use, torch, Triton and CUDA: results can depend on them (torch's CPU
+    kernels round differently with and without FMA), so a failure report names them."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    forced = os.environ.get("ATEN_CPU_CAPABILITY")
+    try:
+        triton_version = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton_version = "not installed"
+    cuda = f"yes ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "no"
+    return (f"machine: {cpu}, {os.cpu_count()} CPUs | torch CPU capability {capability} "
+            f"({f'ATEN_CPU_CAPABILITY={forced}' if forced else 'ATEN_CPU_CAPABILITY unset'}) | "
+            f"torch {torch.__version__} | Triton {triton_version} | CUDA: {cuda}")
+
+
+def pytest_report_header(config):
+    return machine_line()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """-q hides the session header: then the line ends the run instead."""
+    if config.get_verbosity() < 0:
+        terminalreporter.write_line(machine_line())
 
 
 @pytest.fixture(autouse=True)

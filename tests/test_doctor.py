@@ -193,3 +193,43 @@ def test_doctor_on_the_gpu(capsys):
     code = cli.main(["doctor", "--algorithms", "lion"])
     out, _ = capsys.readouterr()
     assert code == 0 and "torch.optim.AdamW(fused=True)" in out and "Lion 8-bit" in out
+
+
+def test_the_cpu_self_test_is_eager_unless_compiled_is_asked(monkeypatch):
+    """Compiling every algorithm x format x dtype takes minutes on a cold cache: by default the CPU's candidate is
+    the eager path (no compile process starts), --compiled tests the compiled kernels a run uses."""
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
+    monkeypatch.setattr(backend, "backend_name", lambda device: "torch-compile")
+    assert selftest.candidate(cpu) == selftest.Candidate("torch", {"HF_OPTIM_COMPILE": "0"})
+    assert selftest.candidate(cpu, compiled=True) == selftest.Candidate("torch-compile", {"HF_OPTIM_COMPILE": "1"})
+    assert cli.main(["doctor", "--compiled", "--nope"]) == 2  # the flag exists; the bad one is still one line
+
+
+@cpu_only
+def test_redirected_doctor_prints_the_machine_first_then_progress_lines_and_ctrl_c_is_one_line(tmp_path):
+    """With its output in a file: versions and devices are there before the self-test starts, a progress line per
+    case goes to stderr, and Ctrl-C ends it with one line and status 130 (no traceback)."""
+    import signal
+    import time
+
+    out = tmp_path / "doctor.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    with out.open("w") as stdout:
+        process = subprocess.Popen([sys.executable, "-m", "hf_optim.cli", "doctor", "--quick"], stdout=stdout,
+                                   stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            first = process.stderr.readline()  # blocks until the first case starts (torch imported by then)
+            assert first.startswith("doctor: ") and "(1/" in first, first
+            assert "Versions" in out.read_text() and "Devices" in out.read_text()
+            time.sleep(1.0)
+            process.send_signal(signal.SIGINT)
+            rest = process.stderr.read()
+            code = process.wait(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    lines = [line for line in rest.splitlines() if not line.startswith("doctor: ")]
+    assert code == 130 and lines == ["hf-optim doctor: interrupted"], rest[-3000:]
+    assert all(line.startswith("doctor: ") and line.rstrip().endswith(")") for line in rest.splitlines()[:-1])

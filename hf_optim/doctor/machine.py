@@ -17,8 +17,10 @@ MANAGED_PROBE_BYTES = 1 << 20
 """The managed buffer the paging check allocates: 1 MiB, and only when four times that is free on the card."""
 
 
-def versions() -> dict[str, str | None]:
-    """Python, hf_optim, the packages hf_optim works with (None: not installed), CUDA runtime and driver."""
+def package_versions() -> dict[str, str | None]:
+    """Python, hf_optim, and the packages hf_optim works with (None: not installed). torch's is what the running torch
+    says (``torch.__version__``: it names the build, e.g. ``2.14.1+cu130`` or ``2.13.0+cpu``, which the installed
+    package's metadata does not); hf_optim's is the imported one, which may differ from an installed copy."""
     import hf_optim
 
     found: dict[str, str | None] = {"python": platform.python_version(), "hf_optim": hf_optim.__version__}
@@ -27,6 +29,13 @@ def versions() -> dict[str, str | None]:
             found[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             found[package] = None
+    found["torch"] = str(torch.__version__)
+    return found
+
+
+def versions() -> dict[str, str | None]:
+    """:func:`package_versions`, the CUDA runtime and the driver."""
+    found = package_versions()
     found["cuda_runtime"] = torch.version.cuda or (f"ROCm {torch.version.hip}" if torch.version.hip else None)
     found["cuda_driver"] = driver_version() if torch.cuda.is_available() else None
     return found

@@ -4,26 +4,18 @@ from __future__ import annotations
 
 import os
 import platform
-from importlib import metadata
 
 import psutil
 import torch
 
-PACKAGES = ("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate", "hf_optim")
+from hf_optim.doctor import machine
 
 
 def versions() -> dict[str, str | None]:
-    """Installed versions of the training stack (``None`` when a package is not installed) and Python's."""
-    found: dict[str, str | None] = {"python": platform.python_version()}
-    for package in PACKAGES:
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
-    import hf_optim
-
-    found["hf_optim"] = hf_optim.__version__  # the imported one, which may differ from an installed copy
-    return found
+    """Python's, hf_optim's and the training stack's versions (``None``: not installed), as ``hf-optim doctor``
+    reports them (torch's names its build: ``torch.__version__``). The CUDA runtime and driver are in
+    :func:`hardware`."""
+    return machine.package_versions()
 
 
 def hardware(device: torch.device | None = None, driver_version: str | None = None) -> dict:
