@@ -22,13 +22,19 @@ the PyTorch twin ``hf_optim.kernels.formats.encode8`` (the interpreter tests tie
    up to 64 ulps either way; and on a sample the sign of the settling fma result is compared with the exact
    rational sign.
 
+0. The table-free arithmetic of ``hf_optim.kernels.formats.codebook8`` (``table_free``): its decode of all 256
+   codes against the map, its midpoint of every pair against the reference's, and its encode of every fp32 in
+   [-1, 1] (both signs, -0.0 included) against the reference, for both maps.
+
 The fp32 fma used throughout is Triton's interpreter's C fma where this Triton has one (a private function,
 checked against the twin's ``fma32`` and against exact rational arithmetic), else the twin's ``fma32`` (checked
 against exact rational arithmetic; slower).
 
     python benchmarks/encoder8_proof.py [--maps signed unsigned] [--chunk-log2 22] [--skip-exhaustive]
+                                        [--parts 0 1 2]
 
-Part 1 takes about 15 minutes per map on an idle 2-core machine (most of it the reference's bucketize).
+Parts 0 and 1 take about 15 minutes per map each on an idle 2-core machine (most of it the reference's bucketize;
+part 0 took 36-41 minutes per map on a heavily loaded one).
 """
 
 from __future__ import annotations
@@ -40,9 +46,16 @@ from fractions import Fraction
 import numpy as np
 import torch
 
+from hf_optim.kernels.formats import codebook8 as cb
 from hf_optim.kernels.formats import encode8 as e8
 from hf_optim.kernels.formats import quant8 as blockwise
-from hf_optim.kernels.formats.dynamic_map import ZERO_CODE_SIGNED, _nearest_codes, create_dynamic_map, encoder_table
+from hf_optim.kernels.formats.dynamic_map import (
+    ZERO_CODE_SIGNED,
+    _nearest_codes,
+    create_dynamic_map,
+    dynamic_map,
+    encoder_table,
+)
 
 ONE_BITS = 0x3F800000
 DELTA = e8.RECIPROCAL_TOLERANCE + 2.0**-23
@@ -312,6 +325,52 @@ def settling(signed: bool, fma) -> dict:
     return results
 
 
+def table_free(signed: bool, chunk_log2: int) -> dict:
+    """Part 0 for one map: the table-free arithmetic of ``codebook8`` (decode and encode, the CPU path's and the
+    kernels' main path). Decode: all 256 codes against the map. Midpoints: every pair the encoder can guess, its
+    computed midpoint against the reference's ``(qmap[i] + qmap[i+1]) * 0.5``. Encode: every fp32 in [-1, 1]
+    against the reference, running ``codebook8.encode_with`` with the midpoints just shown equal to its own (so
+    every operation but the midpoint's is the encoder's own), and ``codebook8.encode`` itself on a sample of every
+    chunk."""
+    qmap = dynamic_map(signed)
+    decoded = cb.decode(torch.arange(256), signed)
+    stats = {"decode_mismatches": int((decoded.view(torch.int32) != qmap.view(torch.int32)).sum())}
+    zero = ZERO_CODE_SIGNED if signed else 0
+    mids = ((qmap[1:] + qmap[:-1]) * 0.5)[zero:]  # magnitude pairs (G, G + 1) of the positive side
+    pairs = torch.arange(cb.TOP_PAIR[signed] + 1, dtype=torch.int32)
+    computed = cb.midpoint(pairs, signed)
+    stats["midpoint_mismatches"] = int((computed.view(torch.int32) != mids.view(torch.int32)).sum())
+    stats["pairs"] = len(pairs)
+
+    def lookup(pair: torch.Tensor, _signed: bool) -> torch.Tensor:
+        return mids[pair.long()]
+
+    chunk = 1 << chunk_log2
+    generator = torch.Generator().manual_seed(5)
+    stats.update(values=0, mismatches=0, sample_mismatches=0, examples=[])
+    started = time.time()
+    for sign in (0, 1):
+        for start in range(0, ONE_BITS + 1, chunk):
+            if start % (1 << 27) == 0:
+                done = (sign * (ONE_BITS + 1) + start) / (2 * (ONE_BITS + 1))
+                print(f"  {'-' if sign else '+'}{start >> 23:3d} binades ({done:4.0%}, {time.time() - started:.0f} s)",
+                      flush=True)
+            magnitude = torch.arange(start, min(start + chunk, ONE_BITS + 1), dtype=torch.int64)
+            bits = magnitude - (sign << 31)
+            x = bits.to(torch.int32).view(torch.float32)
+            codes = cb.encode_with(x, signed, lookup)
+            expected = reference(x, signed, qmap).int()
+            bad = codes != expected
+            stats["mismatches"] += int(bad.sum())
+            if bad.any() and len(stats["examples"]) < 5:
+                index = int(bad.nonzero()[0])
+                stats["examples"].append((float(x[index]), int(codes[index]), int(expected[index])))
+            sample = torch.randint(0, len(x), (1024,), generator=generator)
+            stats["sample_mismatches"] += int((cb.encode(x[sample], signed) != codes[sample]).sum())
+            stats["values"] += len(x)
+    return stats
+
+
 ARGUMENT = """\
 Why the settling step is exact (part 3's theorem). Pair k holds the fp32 midpoint mu between codes k and k+1 and
 hu = +-ulp(mu)/2 with mu's sign. The reference picks k+1 iff rn(x) > mu (rn(x) >= mu when mu < 0: ties toward
@@ -337,6 +396,8 @@ def main() -> None:
     parser.add_argument("--maps", nargs="+", choices=["signed", "unsigned"], default=["signed", "unsigned"])
     parser.add_argument("--chunk-log2", type=int, default=22)
     parser.add_argument("--skip-exhaustive", action="store_true", help="parts 2 and 3 only (about a minute)")
+    parser.add_argument("--parts", nargs="+", choices=["0", "1", "2"], default=["0", "1", "2"],
+                        help="0: table-free codebook8; 1: the table encoder, exhaustively; 2: parts 2 and 3")
     args = parser.parse_args()
     fast = _c_fma()
     fma = fast or e8.fma32
@@ -357,7 +418,18 @@ def main() -> None:
     for name in args.maps:
         signed = name == "signed"
         print(f"\n== {name} map ==")
-        if not args.skip_exhaustive:
+        if "0" in args.parts:
+            t0 = time.time()
+            free = table_free(signed, args.chunk_log2) if not args.skip_exhaustive else None
+            if free is not None:
+                print(f"part 0: codebook8 (table-free): decode of 256 codes: {free['decode_mismatches']} mismatches; "
+                      f"midpoints of {free['pairs']} pairs: {free['midpoint_mismatches']} mismatches; encode on every "
+                      f"fp32 in [-1, 1]: {free['values']:,} values, {free['mismatches']} mismatches "
+                      f"{free['examples']}, full-encode sample mismatches {free['sample_mismatches']} "
+                      f"({time.time() - t0:.0f} s)")
+                ok &= free["decode_mismatches"] == 0 and free["midpoint_mismatches"] == 0
+                ok &= free["mismatches"] == 0 and free["sample_mismatches"] == 0
+        if "1" in args.parts and not args.skip_exhaustive:
             t0 = time.time()
             stats = exhaustive(signed, fma, args.chunk_log2)
             print(f"part 1: encode8 on every fp32 in [-1, 1]: {stats['values']:,} values, "
@@ -370,6 +442,8 @@ def main() -> None:
             zero = ZERO_CODE_SIGNED if signed else 0
             ok &= stats["pair_range"]["positive"][0] == zero and stats["pair_range"]["negative"][1] == (
                 zero - 1 if signed else 0)
+        if "2" not in args.parts:
+            continue
         t0 = time.time()
         tolerance = guess_tolerance(signed, fma)
         print(f"part 2: quantize8 guess with delta = 2**-17 + 2**-23: {tolerance['boundaries']} boundaries, "
