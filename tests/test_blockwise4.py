@@ -280,12 +280,24 @@ def test_bad_shapes_are_refused():
         b4.quantize(torch.zeros(10), thresholds(True))
 
 
-def test_compiled_round_trip_equals_eager():
-    """Inductor (dynamic shapes, no graph break) gives the eager path's codes, scales and values."""
+@pytest.mark.parametrize("signed", [True, False])
+def test_decode_from_constants_is_the_map(signed):
+    """The optimizers' decode reads no map: its 16 values are the map's, bit for bit, and dequantizing by
+    signedness equals dequantizing through the map tensor."""
+    codes = torch.arange(16, dtype=torch.int32)
+    assert torch.equal(b4.decode(codes, signed).view(torch.int32), b4.qmap4(signed).view(torch.int32))
+    values = adversarial_values(signed)[:, :999]
+    packed, scale = b4.quantize(values, thresholds(signed))
+    assert torch.equal(b4.dequantize(packed, scale, signed, 999), b4.dequantize(packed, scale, b4.qmap4(signed), 999))
 
-    def round_trip(values, thresholds, qmap, codes, scale):
+
+def test_compiled_round_trip_equals_eager():
+    """Inductor (dynamic shapes, no graph break) gives the eager path's codes, scales and values (one compilation
+    per map: the signedness picks the decode)."""
+
+    def round_trip(values, thresholds, signed, codes, scale):
         b4.quantize_into(values, thresholds, codes, scale)
-        return b4.dequantize(codes, scale, qmap, values.shape[-1])
+        return b4.dequantize(codes, scale, signed, values.shape[-1])  # the optimizers' decode: map constants
 
     compiled = torch.compile(round_trip, fullgraph=True, dynamic=True)
     for signed in (True, False):
@@ -293,7 +305,7 @@ def test_compiled_round_trip_equals_eager():
             values = adversarial_values(signed)[:, :n]
             codes, scale = b4.quantize(values, thresholds(signed))
             out_codes, out_scale = torch.empty_like(codes), torch.empty_like(scale)
-            decoded = compiled(values, thresholds(signed), b4.qmap4(signed), out_codes.view(torch.int8), out_scale)
+            decoded = compiled(values, thresholds(signed), signed, out_codes.view(torch.int8), out_scale)
             assert torch.equal(out_codes, codes) and torch.equal(out_scale, scale)
             assert torch.equal(decoded, b4.dequantize(codes, scale, b4.qmap4(signed), n))
 

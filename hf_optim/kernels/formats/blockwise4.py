@@ -99,12 +99,12 @@ class Blockwise4(StateFormat):
         return torch.uint8
 
     def dequantize(self, raw: Sequence[torch.Tensor], signed: bool, n: int | None = None) -> torch.Tensor:
-        codes, absmax, qmap = raw[:3]
+        codes, absmax = raw[:2]  # the map's values are constants of quant4.decode: no read of the map
         if codes.dim() == 3:  # block form: (rows, B, 128) bytes are 2B quantization blocks of 128 elements
             rows, blocks = codes.shape[0], codes.shape[1]
-            values = quant4.dequantize(codes.reshape(rows, 2 * blocks, BLOCK_SIZE // 2), absmax, qmap)
+            values = quant4.dequantize(codes.reshape(rows, 2 * blocks, BLOCK_SIZE // 2), absmax, signed)
             return values.reshape(rows, blocks, CHUNK_BLOCK)
-        return quant4.dequantize(codes, absmax, qmap, n)
+        return quant4.dequantize(codes, absmax, signed, n)
 
     def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:
         codes, absmax, _, thresholds = raw

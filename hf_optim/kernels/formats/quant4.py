@@ -105,6 +105,7 @@ def _build_thresholds(qmap: torch.Tensor) -> torch.Tensor:
 # inductor never re-derives the map's fp32 arithmetic its own way.
 _MAPS = {signed: _build_map(signed) for signed in (True, False)}
 _THRESHOLDS = {signed: _build_thresholds(qmap) for signed, qmap in _MAPS.items()}
+_SIGNED_VALUES = _MAPS[True].tolist()  # Python floats, each exactly its fp32 map value
 
 
 def qmap4(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -224,13 +225,28 @@ def quantize_into(values: torch.Tensor, thresholds: torch.Tensor, codes: torch.T
     scale.copy_(new_scale)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, qmap: torch.Tensor, n: int | None = None) -> torch.Tensor:
-    """fp32 values of packed ``codes`` under per-block ``scale``.
+def decode(codes: torch.Tensor, signed: bool) -> torch.Tensor:
+    """fp32 map values of int32 codes 0..15 without reading the map (so inductor's CPU code vectorizes): the signed
+    map by selects among its 16 constants, the unsigned map as ``(code + 1) * 0.0625`` (exact). Equal to
+    ``qmap4(signed)[codes]`` bit for bit; the Triton twin (``triton_path.quant4.decode4``) selects the same
+    constants."""
+    if not signed:
+        return (codes + 1).float() * 0.0625
+    values = torch.zeros(codes.shape, dtype=torch.float32, device=codes.device)
+    for code, value in enumerate(_SIGNED_VALUES):
+        values = torch.where(codes == code, value, values)
+    return values
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, qmap: torch.Tensor | bool, n: int | None = None
+               ) -> torch.Tensor:
+    """fp32 values of packed ``codes`` under per-block ``scale``: ``qmap`` a 16-value map tensor (read) or, for the
+    two maps of this module, its signedness (:func:`decode`, no read; the optimizers' path).
 
     ``codes`` ``(rows, ceil(n / 2))`` needs ``n`` when it is odd (``None`` means ``2 * codes.shape[-1]``) and
     gives ``(rows, n)``; ``(rows, blocks, 64)`` gives ``(rows, blocks, 128)``."""
     if codes.dim() == 3:
-        values = torch.ops.aten._unsafe_index(qmap, [unpack(codes)])  # codes are 0..15: always in range
+        values = _values(unpack(codes), qmap)
         return values * scale.unsqueeze(-1)
     if codes.dim() != 2:
         raise ValueError(f"4-bit codes must be (rows, bytes) or (rows, blocks, 64), got shape {tuple(codes.shape)}")
@@ -238,5 +254,11 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, qmap: torch.Tensor, n: 
     if packed_length(n) != codes.shape[-1]:
         raise ValueError(f"{codes.shape[-1]} bytes of 4-bit codes hold {2 * codes.shape[-1] - 1} or "
                          f"{2 * codes.shape[-1]} values, not n={n}")
-    values = torch.ops.aten._unsafe_index(qmap, [unpack(codes)])
+    values = _values(unpack(codes), qmap)
     return (_blocked(values) * scale.unsqueeze(-1)).flatten(1)[:, :n]
+
+
+def _values(codes: torch.Tensor, qmap: torch.Tensor | bool) -> torch.Tensor:
+    if isinstance(qmap, bool):
+        return decode(codes, qmap)
+    return torch.ops.aten._unsafe_index(qmap, [codes])  # codes are 0..15: always in range
