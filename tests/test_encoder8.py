@@ -425,29 +425,3 @@ def test_adversarial_set_catches_a_one_ulp_error_in_a_midpoint(signed):
     values = adversarial(signed)
     wrong = codebook8.encode_with(values, signed, lambda pair, _signed: mids[pair.long()])
     assert not torch.equal(wrong, nearest_codes(values, signed))
-
-
-@pytest.mark.slow
-def test_codebook8_compiled_equals_eager_and_the_reference():
-    """Inductor's CPU code (which vectorizes the arithmetic: no table to gather from) gives the eager codes and
-    values bit for bit, both maps, on blocks of adversarial values (quantized against their block's absmax)."""
-
-    def round_trip(values, signed, codes, absmax):
-        blockwise.store_codes(values, signed, codes, absmax)
-        return blockwise.decode_blocks(codes.view(torch.int8), absmax, signed)
-
-    compiled = torch.compile(round_trip, fullgraph=True, dynamic=True)
-    for signed in (True, False):
-        values = adversarial(signed)
-        values = torch.cat([torch.ones(1), values, torch.zeros(-(len(values) + 1) % 256)]).view(1, -1)
-        blocks = values.shape[-1] // 256
-        results = []
-        for function in (round_trip, compiled):
-            codes = torch.empty(values.shape, dtype=torch.uint8)
-            absmax = torch.empty(1, blocks)
-            results.append((codes, absmax, function(values, signed, codes, absmax)))
-        expected_codes, expected_absmax = blockwise.quantize(values, encoder_table(signed, "cpu"), signed)
-        for codes, absmax, decoded in results:
-            assert torch.equal(codes, expected_codes) and torch.equal(absmax, expected_absmax)
-            expected = blockwise.dequantize(expected_codes, expected_absmax, dynamic_map(signed))
-            assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32))
