@@ -297,11 +297,27 @@ def _announce(kernel: Kernel, entry: _Entry, threads: int, background: bool) -> 
                 where, cache_location(), hint)
 
 
+def _import_cpp_extension_quietly() -> None:
+    """Import ``torch.utils.cpp_extension`` (inductor's C++ build does) with its logger muted: on a CUDA build of
+    torch on a machine without a CUDA runtime it warns "No CUDA runtime is found" once, at import, about a CUDA
+    toolkit that a CPU kernel never uses."""
+    if "torch.utils.cpp_extension" in sys.modules:
+        return
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import torch.utils.cpp_extension  # noqa: F401
+    finally:
+        log.setLevel(level)
+
+
 def _run_probe(kernel: Kernel, entry: _Entry, threads: int) -> None:
     """Run ``entry``'s compiled function once on probe inputs of :data:`PROBE_BLOCKS` blocks, block dimensions
     marked dynamic, with ``threads`` OpenMP threads: this compiles its graph (or loads it from inductor's cache).
     The background process (:mod:`hf_optim.kernels.torch_path.cpu_compile_worker`) runs the same, so the cache key is
     the same."""
+    _import_cpp_extension_quietly()
     probe = entry.probe(PROBE_BLOCKS)
     _mark_block_dims(probe, entry.probe(PROBE_BLOCKS + 1))
     with cpu_threads.threads(threads), torch.no_grad():
