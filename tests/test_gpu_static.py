@@ -3,7 +3,10 @@
 timings are the benchmark's). Not a timing: compile seconds are printed, never asserted.
 
 The compilation runs in a fresh process without TRITON_INTERPRET (conftest sets it on machines without a GPU, and
-kernels defined under the interpreter cannot be compiled), once per module, into a Triton cache under tmp.
+kernels defined under the interpreter cannot be compiled), once per module, into a Triton cache under the session's
+tmp (SHARED_CACHE): test_triton_compile.py, which runs later, reads its sm_90 binaries from there instead of compiling
+the same kernels again (Triton's cache key covers the source, signature, constants, options and target, so a hit is
+the binary that compilation would give).
 tests/gpu_static_probe.py compiles kernels with known answers: one that must spill (so the check can fail), one with a
 run-time branch and one with a run-time loop (so the main-path analysis picks the right arm and counts trips).
 """
@@ -20,12 +23,14 @@ pytest.importorskip("triton", reason="triton (a test dependency) is not installe
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHES = ("sm_90", "sm_75")
+SHARED_CACHE = "triton_aot_cache"
+"""Directory under the session's base tmp holding the table's Triton cache (test_triton_compile.py reuses it)."""
 
 
-def _run(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+def _run(args: list[str], tmp: Path, cache: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["TRITON_CACHE_DIR"] = str(tmp / "triton_cache")
+    env["TRITON_CACHE_DIR"] = str(cache or tmp / "triton_cache")
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
 
 
@@ -33,7 +38,9 @@ def _run(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
 def table(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("gpu_static")
     out = tmp / "table.json"
-    done = _run(["benchmarks/gpu_static.py", "--arch", ",".join(ARCHES), "--jobs", "2", "--json", str(out)], tmp)
+    # gpu_static.py compiles cold whatever the cache holds (Triton's always_compile) and writes every binary to it
+    cache = tmp_path_factory.getbasetemp() / SHARED_CACHE
+    done = _run(["benchmarks/gpu_static.py", "--arch", ",".join(ARCHES), "--jobs", "2", "--json", str(out)], tmp, cache)
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
 
