@@ -7,6 +7,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The compiled CPU path is exercised by tests that ask for it (test_compiled_path.py); everything else runs the
 # eager PyTorch reference, which starts instantly.
 os.environ.setdefault("HF_OPTIM_COMPILE", "0")
+# The suite runs processes beside each other (the background compiler, torchrun ranks, notebook kernels, the AOT
+# compile table's jobs): OpenMP threads that spin while they wait would take the others' cores. Only how idle
+# threads wait changes, not what they compute. Set before torch (and its OpenMP runtime) is first imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import logging  # noqa: E402
 import platform  # noqa: E402
