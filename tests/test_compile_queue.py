@@ -162,4 +162,6 @@ def test_three_short_runs_in_a_row_never_have_two_compile_processes_and_leave_no
     assert sampler.peak_rss < 2**30, f"a worker used {sampler.peak_rss / 2**20:.0f} MiB"
     queue = Path(cache) / "hf_optim" / "queue"
     assert not [name for name in os.listdir(queue) if name.endswith((".job", ".compiling", ".req"))]
-    assert list((Path(cache) / "hf_optim").glob("*.ready"))  # the worker warmed the cache for the next run
+    # No assertion that a kernel finished: when the three runs end before the worker has imported torch, it rightly
+    # compiles nothing (nobody waits any more). Warming the cache for the next run is tests/test_cpu_compile.py's
+    # real-worker test, where the requester stays alive.

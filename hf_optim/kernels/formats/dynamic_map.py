@@ -157,8 +157,10 @@ def _maps_cpu(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The signed or unsigned dynamic map on ``device`` (a fresh tensor: callers may store it in state)."""
-    return _MAPS[signed].to(device, copy=True)
+    """The signed or unsigned dynamic map on ``device`` (a fresh tensor: callers may store it in state). Read through
+    :func:`_maps_cpu`, so that the first eager creation of 8-bit state also builds the encoder table: a compiled step
+    traces through ``_encoder_on``'s cache and would otherwise find nothing built and break its graph."""
+    return _maps_cpu(signed)[0].to(device, copy=True)
 
 
 @functools.cache
