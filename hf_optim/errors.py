@@ -18,6 +18,22 @@ def suggest(name: str, candidates: list[str], count: int = 3) -> list[str]:
     return difflib.get_close_matches(str(name), candidates, n=count, cutoff=0.6)
 
 
+
+def did_you_mean(key: str, candidates: list[str]) -> str:
+    """``; did you mean 'r'?``: the candidate closest to the key or to the key without its leading words
+    (``lora_rr`` -> ``rr`` -> ``r``), else one the key contains or is contained in; empty if none."""
+    import difflib
+
+    parts = key.split("_")
+    scored = []
+    for variant in ["_".join(parts[i:]) for i in range(len(parts))]:
+        for close in suggest(variant, candidates, count=1):
+            scored.append((difflib.SequenceMatcher(None, variant, close).ratio(), close))
+    if scored:
+        return f"; did you mean {max(scored)[1]!r}?"
+    lowered = [c for c in candidates if key.lower() in c.lower() or c.lower() in key.lower()]
+    return f"; did you mean {lowered[0]!r}?" if lowered else ""
+
 class UserError(Exception):
     """A problem with what the user gave (a file, a value, a command line, the environment), not a bug."""
 

@@ -17,12 +17,11 @@ to the full one). Standard library, PyYAML and hf_optim's torch-free modules onl
 from __future__ import annotations
 
 import ast
-import difflib
 import functools
 import importlib.util
 from pathlib import Path
 
-from hf_optim.errors import suggest
+from hf_optim.errors import did_you_mean, suggest
 from hf_optim.integrations.name_table import HF_OPTIM_OPTIMIZER_NAMES
 from hf_optim.recipes import rundir
 from hf_optim.recipes.errors import RecipeError, RecipeIssue
@@ -38,19 +37,6 @@ equal)."""
 
 _DEFINED_IN = {("transformers", "TrainingArguments"): "transformers.training_args"}
 """Where a class that a lazily-importing package (transformers) re-exports is defined, for :func:`class_fields`."""
-
-
-def did_you_mean(key: str, candidates: list[str]) -> str:
-    """``; did you mean 'r'?`` as :func:`hf_optim.recipes.schema.validate` words it for an unknown key."""
-    parts = key.split("_")
-    scored = []
-    for variant in ["_".join(parts[i:]) for i in range(len(parts))]:
-        for close in suggest(variant, candidates, count=1):
-            scored.append((difflib.SequenceMatcher(None, variant, close).ratio(), close))
-    if scored:
-        return f"; did you mean {max(scored)[1]!r}?"
-    lowered = [c for c in candidates if key.lower() in c.lower() or c.lower() in key.lower()]
-    return f"; did you mean {lowered[0]!r}?" if lowered else ""
 
 
 def _module_file(module: str) -> Path | None:

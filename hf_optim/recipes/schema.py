@@ -7,13 +7,13 @@ are checked against the installed Hugging Face classes (:mod:`hf_optim.recipes.t
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter, ValidationError
 
+from hf_optim.errors import did_you_mean
 from hf_optim.integrations.names import OPTIMIZER_NAMES, suggest
 from hf_optim.recipes.blame import blamed, culprit_keys
 from hf_optim.recipes.errors import RecipeError, RecipeIssue
@@ -173,20 +173,6 @@ def check_value(annotation: Any, value: Any) -> tuple[bool, Any]:
     return True, value
 
 
-def _did_you_mean(key: str, candidates: list[str]) -> str:
-    """``; did you mean 'r'?``: the candidate closest to the key or to the key without its leading words
-    (``lora_rr`` -> ``rr`` -> ``r``), else one the key contains or is contained in; empty if none."""
-    parts = key.split("_")
-    scored = []
-    for variant in ["_".join(parts[i:]) for i in range(len(parts))]:
-        for close in suggest(variant, candidates, count=1):
-            scored.append((difflib.SequenceMatcher(None, variant, close).ratio(), close))
-    if scored:
-        return f"; did you mean {max(scored)[1]!r}?"
-    lowered = [c for c in candidates if key.lower() in c.lower() or c.lower() in key.lower()]
-    return f"; did you mean {lowered[0]!r}?" if lowered else ""
-
-
 def _check_pass_through(raw: RawRecipe, name: str, values: dict, target: Target, issues: list[RecipeIssue],
                         extra_keys: dict[str, Any] | None = None) -> dict:
     accepted = dict(target.fields)
@@ -203,7 +189,7 @@ def _check_pass_through(raw: RawRecipe, name: str, values: dict, target: Target,
             key = replacement  # the installed class deprecates the old name: pass the new one
         if key not in accepted:
             issues.append(RecipeIssue(raw.origin(path), path,
-                                      f"unknown {target.label}{_did_you_mean(str(key), list(accepted))}"))
+                                      f"unknown {target.label}{did_you_mean(str(key), list(accepted))}"))
             continue
         if (name, key) in AUTO_KEYS and value == "auto":
             checked[key] = value
@@ -223,7 +209,7 @@ def _check_own(raw: RawRecipe, name: str, values: dict, model: type[BaseModel], 
     for key, value in values.items():
         if key not in model.model_fields:
             path = f"{name}.{key}" if name else str(key)
-            issues.append(RecipeIssue(raw.origin(path), path, f"unknown key{_did_you_mean(str(key), known)}"))
+            issues.append(RecipeIssue(raw.origin(path), path, f"unknown key{did_you_mean(str(key), known)}"))
         else:
             clean[key] = value
     try:
@@ -300,7 +286,7 @@ def validate(raw: RawRecipe) -> Recipe:
     for key in data:
         if key not in TOP_LEVEL:
             issues.append(RecipeIssue(raw.origin(str(key)), str(key),
-                                      f"unknown section{_did_you_mean(str(key), TOP_LEVEL)}"))
+                                      f"unknown section{did_you_mean(str(key), TOP_LEVEL)}"))
     header = _check_own(raw, "", {k: v for k, v in data.items() if k in Header.model_fields}, Header, issues)
 
     sections: dict[str, dict | None] = {}
