@@ -64,7 +64,25 @@ def _seed():
     yield
 
 
+SLOWEST_MODULES = ("test_gpu_static", "test_triton_kernels", "test_trl_integration", "test_notebooks",
+                   "test_triton_plans", "test_cli", "test_distributed", "test_torch_contract")
+"""Modules that take a minute or more on a 2-core CPU (pytest's --durations), run first so that, split across
+workers, the last one to start does not end the run alone; the others keep their file order."""
+MAX_WORKERS = 4
+"""Each worker imports torch, transformers and TRL (about 1 GiB) and some tests start processes of their own."""
+
+
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+def _module_rank(item) -> int:
+    name = item.path.stem
+    return SLOWEST_MODULES.index(name) if name in SLOWEST_MODULES else len(SLOWEST_MODULES)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_module_rank)  # stable: within a module, and among the rest, the file order stays
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine (pytest -m gpu)")

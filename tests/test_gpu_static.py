@@ -1,12 +1,14 @@
 """Every Triton kernel configuration the optimizers launch compiles ahead of time for an H100 (sm_90) and a T4
 (sm_75) with no spills and no local memory, without a GPU (benchmarks/gpu_static.py; the other arches and the
-timings are the benchmark's). Not a timing: compile seconds are printed, never asserted.
+timings are the benchmark's); and the kernels' machine code keeps the properties the bit-compatibility claims rest
+on (tests/triton_compile_check.py). Not a timing: compile seconds are printed, never asserted.
 
-The compilation runs in a fresh process without TRITON_INTERPRET (conftest sets it on machines without a GPU, and
-kernels defined under the interpreter cannot be compiled), once per module, into a Triton cache under the session's
-tmp (SHARED_CACHE): test_triton_compile.py, which runs later, reads its sm_90 binaries from there instead of compiling
-the same kernels again (Triton's cache key covers the source, signature, constants, options and target, so a hit is
-the binary that compilation would give).
+Compilation runs in a fresh process without TRITON_INTERPRET (conftest sets it on machines without a GPU, and
+kernels defined under the interpreter cannot be compiled), into one Triton cache per module (``aot_cache``): the
+table fills it, and the sm_90 compile check then reads its binaries from there instead of compiling the same kernels
+again (Triton's cache key covers the source, signature, constants, options and target, so a hit is the binary that
+compilation would give). Both live in this one module so that they share the cache however the suite is split
+across processes (pytest-xdist sends a whole module to one worker).
 tests/gpu_static_probe.py compiles kernels with known answers: one that must spill (so the check can fail), one with a
 run-time branch and one with a run-time loop (so the main-path analysis picks the right arm and counts trips).
 """
@@ -23,8 +25,6 @@ pytest.importorskip("triton", reason="triton (a test dependency) is not installe
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHES = ("sm_90", "sm_75")
-SHARED_CACHE = "triton_aot_cache"
-"""Directory under the session's base tmp holding the table's Triton cache (test_triton_compile.py reuses it)."""
 
 
 def _run(args: list[str], tmp: Path, cache: Path | None = None) -> subprocess.CompletedProcess:
@@ -35,11 +35,19 @@ def _run(args: list[str], tmp: Path, cache: Path | None = None) -> subprocess.Co
 
 
 @pytest.fixture(scope="module")
-def table(tmp_path_factory) -> dict:
+def aot_cache(tmp_path_factory) -> Path:
+    """This module's Triton cache. Never the user's (~/.triton/cache): its key hashes the kernel's own source, not
+    the whole file, so after an edit elsewhere in a kernel's file a cached PTX's line numbers point at other lines,
+    and the contraction check (which reads the source line of every fma) fails on a kernel that is fine."""
+    return tmp_path_factory.mktemp("triton_aot_cache")
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory, aot_cache) -> dict:
     tmp = tmp_path_factory.mktemp("gpu_static")
     out = tmp / "table.json"
     # gpu_static.py compiles cold whatever the cache holds (Triton's always_compile) and writes every binary to it
-    cache = tmp_path_factory.getbasetemp() / SHARED_CACHE
+    cache = aot_cache
     done = _run(["benchmarks/gpu_static.py", "--arch", ",".join(ARCHES), "--jobs", "2", "--json", str(out)], tmp, cache)
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
@@ -135,3 +143,13 @@ def test_main_path_counts_loop_trips(probe, arch):
     assert eight["instructions"] - two["instructions"] == 6 * body
     assert eight["loads"] == one["loads"] + 7 * (two["loads"] - one["loads"]) > one["loads"]
     assert one["ambiguous"] == two["ambiguous"] == eight["ambiguous"] == 0
+
+
+@pytest.mark.slow  # ~30 s of compilation on 2 cores when the table has not filled the cache
+def test_every_kernel_compiles_for_sm90_with_ieee_math_and_vector_accesses(tmp_path, aot_cache):
+    """tests/triton_compile_check.py: IEEE division and square root, no contracted multiply-adds, vector accesses on
+    whole tiles and no spills, for every kernel the optimizers launch (the CPU interpreter accepts code the GPU
+    compiler rejects: this is the only check of the GPU code path without a GPU)."""
+    done = _run([str(Path(__file__).with_name("triton_compile_check.py"))], tmp_path, aot_cache)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "all kernels compiled" in done.stdout

@@ -1,4 +1,4 @@
-"""Compile hf_optim's Triton kernels for a GPU arch without a GPU; run by test_triton_compile.py.
+"""Compile hf_optim's Triton kernels for a GPU arch without a GPU; run by test_gpu_static.py.
 
     python tests/triton_compile_check.py                 # the CI set, sm_90
     python tests/triton_compile_check.py --all --arch 75 # every configuration the optimizers launch, sm_75
