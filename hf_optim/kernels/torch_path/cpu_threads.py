@@ -12,8 +12,9 @@ measures both:
 - once it has seen a few steps, it asks for the one-thread variant of its kernel (a second compiled graph: the
   thread count is part of a graph's guards) when the machine is busy: other processes kept at least :data:`BUSY`
   cores busy over the last quarter second (:class:`OtherLoad`: the cores' busy time from ``/proc/stat`` less this
-  process's own CPU time; the 1-minute load average used before lagged a minute behind the load), or its own time
-  per element has grown to :data:`SLOWDOWN` times its best;
+  process's own CPU time, not counting niced processes such as the background compiler; the 1-minute load average
+  used before lagged a minute behind the load), or its own time per element has grown to :data:`SLOWDOWN` times its
+  best;
 - with both variants compiled it runs the one that measured faster and tries the other again now and then, after
   :data:`FIRST_PROBE` runs, twice as long after each try that confirms the choice (at most :data:`LAST_PROBE`),
   and soon again when the chosen variant's own time per element says the load changed (all threads 1.5x slower:
@@ -136,9 +137,18 @@ def usable_cores() -> tuple[int, ...]:
 _TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def busy_seconds(cores: tuple[int, ...]) -> float | None:
+def busy_seconds(cores: tuple[int, ...], niced: bool | None = None) -> float | None:
     """CPU seconds the cores ``cores`` have spent busy since boot, all processes together (one read of
-    ``/proc/stat``: user, nice, system, irq, softirq and steal time of each core), or None where it is not there."""
+    ``/proc/stat``: user, system, irq, softirq and steal time of each core, and nice time when ``niced``), or None
+    where it is not there.
+
+    ``niced`` (default: whether this process itself runs niced) counts the time of processes with a positive nice
+    value. A process that is not niced leaves it out: niced processes (the background compiler runs at nice +10)
+    yield the cores to it, so they do not make its threads wait at barriers, and counting them made the thread choice
+    ask for a one-thread kernel while only the background compiler was busy. A niced process counts it, since its own
+    time is there."""
+    if niced is None:
+        niced = _own_niceness() > 0
     try:
         with open("/proc/stat") as stat:
             lines = stat.read().splitlines()
@@ -152,8 +162,15 @@ def busy_seconds(cores: tuple[int, ...]) -> float | None:
             break  # the per-core lines come first
         if fields[0] in wanted:
             user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[1:9])
-            ticks += user + nice + system + irq + softirq + steal
+            ticks += user + system + irq + softirq + steal + (nice if niced else 0)
     return ticks / _TICKS_PER_SECOND
+
+
+def _own_niceness() -> int:
+    try:
+        return os.nice(0)
+    except (AttributeError, OSError):  # not POSIX
+        return 0
 
 
 def own_seconds() -> float:
