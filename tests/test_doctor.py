@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hf_optim import cli
+from hf_optim.doctor import report as report_module
 from hf_optim.doctor import selftest
 from hf_optim.kernels import backend
 from hf_optim.kernels.triton_path import guard as triton_guard
@@ -48,9 +49,9 @@ def test_json_keys(capsys):
     code, out, _ = doctor(capsys, "--json", "--algorithms", "rmsprop,adafactor")
     assert code == 0
     report = json.loads(out)
-    assert set(report) == {"versions", "devices", "caches", "self_test", "timings", "triton_compiles", "fallbacks",
-                           "ok"}
-    assert report["ok"] is True and report["timings"] is None
+    assert set(report) == {"versions", "devices", "caches", "self_test", "timings", "timings_skipped",
+                           "triton_compiles", "fallbacks", "ok"}
+    assert report["ok"] is True and report["timings"] is None and report["timings_skipped"] == "--quick"
     assert {"torch", "triton", "transformers", "trl", "bitsandbytes", "hf_optim", "cuda_runtime",
             "cuda_driver"} <= set(report["versions"])
     assert report["versions"]["torch"] == torch.__version__
@@ -204,6 +205,19 @@ def test_the_cpu_self_test_is_eager_unless_compiled_is_asked(monkeypatch):
     assert selftest.candidate(cpu) == selftest.Candidate("torch", {"HF_OPTIM_COMPILE": "0"})
     assert selftest.candidate(cpu, compiled=True) == selftest.Candidate("torch-compile", {"HF_OPTIM_COMPILE": "1"})
     assert cli.main(["doctor", "--compiled", "--nope"]) == 2  # the flag exists; the bad one is still one line
+
+
+@cpu_only
+def test_the_full_cpu_doctor_times_nothing_eagerly_and_says_how_to_time(capsys):
+    """An eager CPU step is the reference, seconds where the compiled kernel takes milliseconds: the full doctor
+    (no --quick) does not time it, and says that --compiled times what a run uses."""
+    code = cli.main(["doctor", "--algorithms", "rmsprop"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "One step on a" not in out and "no timed steps" in out and "--compiled" in out
+    assert cli.main(["doctor", "--json", "--algorithms", "rmsprop"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["timings"] is None and report["timings_skipped"] == report_module.NO_EAGER_TIMINGS
 
 
 @cpu_only

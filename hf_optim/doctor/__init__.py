@@ -4,10 +4,10 @@ Reports versions (torch, CUDA runtime and driver, Triton, transformers, TRL, bit
 with its arch and the backend it gets (``triton``, ``torch-compile``, ``torch``), whether paged optimizers' CUDA
 managed memory works, and where inductor and Triton cache compiled kernels; then self-tests the backend against
 the eager PyTorch reference for every algorithm x state format x parameter dtype on small odd-sized tensors
-(:mod:`hf_optim.doctor.selftest`), and times one step per algorithm on a 4096 x 4096 tensor (1024 x 1024 on the CPU)
-beside torch's fused AdamW (skipped with ``--quick``). On the CPU the self-test runs eagerly unless ``--compiled``
-asks for the compiled kernels (compiling them all takes minutes on a cold cache): the doctor answers within a
-minute on a 2-core CPU. Versions and devices print first; without a terminal, one progress line per case goes to
+(:mod:`hf_optim.doctor.selftest`), and times one step per algorithm on a 4096 x 4096 tensor beside torch's fused
+AdamW (skipped with ``--quick``). On the CPU the self-test runs eagerly and nothing is timed unless ``--compiled``
+asks for the compiled kernels (compiling them all takes minutes on a cold cache; an eager step is the reference, not
+what training runs, so its time would mislead): the doctor answers within a minute on a 2-core CPU. Versions and devices print first; without a terminal, one progress line per case goes to
 stderr. Exit status: 0 when every case matches on the backend the device gets; 1 on a mismatch, an error, or a
 kernel that failed to compile and fell back to the PyTorch path; 2 on a bad command line; 130 on Ctrl-C (one line).
 
@@ -26,8 +26,8 @@ import sys
 DESCRIPTION = (
     "Versions, devices and the backend each gets, paged optimizers' managed memory, the caches of compiled kernels; "
     "then a self-test of that backend against the eager PyTorch reference (every algorithm x state format x "
-    "parameter dtype, a few steps on small tensors) and one timed step per algorithm on a 4096 x 4096 tensor (1024 x "
-    "1024 on the CPU) beside torch's fused AdamW. On the CPU the self-test runs eagerly unless --compiled. Exit "
+    "parameter dtype, a few steps on small tensors) and one timed step per algorithm on a 4096 x 4096 tensor beside "
+    "torch's fused AdamW. On the CPU the self-test runs eagerly and the timed steps need --compiled. Exit "
     "status 1 on a mismatch, an error, or a kernel that fell back to the PyTorch path; 130 on Ctrl-C."
 )
 
@@ -45,7 +45,8 @@ def parser(prog: str = "hf-optim doctor") -> argparse.ArgumentParser:
     result.add_argument("--quick", action="store_true", help="skip the timed steps")
     result.add_argument("--compiled", action="store_true",
                         help="on the CPU, self-test and time the torch-compile kernels a run uses (compiles each "
-                             "algorithm x state format x dtype first: minutes on a cold cache); default: eagerly")
+                             "algorithm x state format x dtype first: minutes on a cold cache); default: the "
+                             "self-test runs eagerly and nothing is timed")
     result.add_argument("--interpret", action="store_true",
                         help="on the CPU, self-test the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1) "
                              "instead of the torch-compile path: slow, but checks the kernels' math without a GPU")

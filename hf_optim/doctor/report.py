@@ -69,6 +69,10 @@ def _quiet_compile_notices() -> Iterator[None]:
         logger.setLevel(level)
 
 
+NO_EAGER_TIMINGS = ("on the CPU the timed steps time the compiled kernels a training run uses: hf-optim doctor "
+                    "--compiled (it compiles each algorithm's kernel first: minutes on a cold cache)")
+
+
 def collect(args, progress=None, machine_known=None) -> dict:
     """Everything the doctor reports, as plain data (what ``--json`` prints); ``machine_known`` (default None) is
     called with the versions, devices and caches as soon as they are known, before the self-test."""
@@ -85,12 +89,15 @@ def collect(args, progress=None, machine_known=None) -> dict:
     }
     if machine_known is not None:
         machine_known(report)
-    numel = selftest.CPU_TIMING_NUMEL if device.type == "cpu" and cand.name == "torch" else selftest.TIMING_NUMEL
+    # An eager CPU step is the reference, not what training runs (it takes seconds where the compiled kernel takes
+    # milliseconds): timing it would mislead, so on the CPU the timed steps need the compiled kernels.
+    eager_cpu = device.type == "cpu" and cand.name == "torch"
+    timed = not args.quick and not eager_cpu
     with _quiet_compile_notices(), warnings.catch_warnings():
         # the interpreter computes fp16 in numpy, which warns when a value overflows to inf (as the GPU does, silently)
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
         cases = selftest.self_test(device, cand, families, progress=progress)
-        timings = None if args.quick else selftest.timings(device, cand, families, numel, progress=progress)
+        timings = selftest.timings(device, cand, families, selftest.TIMING_NUMEL, progress=progress) if timed else None
     report["self_test"] = {
         "device": str(device),
         "backend": cand.name,
@@ -101,8 +108,9 @@ def collect(args, progress=None, machine_known=None) -> dict:
         "cases": selftest.as_dicts(cases),
     }
     report["timings"] = None if timings is None else {
-        "device": str(device), "numel": numel, "backend": cand.name,
+        "device": str(device), "numel": selftest.TIMING_NUMEL, "backend": cand.name,
         "steps": selftest.as_dicts(timings)}
+    report["timings_skipped"] = ("--quick" if args.quick else NO_EAGER_TIMINGS if eager_cpu else None)
     report["triton_compiles"] = selftest.as_dicts(triton_guard.compile_records())
     report["fallbacks"] = {"triton": selftest.as_dicts(triton_guard.failures()),
                            "torch_compile": compile_guard.failures()}
@@ -214,6 +222,8 @@ def render(report: dict, console, machine_shown: bool = False) -> None:
     for name, why in test["tolerances"].items():
         if name in used:
             _line(console, f"tolerance {name!r}: {why}")
+    if report["timings_skipped"] == NO_EAGER_TIMINGS:
+        _line(console, f"no timed steps: {NO_EAGER_TIMINGS}")
     if report["timings"] is not None:
         timing = report["timings"]
         _table(console, f"One step on a {timing['numel']:,}-element fp32 parameter on {timing['device']} "

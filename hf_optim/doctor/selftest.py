@@ -36,9 +36,6 @@ REFERENCE_ENV = {kernel_backend.ENV_VAR: "torch", "HF_OPTIM_COMPILE": "0"}
 REFERENCE = "torch (eager)"
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 TIMING_NUMEL = 4096 * 4096
-CPU_TIMING_NUMEL = 1024 * 1024
-"""The timed steps' tensor on the CPU without ``--compiled``: an eager step on 16M elements takes seconds there, and
-the doctor finishes in a minute on a 2-core CPU."""
 
 
 @dataclass(frozen=True)
