@@ -7,9 +7,10 @@ the eager PyTorch reference for every algorithm x state format x parameter dtype
 (:mod:`hf_optim.doctor.selftest`), and times one step per algorithm on a 4096 x 4096 tensor beside torch's fused
 AdamW (skipped with ``--quick``). On the CPU the self-test runs eagerly and nothing is timed unless ``--compiled``
 asks for the compiled kernels (compiling them all takes minutes on a cold cache; an eager step is the reference, not
-what training runs, so its time would mislead): the doctor answers within a minute on a 2-core CPU. Versions and devices print first; without a terminal, one progress line per case goes to
-stderr. Exit status: 0 when every case matches on the backend the device gets; 1 on a mismatch, an error, or a
-kernel that failed to compile and fell back to the PyTorch path; 2 on a bad command line; 130 on Ctrl-C (one line).
+what training runs, so its time would mislead): the doctor answers within a minute on a 2-core CPU. Versions and
+devices print first; without a terminal, one progress line per case goes to stderr. Exit status: 0 when every case
+matches on the backend the device gets; 1 on a mismatch, an error, or a kernel that failed to compile and fell back
+to the PyTorch path; 2 on a bad command line; 130 on Ctrl-C (one line).
 
 This module imports only the standard library: the checks (torch, triton) are imported after the command line is
 read, so ``--interpret`` can set ``TRITON_INTERPRET`` before anything imports triton (when something already has,
