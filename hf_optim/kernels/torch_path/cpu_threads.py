@@ -149,10 +149,8 @@ def busy_seconds(cores: tuple[int, ...], niced: bool | None = None) -> float | N
     time is there."""
     if niced is None:
         niced = _own_niceness() > 0
-    try:
-        with open("/proc/stat") as stat:
-            lines = stat.read().splitlines()
-    except OSError:  # not Linux
+    lines = _proc_stat_lines()
+    if lines is None:  # not Linux
         return None
     wanted = {f"cpu{core}" for core in cores}
     ticks = 0
@@ -164,6 +162,14 @@ def busy_seconds(cores: tuple[int, ...], niced: bool | None = None) -> float | N
             user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[1:9])
             ticks += user + system + irq + softirq + steal + (nice if niced else 0)
     return ticks / _TICKS_PER_SECOND
+
+
+def _proc_stat_lines() -> list[str] | None:
+    try:
+        with open("/proc/stat") as stat:
+            return stat.read().splitlines()
+    except OSError:
+        return None
 
 
 def _own_niceness() -> int:
