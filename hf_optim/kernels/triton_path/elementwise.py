@@ -23,6 +23,7 @@ With ``NORMS`` (LAMB) each program also writes the sums of squares of its parame
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,9 @@ def _fused_update_kernel(
         tl.store(partials + 2 * slot + 1, tile_sum(out * out))
 
 
+TRITON_VERSION = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+"""(major, minor) of the installed Triton: the launch plans were measured on 3.9, and 3.8 allocates registers
+differently in a few configurations (:attr:`FusedConfig.whole_tile_width`)."""
 SM_64_WARPS = frozenset({80, 90, 100})
 """Compute capabilities whose SMs hold 64 warps (A100, H100, B200): 50% occupancy at 4 warps per program needs at
 most 64 registers per thread (sm_86, sm_89, sm_120 hold 48, sm_75 32)."""
@@ -188,8 +192,9 @@ class FusedConfig:
           under their limit): three state rows (AdEMAMix), LAMB's direction pass, on sm_80 and sm_90 4-bit state
           with stochastic rounding or fp16 parameters, on sm_80 stochastic rounding and 4-bit state in two
           rows, fp8 state with the integer conversions (sm_80), and on sm_90 fp8 state in two rows with stochastic
-          rounding (AdamW: 71 registers at 8, and a 4-byte spill under a limit of 64). An 8-bit block's absmax
-          then spans two warps (a reduction through shared memory, 16 bytes)."""
+          rounding (AdamW: 71 registers at 8, and a 4-byte spill under a limit of 64); with Triton 3.8, also on
+          sm_90 4-bit and fp8 state in two rows and on sm_75 bf16 parameters with 8-bit state in two rows
+          (AdamW). An 8-bit block's absmax then spans two warps (a reduction through shared memory, 16 bytes)."""
         quantized = any(code != FP32.code for code in self.formats)
         if not quantized or self.param_dtype == 0 or self.write_out or len(self.formats) > 2:
             return 4
@@ -202,6 +207,14 @@ class FusedConfig:
             return 4  # fp8's integer conversions (sm_80): 80-85 registers at 8 with 16-bit parameters
         if self.arch == 90 and FP8.code in self.formats and self.stochastic and len(self.formats) == 2:
             return 4  # AdamW: 71 registers at 8, a 4-byte spill with a limit of 64; 48 at 4
+        if self.arch == 90 and TRITON_VERSION < (3, 9) and len(self.formats) == 2 and (
+                four_bit or FP8.code in self.formats):
+            # Triton 3.8 (torch 2.14's): AdamW bf16 with 4-bit or fp8 state spills 68-72 bytes at 8 under the limit
+            # of 64 and takes 84-94 registers (31% occupancy) without it; 54-56 registers at 4, no spill
+            return 4
+        if (self.arch == 75 and TRITON_VERSION < (3, 9) and self.param_dtype == BF16.value and len(self.formats) == 2
+                and BLOCKWISE8.code in self.formats):
+            return 4  # Triton 3.8: AdamW bf16 8-bit spills 4 bytes at 8 on sm_75 with no limit set; 59 registers at 4
         return 8
 
     @property
