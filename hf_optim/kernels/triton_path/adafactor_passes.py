@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from hf_optim.kernels.algorithm import kernel_scalars
+from hf_optim.kernels.formats import BLOCKWISE8
 from hf_optim.kernels.formats.blockwise8 import shared_map as shared_map8
 from hf_optim.kernels.formats.encode8 import encoder8_tables
 from hf_optim.kernels.formats.quant8 import num_blocks
@@ -48,6 +49,7 @@ from hf_optim.kernels.triton_path.rounding import store_param
 from hf_optim.kernels.triton_path.tile import (
     BF16,
     DTYPE_NAMES,
+    TRITON_VERSION,
     dtype_code,
     launch_options,
     load_values,
@@ -324,6 +326,16 @@ class AdafactorConfig:
         :attr:`num_warps`."""
         return 8 if name == "col-stats" else self.num_warps
 
+    def launch_options(self, name: str) -> dict:
+        """Launch options of pass ``name``: :func:`tile.launch_options` at :meth:`warps`, and with Triton 3.8 a
+        register limit of 72 for the apply pass with an 8-bit first moment: without one, ptxas held it to 64
+        registers with an 8-byte spill on sm_90 (unfactored bf16 and fp16 tensors); with 72, none spills on
+        sm_75, sm_80 or sm_90 (``benchmarks/gpu_static.py``). Triton 3.9 needs no limit."""
+        options = launch_options(self.warps(name))
+        if name == "apply" and self.moment_format == BLOCKWISE8.code and TRITON_VERSION < (3, 9):
+            options["maxnreg"] = 72
+        return options
+
     @property
     def key(self) -> tuple:
         return ("adafactor", DTYPE_NAMES[self.param_dtype], DTYPE_NAMES[self.grad_dtype], self.moment_format,
@@ -405,7 +417,7 @@ def step(algorithm, group: dict, key, items: list, step: int, hyper, cache: mt.P
     kernels = {(name, args.get("FACTORED")): (kernel, args) for name, kernel, args in config.kernels()}
     def run(name, grid, *args, factored=None):
         kernel, constants = kernels[(name, factored)]
-        triton_guard.launch(kernel, grid, *args, **constants, **launch_options(config.warps(name)))
+        triton_guard.launch(kernel, grid, *args, **constants, **config.launch_options(name))
 
     meta = cache.table((algorithm.name, *key), table, torch.int64, device)
     kinds = {True: [i for i, row in enumerate(table) if row[FACTORED.value]],

@@ -23,7 +23,6 @@ With ``NORMS`` (LAMB) each program also writes the sums of squares of its parame
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +46,7 @@ from hf_optim.kernels.triton_path.tile import (
     BF16,
     DTYPE_NAMES,
     FP16,
+    TRITON_VERSION,
     launch_options,
     load_values,
     pointer,
@@ -131,9 +131,6 @@ def _fused_update_kernel(
         tl.store(partials + 2 * slot + 1, tile_sum(out * out))
 
 
-TRITON_VERSION = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
-"""(major, minor) of the installed Triton: the launch plans were measured on 3.9, and 3.8 allocates registers
-differently in a few configurations (:attr:`FusedConfig.whole_tile_width`)."""
 SM_64_WARPS = frozenset({80, 90, 100})
 """Compute capabilities whose SMs hold 64 warps (A100, H100, B200): 50% occupancy at 4 warps per program needs at
 most 64 registers per thread (sm_86, sm_89, sm_120 hold 48, sm_75 32)."""

@@ -24,6 +24,7 @@ bf16 is loaded by shifting its bits into an fp32 and stored rounding to nearest 
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import triton
@@ -155,6 +156,11 @@ def store_values(address, offs, values, mask, DTYPE: tl.constexpr, ALIGNED: tl.c
         tl.store(pointer(address, tl.float16, ALIGNED) + offs, values.to(tl.float16), mask=mask)
     else:
         tl.store(pointer(address, tl.float32, ALIGNED) + offs, values, mask=mask)
+
+
+TRITON_VERSION = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+"""(major, minor) of the installed Triton: the launch plans were measured on 3.9, and 3.8 allocates registers
+differently in a few configurations (``FusedConfig.whole_tile_width``, ``AdafactorConfig.launch_options``)."""
 
 
 def launch_options(num_warps: int = 4) -> dict:
