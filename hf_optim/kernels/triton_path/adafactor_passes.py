@@ -326,13 +326,16 @@ class AdafactorConfig:
         :attr:`num_warps`."""
         return 8 if name == "col-stats" else self.num_warps
 
-    def launch_options(self, name: str) -> dict:
-        """Launch options of pass ``name``: :func:`tile.launch_options` at :meth:`warps`, and with Triton 3.8 a
-        register limit of 72 for the apply pass with an 8-bit first moment: without one, ptxas held it to 64
-        registers with an 8-byte spill on sm_90 (unfactored bf16 and fp16 tensors); with 72, none spills on
-        sm_75, sm_80 or sm_90 (``benchmarks/gpu_static.py``). Triton 3.9 needs no limit."""
+    def launch_options(self, name: str, factored: bool | None = None) -> dict:
+        """Launch options of pass ``name`` (``factored``: the launch's tensors, for the passes that differ):
+        :func:`tile.launch_options` at :meth:`warps`, and with Triton 3.8 a register limit of 72 for the apply pass
+        of unfactored tensors with an 8-bit first moment: without one, ptxas held it to 64 registers with an 8-byte
+        spill on sm_90 (bf16 and fp16); with 72, none spills on sm_75, sm_80 or sm_90. The factored apply pass
+        needs more than 72 and spills 12-96 bytes under that limit, so it keeps none (``benchmarks/gpu_static.py``).
+        Triton 3.9 needs no limit."""
         options = launch_options(self.warps(name))
-        if name == "apply" and self.moment_format == BLOCKWISE8.code and TRITON_VERSION < (3, 9):
+        if (name == "apply" and factored is False and self.moment_format == BLOCKWISE8.code
+                and TRITON_VERSION < (3, 9)):
             options["maxnreg"] = 72
         return options
 
@@ -417,7 +420,7 @@ def step(algorithm, group: dict, key, items: list, step: int, hyper, cache: mt.P
     kernels = {(name, args.get("FACTORED")): (kernel, args) for name, kernel, args in config.kernels()}
     def run(name, grid, *args, factored=None):
         kernel, constants = kernels[(name, factored)]
-        triton_guard.launch(kernel, grid, *args, **constants, **config.launch_options(name))
+        triton_guard.launch(kernel, grid, *args, **constants, **config.launch_options(name, factored))
 
     meta = cache.table((algorithm.name, *key), table, torch.int64, device)
     kinds = {True: [i for i, row in enumerate(table) if row[FACTORED.value]],

@@ -230,7 +230,8 @@ def adafactor_specs(formats: Iterable[StateFormat | str | int] = ("fp32", "block
                                 f"adafactor/{name} {label}".strip(), kernel, _ADAFACTOR_SIGNATURES[name], constexprs,
                                 config.warps(name), "adafactor", "Adafactor", elements_per_program=per_program,
                                 param_dtype=DTYPE_NAMES[dtype] if name in ("row-stats", "apply") else None,
-                                options={key: value for key, value in config.launch_options(name).items()
+                                options={key: value for key, value in
+                                         config.launch_options(name, constexprs.get("FACTORED")).items()
                                          if key != "num_warps"}))
     return specs
 
