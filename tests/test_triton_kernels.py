@@ -619,21 +619,26 @@ def test_subclass_with_its_own_rule_takes_the_pytorch_path(device, use_triton):
 def test_every_launch_is_an_enumerated_configuration(device, monkeypatch, use_triton):
     """What the optimizers launch is what ``triton_configs.kernel_specs`` lists (the compile test and
     ``benchmarks/gpu_static.py`` compile that list): every launch of a few steps of the fused, LAMB and Adafactor
-    kernels, with mixed dtypes and formats, is one of its configurations (same kernel, compile-time arguments and
-    warps)."""
+    kernels, with mixed dtypes and formats, is one of its configurations (same kernel, compile-time arguments, warps
+    and launch options such as a register limit)."""
     from hf_optim.kernels.triton_path import configs as triton_configs
     from hf_optim.kernels.triton_path import guard as triton_guard
     from hf_optim.optim import registry
 
     specs = triton_configs.kernel_specs([(f.algorithm, f.base._supported_formats()) for f in registry.families()])
-    known = {(spec.kernel.__name__, spec.num_warps, tuple(sorted((k, repr(v)) for k, v in spec.constexprs.items())))
+    def described(items):
+        return tuple(sorted((key, repr(value)) for key, value in items))
+
+    known = {(spec.kernel.__name__, spec.num_warps, described(spec.constexprs.items()), described(spec.options.items()))
              for spec in specs}
+    option_names = {"num_warps"} | {key for spec in specs for key in spec.options}  # the rest are constexprs
     launched = []
     original = triton_guard.launch
 
     def recording(kernel, grid, *args, **kwargs):
-        constexprs = sorted((k, repr(v)) for k, v in kwargs.items() if k not in ("num_warps", "enable_fp_fusion"))
-        launched.append((kernel.__name__, kwargs["num_warps"], tuple(constexprs)))
+        constexprs = described((k, v) for k, v in kwargs.items() if k not in option_names)
+        options = described((k, v) for k, v in kwargs.items() if k in option_names and k != "num_warps")
+        launched.append((kernel.__name__, kwargs["num_warps"], constexprs, options))
         return original(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(triton_guard, "launch", recording)
