@@ -17,7 +17,9 @@ Llama-3.2-1B's 224), fp32, with fixed random gradients. Per run:
   waits for compilations still running, so that the warm run finds a complete cache);
 - ``CPU s``: CPU seconds of the whole process tree (the Python process, gcc, compile workers) from start to exit,
   imports included, which is less sensitive to other load than wall time;
-- ``graphs``: graphs dynamo compiled (or loaded from the cache) in the process.
+- ``graphs``: graphs dynamo compiled (or loaded from inductor's cache through dynamo) in the process;
+- ``longest s``: the longest step after the first (where a kernel's compilation or loading can hold up a step) and
+  ``eager s``: the median of the steps that ran a chunk eagerly (what a step costs while the kernel is not ready).
 
 ``--modes``: values of ``HF_OPTIM_COMPILE``: ``auto`` (compile in the background, the default), ``1`` (compile
 before the first step), ``0`` (eager). The load average is printed with every row: on a shared machine compare rows
@@ -80,20 +82,23 @@ def child(args) -> None:
     kwargs = dict(lr=1e-3, relative_step=False, scale_parameter=False, warmup_init=False) if args.optimizers == (
         "Adafactor") else {}
     opt = cls(params, **kwargs)
-    times, eager_steps = [], 0
+    times, eager_times = [], []
     begin = time.perf_counter()
     for _ in range(args.steps):
         before = eager_calls[0]
         start = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - start)
-        eager_steps += eager_calls[0] > before
+        if eager_calls[0] > before:
+            eager_times.append(times[-1])
     wait()
     ready = time.perf_counter() - begin
     from torch._dynamo.utils import counters
 
-    print(json.dumps(dict(first=times[0], total=sum(times), eager=eager_steps, ready=ready,
-                          graphs=counters["stats"]["unique_graphs"])), flush=True)
+    print(json.dumps(dict(first=times[0], total=sum(times), eager=len(eager_times), ready=ready,
+                          graphs=counters["stats"]["unique_graphs"], longest=max(times[1:], default=0.0),
+                          eager_median=sorted(eager_times)[len(eager_times) // 2] if eager_times else None)),
+          flush=True)
 
 
 def run_child(spec: str, optimizer: str, mode: str, steps: int, root: Path, inductor: str = "") -> dict:
@@ -132,8 +137,8 @@ def main() -> None:
         return
     rows = []
     print("| set | optimizer | HF_OPTIM_COMPILE | cold: first s | N steps s | eager | ready s | CPU s | graphs | "
-          "warm: first s | N steps s | eager | ready s | CPU s | load avg |")
-    print("|---|---|---|" + "---:|" * 12)
+          "warm: first s | N steps s | eager | longest s | eager s | ready s | CPU s | load avg |")
+    print("|---|---|---|" + "---:|" * 14)
     for spec in args.sets.split(","):
         for optimizer in args.optimizers.split(","):
             for mode in args.modes.split(","):
@@ -143,7 +148,9 @@ def main() -> None:
                 load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else ""
                 cells = [f"{cold['first']:.2f}", f"{cold['total']:.2f}", str(cold["eager"]), f"{cold['ready']:.1f}",
                          f"{cold['cpu']:.1f}", str(cold["graphs"]), f"{warm['first']:.2f}", f"{warm['total']:.2f}",
-                         str(warm["eager"]), f"{warm['ready']:.1f}", f"{warm['cpu']:.1f}", load]
+                         str(warm["eager"]), f"{warm['longest']:.2f}",
+                         "-" if warm["eager_median"] is None else f"{warm['eager_median']:.2f}",
+                         f"{warm['ready']:.1f}", f"{warm['cpu']:.1f}", load]
                 rows.append(f"| {spec} | {optimizer} | {mode} | " + " | ".join(cells) + " |")
                 print(rows[-1], flush=True)
     print(f"\n(N = {args.steps} steps)")

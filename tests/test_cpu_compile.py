@@ -21,7 +21,14 @@ from helpers import make_params, set_grads
 
 import hf_optim
 from hf_optim.kernels import formats
-from hf_optim.kernels.torch_path import compile_queue, cpu_compile, cpu_threads, elementwise, multi_tensor
+from hf_optim.kernels.torch_path import (
+    compile_queue,
+    compiled_artifact,
+    cpu_compile,
+    cpu_threads,
+    elementwise,
+    multi_tensor,
+)
 from hf_optim.optim.adamw import adamw_rule
 from hf_optim.optim.base import HfOptimizer
 
@@ -517,35 +524,64 @@ def test_per_tensor_path_uses_the_same_policy(stand_in, monkeypatch):
 
 @pytest.mark.slow
 def test_a_real_background_process_warms_the_cache_and_this_process_then_loads_it(monkeypatch, tmp_path):
-    """The real background worker: the compilation here afterwards is a cache hit (inductor's counters), and the
-    results equal the eager run's bit for bit."""
+    """The real background worker compiles both kernels and saves them; this process loads them beside its steps
+    (eager until loaded, nothing compiled here), a later run loads them at once from the saved files, and every
+    result equals the eager run's bit for bit, with torch's random state untouched."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: only the background worker fills it
     monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
     cpu_compile.forget()
-    expected, _ = reference(hf_optim.Lion8bit, 3, monkeypatch)
+    expected, _ = reference(hf_optim.Lion8bit, 4, monkeypatch)
     handles = []
     start_warmup = cpu_compile.start_warmup
     monkeypatch.setattr(cpu_compile, "start_warmup", lambda *job: handles.append(start_warmup(*job)) or handles[-1])
     monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
-    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    misses = counters["inductor"]["fxgraph_cache_miss"]
 
     def after_step(step):
         if step == 0:
             assert len(handles) == 2  # 8-bit state and, for the small tensors, 32-bit
             assert all(handle.wait() == 0 for handle in handles), [handle.error() for handle in handles]
 
-    params, _ = steps(hf_optim.Lion8bit, 3, after_step)
+    random_state = torch.get_rng_state()
+    params, _ = steps(hf_optim.Lion8bit, 4, after_step)
+    cpu_compile.wait()
     assert all(torch.equal(a, b) for a, b in zip(expected, params))
-    assert [len(entry.ready) for entry in cpu_compile._entries.values()] == [1, 1]
-    assert counters["inductor"]["fxgraph_cache_hit"] == hits + 2
-    assert counters["inductor"]["fxgraph_cache_miss"] == misses
+    assert torch.equal(torch.get_rng_state(), random_state)
+    assert counters["inductor"]["fxgraph_cache_miss"] == misses  # nothing compiled in this process
+    kernels = list(cpu_compile._entries)
+    threads = torch.get_num_threads()
+    assert [set(entry.loaded) for entry in cpu_compile._entries.values()] == [{threads}, {threads}]
     queue = cpu_compile.queue().directory
     assert {path.suffix for path in queue.iterdir()} <= {".lock", ".log"}  # no job or request left in the queue
-    # and it left its markers: a later process compiles these kernels from the cache at its first step
-    kernels = list(cpu_compile._entries)
-    assert all(cpu_compile.warm_marker(kernel, torch.get_num_threads()).exists() for kernel in kernels)
+    for kernel in kernels:  # what it leaves for later processes: the marker and the saved kernel beside it
+        marker = cpu_compile.warm_marker(kernel, threads)
+        assert marker.exists() and compiled_artifact.path_beside(marker).exists()
+
+    # a later run: no process started; the steps run eagerly while the saved kernels load (held back here until
+    # the second step is done), then on the loaded kernels
+    cpu_compile.forget()
+    release, load = threading.Event(), torch.compiler.load_compiled_function
+
+    def held_back_load(file):
+        release.wait(60)
+        return load(file)
+
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", held_back_load)
+    loaded_after = {}
+
+    def later_step(step):
+        loaded_after[step] = sum(len(entry.loaded) for entry in cpu_compile._entries.values())
+        if step == 1:
+            release.set()
+            cpu_compile.wait()
+
+    params, _ = steps(hf_optim.Lion8bit, 4, later_step)
+    assert all(torch.equal(a, b) for a, b in zip(expected, params))
+    assert torch.equal(torch.get_rng_state(), random_state)
+    assert len(handles) == 2 and loaded_after == {0: 0, 1: 0, 2: 2, 3: 2}
+    assert counters["inductor"]["fxgraph_cache_miss"] == misses
     cpu_compile.forget()
 
 
@@ -662,9 +698,9 @@ def test_the_one_thread_variants_log_line_names_the_passive_wait_policy_unless_i
     monkeypatch.setenv(cpu_threads.WAIT_POLICY_ENV, policy)
     layouts = (formats.SlotLayout(formats.format_named("blockwise8"), True),)
     kernel = cpu_compile.Kernel(adamw_rule, layouts, (1,), False, torch.float32, torch.float32, False)
-    entry = cpu_compile._Entry(compiled=lambda *args: None, ready={2})
-    cpu_compile._announce(kernel, entry, 1, background=True)  # the one-thread variant of a compiled kernel
-    cpu_compile._announce(kernel, entry, 2, background=True)  # (another count: no variant, no hint)
+    entry = cpu_compile._Entry(adamw_rule, ready={2})
+    cpu_compile._announce(kernel, entry, 1, "background")  # the one-thread variant of a compiled kernel
+    cpu_compile._announce(kernel, entry, 2, "background")  # (another count: no variant, no hint)
     (_, variant), (_, other) = log_lines
     assert "1 thread (the machine is busy)" in variant and "OMP_WAIT_POLICY" not in other
     assert ("OMP_WAIT_POLICY=PASSIVE, set before Python starts" in variant) == (policy.lower() != "passive")

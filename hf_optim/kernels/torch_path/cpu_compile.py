@@ -7,9 +7,10 @@ than eagerly (8-bit state most), but compiling costs seconds to minutes the firs
 ``HF_OPTIM_COMPILE`` says when to pay:
 
 - ``auto`` (the default, also when unset or empty): in the background. The first chunk of a kernel queues it for
-  the background compiler and runs eagerly, as does every chunk of that kernel until it is compiled; the next step
-  then compiles it in the training thread from the warm cache (a cache hit) and from then on the steps use it. A
-  short run never waits for a compiler.
+  the background compiler and runs eagerly, as does every chunk of that kernel until it is compiled and loaded: the
+  worker saves the compiled kernel whole (:mod:`hf_optim.kernels.torch_path.compiled_artifact`), a thread of the
+  training process loads it beside the steps, and from then on the steps use it. A short run never waits for a
+  compiler or a load.
 - ``1``: before the first step that needs it, which waits for the compilation.
 - ``0``: never; every step runs eagerly (no C++ compiler needed).
 
@@ -17,8 +18,9 @@ The background compiler is one process per machine and inductor cache directory
 (:mod:`hf_optim.kernels.torch_path.cpu_compile_worker`, at a lower priority), however many training processes,
 notebooks or test runs need kernels: a lock in the cache directory admits one, and the kernels wait in a queue there
 (:mod:`hf_optim.kernels.torch_path.compile_queue`), one job per kernel whichever processes asked for it. It compiles
-them one after another into inductor's on-disk cache, leaves a warm marker per kernel (:func:`warm_marker`; a later
-process that finds it compiles that kernel from the cache at its first step) and exits once no queued kernel has a
+them one after another into inductor's on-disk cache, saves each compiled kernel whole beside its warm marker
+(:func:`warm_marker`, :func:`save_kernel`; a later process that finds them loads that kernel beside its first steps)
+and exits once no queued kernel has a
 live requester: after the processes that asked for kernels have exited it finishes the kernel it is compiling (that
 warms the cache) and starts no other. A process that finds its kernel queued or being compiled by another's request
 waits for the marker, running eagerly meanwhile. A compile error reaches each requester (one WARNING; the kernel runs
@@ -34,7 +36,10 @@ Why a process and not a thread of the training process: dynamo and inductor runn
 changed the training thread's results (measured on the quickstart: the losses left the eager run's from step 5 on;
 dynamo also sets the process's random state back after tracing). In a separate process they touch none of the
 training's state: the quickstart with ``auto`` prints the eager run's losses bit for bit, the mid-run switch
-included. The training thread itself only loads the compiled kernel from the cache, between two steps.
+included. What the training process does itself is load the saved kernel, in a thread beside the steps
+(:mod:`hf_optim.kernels.torch_path.compiled_artifact`: no tracing, so no random state is touched; the quickstart's
+losses are still the eager run's bit for bit, warm cache and cold); only where torch cannot save a compiled function
+does it compile from inductor's warm cache in the training thread, between two steps (1-3 s).
 
 The background worker compiles exactly what the training process compiles afterwards (:func:`_run_probe`: the same
 compiled function and code object name, probe inputs, dynamic marks, options and thread count), so the key of
@@ -86,7 +91,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from hf_optim.kernels.formats import SlotLayout
 from hf_optim.kernels.formats.base import zeroed_buffer
 from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
-from hf_optim.kernels.torch_path import compile_queue, cpu_threads, elementwise
+from hf_optim.kernels.torch_path import compile_queue, compiled_artifact, cpu_threads, elementwise
 
 logger = logging.getLogger("hf_optim")
 
@@ -193,9 +198,9 @@ def _twin(rule: Callable) -> Callable:
 
 @dataclass
 class _Entry:
-    """A kernel's compiled function and which thread counts its graphs are compiled (or being compiled) for."""
+    """A kernel's compiled functions and which thread counts its graphs are compiled (or being compiled) for."""
 
-    compiled: Callable
+    rule: Callable
     ready: set[int] = field(default_factory=set)
     pending: set[int] = field(default_factory=set)
     failed: str | None = None
@@ -204,6 +209,21 @@ class _Entry:
     key: torch.Tensor | None = None
     warmups: dict[int, QueuedCompile] = field(default_factory=dict)  # thread count -> its request to the worker
     threads: cpu_threads.ThreadChoice | None = None
+    loading: dict[int, compiled_artifact.Loading] = field(default_factory=dict)  # thread count -> saved kernel
+    loaded: dict[int, Callable] = field(default_factory=dict)  # thread count -> the saved kernel, loaded
+    _compiled: Callable | None = None
+
+    @property
+    def compiled(self) -> Callable:
+        """The update compiled by ``torch.compile`` (created when first needed: a run that only loads saved kernels
+        never imports dynamo in its training thread)."""
+        if self._compiled is None:
+            self._compiled = _twin(self.rule)
+        return self._compiled
+
+    def function(self, threads: int) -> Callable:
+        """What runs the kernel's graph for ``threads`` threads: its saved kernel if one was loaded."""
+        return self.loaded.get(threads) or self.compiled
 
 
 _lock = threading.Lock()
@@ -218,6 +238,7 @@ def _after_fork_in_child() -> None:
     for entry in _entries.values():
         entry.pending.clear()
         entry.warmups = {}
+        entry.loading = {}  # its thread is the parent's
     _requests.clear()
     _spawned.clear()
 
@@ -230,7 +251,7 @@ def _entry(kernel: Kernel) -> _Entry:
     with _lock:
         found = _entries.get(kernel)
         if found is None:
-            found = _entries[kernel] = _Entry(_twin(kernel.rule))
+            found = _entries[kernel] = _Entry(kernel.rule)
         return found
 
 
@@ -283,18 +304,21 @@ def _what(kernel: Kernel, entry: _Entry, threads: int) -> str:
     return kernel.describe() + (", 1 thread (the machine is busy)" if variant else "")
 
 
-def _announce(kernel: Kernel, entry: _Entry, threads: int, background: bool) -> None:
-    """The log line that says a compilation starts."""
-    where = ""
-    if background:
-        meanwhile = f"the {max(entry.ready)}-thread kernel" if threads == 1 and entry.ready else "eagerly"
-        where = f" in a background process; the steps run {meanwhile} until it is ready"
+def _announce(kernel: Kernel, entry: _Entry, threads: int, how: str) -> None:
+    """The log line that says a compilation (``how``: ``here`` or ``background``) or a load (``load``) starts."""
+    meanwhile = f"the {max(entry.ready)}-thread kernel" if threads == 1 and entry.ready else "eagerly"
     hint = ""
     if threads == 1 and entry.ready and cpu_threads.spinning_waits():
         hint = (f"; {cpu_threads.WAIT_POLICY_ENV}=PASSIVE, set before Python starts, runs the kernel with all threads "
                 "2-3x faster than with one on a busy machine")
-    logger.info("compiling the optimizer's CPU kernel for %s%s (once, cached in %s%s)", _what(kernel, entry, threads),
-                where, cache_location(), hint)
+    what = _what(kernel, entry, threads)
+    if how == "load":
+        logger.info("loading the optimizer's CPU kernel for %s, compiled before (cached in %s%s); the steps run %s "
+                    "until it is loaded", what, cache_location(), hint, meanwhile)
+        return
+    where = f" in a background process; the steps run {meanwhile} until it is ready" if how == "background" else ""
+    logger.info("compiling the optimizer's CPU kernel for %s%s (once, cached in %s%s)", what, where, cache_location(),
+                hint)
 
 
 def _import_cpp_extension_quietly() -> None:
@@ -322,6 +346,17 @@ def _run_probe(kernel: Kernel, entry: _Entry, threads: int) -> None:
     _mark_block_dims(probe, entry.probe(PROBE_BLOCKS + 1))
     with cpu_threads.threads(threads), torch.no_grad():
         entry.compiled(kernel.rule, kernel.layouts, *probe)
+
+
+def save_kernel(kernel: Kernel, entry: _Entry, threads: int, marker: Path) -> None:
+    """Save ``kernel``'s graph for ``threads`` threads, compiled ahead of time on the same probe inputs as
+    :func:`_run_probe` (a cache hit after it), beside its warm marker (:mod:`compiled_artifact`; nothing on a torch
+    without the API). The background worker calls it after :func:`_run_probe` and before writing the marker."""
+    probe = entry.probe(PROBE_BLOCKS)
+    _mark_block_dims(probe, entry.probe(PROBE_BLOCKS + 1))
+    with cpu_threads.threads(threads), torch.no_grad():
+        compiled_artifact.save(entry.compiled, (kernel.rule, kernel.layouts, *probe),
+                               compiled_artifact.path_beside(marker))
 
 
 class QueuedCompile:
@@ -445,7 +480,8 @@ def kernel_key(kernel: Kernel, threads: int) -> str:
     rule = f"{getattr(kernel.rule, '__module__', '')}.{getattr(kernel.rule, '__qualname__', kernel.rule)}"
     layouts = [(layout.format.name, layout.format.bits, layout.signed) for layout in kernel.layouts]
     described = (rule, layouts, kernel.rows, kernel.has_out, str(kernel.param_dtype), str(kernel.grad_dtype),
-                 kernel.stochastic, threads, torch.__version__, sorted(INDUCTOR_OPTIONS.items()))
+                 kernel.stochastic, threads, torch.__version__, sorted(INDUCTOR_OPTIONS.items()),
+                 compiled_artifact.FORMAT if compiled_artifact.supported() else None)
     digest = hashlib.sha256(repr(described).encode())
     for module in sorted({elementwise.__name__, getattr(kernel.rule, "__module__", None) or ""}):
         source = getattr(sys.modules.get(module), "__file__", None)
@@ -510,20 +546,61 @@ def _finish(kernel: Kernel, entry: _Entry, threads: int, block: bool) -> None:
     error = "" if status == 0 else warmup.error()
     warmup.close()
     if status == 0:
-        _compile(kernel, entry, threads, background=seconds)
+        if not _start_loading(kernel, entry, threads, background=seconds):
+            _compile(kernel, entry, threads, background=seconds)
         return
     entry.pending.discard(threads)
     _fail(kernel, entry, threads, error or f"the compiler process exited with status {status}")
 
 
+def _start_loading(kernel: Kernel, entry: _Entry, threads: int, background: float | None = None) -> bool:
+    """The background worker has compiled ``kernel`` for ``threads`` threads into the cache (``background``: the
+    seconds since it was queued, None when an earlier process's worker did): start loading the kernel it saved,
+    beside the steps, which run eagerly until it is loaded (:func:`_take_loaded`); False where it saved none (this
+    torch cannot, or the file is gone): the caller then compiles it from inductor's cache in this thread."""
+    path = compiled_artifact.path_beside(warm_marker(kernel, threads))
+    if not (compiled_artifact.supported() and path.exists()):
+        return False
+    entry.loading[threads] = compiled_artifact.Loading(path, background)
+    return True
+
+
+def _take_loaded(kernel: Kernel, entry: _Entry, threads: int, block: bool) -> None:
+    """If the saved kernel for ``threads`` threads has loaded (``block``: wait for it), run on it from now on; if it
+    failed to load, compile the kernel from inductor's cache in this thread instead."""
+    loading = entry.loading[threads]
+    if not (loading.wait() if block else loading.done()):
+        return
+    del entry.loading[threads]
+    function = loading.result()
+    if function is None:
+        logger.debug("loading the saved CPU kernel %s failed (%s); compiling it from the cache", loading.path,
+                     loading.error)
+        _compile(kernel, entry, threads, background=loading.background)
+        return
+    what = _what(kernel, entry, threads)
+    entry.loaded[threads] = function
+    entry.ready.add(threads)
+    entry.pending.discard(threads)
+    if loading.background is not None:
+        logger.info("compiled the optimizer's CPU kernel for %s in %.1f s (in a background process; loaded beside "
+                    "the steps in %.1f s)", what, loading.background, loading.seconds)
+    else:
+        logger.info("loaded the optimizer's CPU kernel for %s beside the steps in %.1f s", what, loading.seconds)
+
+
 def _start(kernel: Kernel, entry: _Entry, threads: int) -> None:
-    """Compile ``kernel`` for ``threads`` threads now (``HF_OPTIM_COMPILE=1``, a warm marker, or no ``flock`` on this
-    platform) or queue it for the background worker, which compiles it into inductor's cache."""
+    """Load ``kernel`` for ``threads`` threads beside the steps (a warm marker and a saved kernel), compile it now
+    (``HF_OPTIM_COMPILE=1``, a warm marker without a saved kernel, or no ``flock`` on this platform) or queue it for
+    the background worker, which compiles it into inductor's cache."""
     entry.pending.add(threads)
     marker = warm_marker(kernel, threads) if compile_mode() == "auto" else None
-    background = (compile_mode() != "1" and compile_queue.supported()
-                  and not (marker is not None and marker.exists()))
-    _announce(kernel, entry, threads, background)
+    compiled_before = marker is not None and marker.exists()  # by an earlier process's background worker
+    if compiled_before and _start_loading(kernel, entry, threads):
+        _announce(kernel, entry, threads, "load")
+        return
+    background = compile_mode() != "1" and compile_queue.supported() and not compiled_before
+    _announce(kernel, entry, threads, "background" if background else "here")
     if not background:
         _compile(kernel, entry, threads)
         return
@@ -538,7 +615,9 @@ def _available(kernel: Kernel, entry: _Entry, threads: int) -> bool:
     """Whether ``kernel``'s graph for ``threads`` threads can run now; starts its compilation if it has not."""
     if threads in entry.ready:
         return True
-    if threads in entry.pending:
+    if threads in entry.loading:
+        _take_loaded(kernel, entry, threads, block=False)
+    elif threads in entry.pending:
         _finish(kernel, entry, threads, block=False)
     elif entry.failed is None and entry.probe is not None:
         _start(kernel, entry, threads)
@@ -556,6 +635,8 @@ def prepare(kernel: Kernel, hyper: tuple, key: torch.Tensor | None, elements: in
     if _available(kernel, entry, threads) or elements <= EAGER_WHILE_COMPILING:
         return
     _finish(kernel, entry, threads, block=True)
+    if threads in entry.loading:
+        _take_loaded(kernel, entry, threads, block=True)
 
 
 def run_compiled(rule, layouts, param, grad, out, tensors, hyper, stochastic=None, kernel: Kernel | None = None
@@ -567,11 +648,12 @@ def run_compiled(rule, layouts, param, grad, out, tensors, hyper, stochastic=Non
     entry = _entries.get(kernel) or _entry(kernel)
     if entry.probe is None:
         _set_probe(kernel, entry, hyper, None if stochastic is None else stochastic[1])
-    if not _available(kernel, entry, torch.get_num_threads()):
+    threads = torch.get_num_threads()
+    if not _available(kernel, entry, threads):
         return False
     stochastic = None if stochastic is None else (canonical(stochastic[0]), canonical(stochastic[1]))
-    entry.compiled(rule, kernel.layouts, canonical(param), canonical(grad), None if out is None else canonical(out),
-                   [canonical(t) for t in tensors], hyper, stochastic)
+    entry.function(threads)(rule, kernel.layouts, canonical(param), canonical(grad),
+                            None if out is None else canonical(out), [canonical(t) for t in tensors], hyper, stochastic)
     return True
 
 
@@ -604,6 +686,8 @@ def wait(timeout: float | None = None) -> bool:
         for kernel, entry in list(_entries.items()):
             for threads in list(entry.warmups):
                 _finish(kernel, entry, threads, block=False)
+            for threads in list(entry.loading):
+                _take_loaded(kernel, entry, threads, block=False)
         if not any(entry.pending for entry in list(_entries.values())):
             return True
         if deadline is not None and time.monotonic() > deadline:

@@ -54,9 +54,10 @@ def main(argv: list[str]) -> int:
             kernel, hyper, rounding_key, threads = pickle.loads(queue.claim(key))
             marker = cpu_compile.marker_of(key)
             if not marker.exists():  # else compiled since it was queued (by an earlier job of the same kernel)
-                entry = cpu_compile._Entry(cpu_compile._twin(kernel.rule))
+                entry = cpu_compile._Entry(kernel.rule)
                 entry.probe = cpu_compile._probe_factory(kernel, hyper, rounding_key)
                 cpu_compile._run_probe(kernel, entry, threads)
+                cpu_compile.save_kernel(kernel, entry, threads, marker)
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.touch()  # its requesters, and later processes, now compile it from the cache
         except Exception as error:
