@@ -558,8 +558,9 @@ def _start_loading(kernel: Kernel, entry: _Entry, threads: int, background: floa
     seconds since it was queued, None when an earlier process's worker did): start loading the kernel it saved,
     beside the steps, which run eagerly until it is loaded (:func:`_take_loaded`); False where it saved none (this
     torch cannot, or the file is gone): the caller then compiles it from inductor's cache in this thread."""
-    path = compiled_artifact.path_beside(warm_marker(kernel, threads))
-    if not (compiled_artifact.supported() and path.exists()):
+    marker = warm_marker(kernel, threads)
+    path = None if marker is None else compiled_artifact.path_beside(marker)
+    if path is None or not (compiled_artifact.supported() and path.exists()):
         return False
     entry.loading[threads] = compiled_artifact.Loading(path, background)
     return True
