@@ -349,14 +349,14 @@ def _run_probe(kernel: Kernel, entry: _Entry, threads: int) -> None:
 
 
 def save_kernel(kernel: Kernel, entry: _Entry, threads: int, marker: Path) -> None:
-    """Save ``kernel``'s graph for ``threads`` threads, compiled ahead of time on the same probe inputs as
-    :func:`_run_probe` (a cache hit after it), beside its warm marker (:mod:`compiled_artifact`; nothing on a torch
-    without the API). The background worker calls it after :func:`_run_probe` and before writing the marker."""
+    """Compile ``kernel``'s graph for ``threads`` threads ahead of time, on the same probe inputs and dynamic marks as
+    :func:`_run_probe`, and save it beside its warm marker (:mod:`compiled_artifact`). The background worker calls it
+    instead of :func:`_run_probe` where torch can save a compiled function, before writing the marker."""
     probe = entry.probe(PROBE_BLOCKS)
     _mark_block_dims(probe, entry.probe(PROBE_BLOCKS + 1))
     with cpu_threads.threads(threads), torch.no_grad():
         compiled_artifact.save(entry.compiled, (kernel.rule, kernel.layouts, *probe),
-                               compiled_artifact.path_beside(marker))
+                               compiled_artifact.path_beside(marker), INDUCTOR_OPTIONS)
 
 
 class QueuedCompile:
@@ -562,7 +562,7 @@ def _start_loading(kernel: Kernel, entry: _Entry, threads: int, background: floa
     path = None if marker is None else compiled_artifact.path_beside(marker)
     if path is None or not (compiled_artifact.supported() and path.exists()):
         return False
-    entry.loading[threads] = compiled_artifact.Loading(path, background)
+    entry.loading[threads] = compiled_artifact.Loading(path, INDUCTOR_OPTIONS, background)
     return True
 
 

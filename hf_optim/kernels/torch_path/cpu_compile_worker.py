@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
 
     import pickle
 
-    from hf_optim.kernels.torch_path import compile_queue, cpu_compile
+    from hf_optim.kernels.torch_path import compile_queue, compiled_artifact, cpu_compile
 
     queue = compile_queue.Queue(argv[2])
     queue.recover()
@@ -56,8 +56,10 @@ def main(argv: list[str]) -> int:
             if not marker.exists():  # else compiled since it was queued (by an earlier job of the same kernel)
                 entry = cpu_compile._Entry(kernel.rule)
                 entry.probe = cpu_compile._probe_factory(kernel, hyper, rounding_key)
-                cpu_compile._run_probe(kernel, entry, threads)
-                cpu_compile.save_kernel(kernel, entry, threads, marker)
+                if compiled_artifact.supported():
+                    cpu_compile.save_kernel(kernel, entry, threads, marker)  # compiles it (one compilation)
+                else:
+                    cpu_compile._run_probe(kernel, entry, threads)
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.touch()  # its requesters, and later processes, now compile it from the cache
         except Exception as error:
