@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -66,6 +67,17 @@ def save(compiled: Callable, args: tuple, path: Path, options: dict) -> None:
             os.unlink(temporary)
 
 
+SWITCH_INTERVAL_S = 1e-4
+"""Python's thread switch interval while a kernel loads (the default is 5 ms). The loading thread is busy in Python
+(imports, unpickling) and the training thread gives up the GIL in every torch operation; it then waits up to the
+switch interval to get it back, which made a 15 ms eager step of the quickstart's optimizer take up to 0.8-1.1 s
+beside a load. With 0.1 ms its longest step was 0.25-0.4 s and the load took 2.5-3 s instead of 2 s
+(docs/performance.md#first-step-and-compilation-cpu)."""
+
+_one_load_at_a_time = threading.Lock()
+"""Kernels load one after another: they compete for the same GIL, so loading two at once only slows the steps."""
+
+
 class Loading:
     """A saved kernel being loaded in a daemon thread of this process; :meth:`result` once :meth:`done`.
 
@@ -86,13 +98,18 @@ class Loading:
         self._thread.start()
 
     def _load(self) -> None:
-        try:
-            from torch._inductor import config
+        with _one_load_at_a_time:
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+            try:
+                from torch._inductor import config
 
-            with config.patch(self.options), open(self.path, "rb") as file:
-                self._function = torch.compiler.load_compiled_function(file)
-        except Exception as error:  # an unreadable or incompatible file: the caller compiles the kernel itself
-            self.error = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+                with config.patch(self.options), open(self.path, "rb") as file:
+                    self._function = torch.compiler.load_compiled_function(file)
+            except Exception as error:  # an unreadable or incompatible file: the caller compiles the kernel itself
+                self.error = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+            finally:
+                sys.setswitchinterval(interval)
         self.seconds = time.perf_counter() - self.started
 
     def done(self) -> bool:
