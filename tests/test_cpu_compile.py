@@ -277,6 +277,29 @@ def test_a_forked_process_has_nothing_pending(stand_in, monkeypatch):
     assert os.WEXITSTATUS(status) == 0
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_process_forked_during_a_load_loads_its_own_kernels(monkeypatch, tmp_path):
+    """A fork while a saved kernel loads in a thread (a dataloader worker starting, say): the child has no such
+    thread, so neither its load nor the lock that lets one load at a time may be inherited."""
+    release = threading.Event()
+
+    def held_back(file):
+        release.wait(60)
+        raise OSError("held back")
+
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", held_back)
+    (tmp_path / "k.aot").write_bytes(b"")
+    loading = compiled_artifact.Loading(tmp_path / "k.aot", {})
+    time.sleep(0.2)  # it holds the lock now
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if compiled_artifact._one_load_at_a_time.acquire(timeout=5) else 1)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    assert loading.wait(60) and loading.result() is None and "held back" in loading.error
+    assert os.WEXITSTATUS(status) == 0
+
+
 def test_invalid_compile_mode_is_refused_with_the_valid_values(monkeypatch):
     monkeypatch.setenv("HF_OPTIM_COMPILE", "yes")
     with pytest.raises(ValueError, match=r"HF_OPTIM_COMPILE='yes' is not valid; valid values are 'auto'.*'1'.*'0'"):

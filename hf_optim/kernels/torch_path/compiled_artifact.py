@@ -78,6 +78,16 @@ _one_load_at_a_time = threading.Lock()
 """Kernels load one after another: they compete for the same GIL, so loading two at once only slows the steps."""
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's loading threads: a lock one of them held would never be released."""
+    global _one_load_at_a_time
+    _one_load_at_a_time = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Loading:
     """A saved kernel being loaded in a daemon thread of this process; :meth:`result` once :meth:`done`.
 
