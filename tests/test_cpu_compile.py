@@ -346,13 +346,28 @@ def test_canonical_alias_shares_memory_starts_at_offset_zero_and_is_not_a_view()
 # The thread-count choice, on made-up timings
 
 
-def run(choice, ready, cost_per_count, runs):
+def run(choice, ready, cost_per_count, runs, elements=cpu_threads.TIMED_ELEMENTS):
     picks = []
     for _ in range(runs):
         count = choice.pick(ready)
         picks.append(count)
-        choice.record(count, cost_per_count[count] * 1000, 1000)
+        choice.record(count, cost_per_count[count] * elements, elements)
     return picks
+
+
+def test_small_runs_slower_than_their_best_on_a_quiet_machine_never_ask_for_the_one_thread_variant():
+    """A run under TIMED_ELEMENTS is too short to judge a slowdown by its time: only the other processes' load
+    counts (a busy meter still asks for the variant)."""
+    small = cpu_threads.TIMED_ELEMENTS // 16
+    choice = cpu_threads.ThreadChoice(2, load=lambda: 0.0)
+    run(choice, lambda count: count == 2, {2: 1.0, 1: 1.3}, 5, small)
+    run(choice, lambda count: count == 2, {2: 8.0, 1: 1.3}, 20, small)
+    assert not choice.wants_one
+    run(choice, lambda count: count == 2, {2: 8.0, 1: 1.3}, 1)  # one run long enough to time
+    assert choice.wants_one
+    busy = cpu_threads.ThreadChoice(2, load=lambda: 2.0)
+    run(busy, lambda count: count == 2, {2: 1.0, 1: 1.3}, 5, small)
+    assert busy.wants_one
 
 
 def test_idle_machine_keeps_all_threads_and_never_asks_for_the_one_thread_variant():

@@ -54,6 +54,12 @@ SLOWDOWN = 1.5
 compiling, and over its figure at the last try of one thread that makes another try worth it."""
 QUIETER = 2.0
 """Speed-up of the one-thread variant since the last try of all threads that makes another try worth it."""
+TIMED_ELEMENTS = 1 << 20
+"""Smallest run (elements) whose time per element can judge a slowdown. A run of the quickstart's 77,824 elements
+takes 2-3 ms, and the training's own work around it (the model's operations, data loading) moves that by more than
+:data:`SLOWDOWN` from run to run: on an idle machine a warm quickstart asked for the one-thread variant from that
+noise and compiled it beside the training (18 s of a core). Smaller runs are judged by the other processes' load
+(:meth:`ThreadChoice.busy`) only."""
 WARMUP = 3
 """Measured runs with torch's thread count before the machine is judged."""
 FIRST_PROBE, LAST_PROBE = 8, 256
@@ -287,7 +293,8 @@ class ThreadChoice:
             if not self.wants_one and self.many > 1:
                 busy = self.busy()  # read from the first run on: the meter's first window ends meanwhile
                 if self.runs_many >= WARMUP:
-                    self.wants_one = self.cost[self.many] >= SLOWDOWN * self.best_many or busy is True
+                    slower = elements >= TIMED_ELEMENTS and self.cost[self.many] >= SLOWDOWN * self.best_many
+                    self.wants_one = slower or busy is True
         if 1 not in self.cost or self.many not in self.cost:
             return
         best = min((self.many, 1), key=lambda c: self.cost[c])
