@@ -96,8 +96,9 @@ class Loading:
     1.6 s without them). They are patched process-wide while it loads; a compilation of the user's own elsewhere in
     the process meanwhile would only compile with them too (one compile thread, no precompiled header)."""
 
-    def __init__(self, path: Path, options: dict, background: float | None = None):
-        self.path, self.options = path, options
+    def __init__(self, path: Path, options: dict, background: float | None = None,
+                 before: Callable[[], None] | None = None):
+        self.path, self.options, self._before = path, options, before
         self.background = background
         """Seconds the background worker took to compile it, when this process queued it (for the log line)."""
         self.started = time.perf_counter()
@@ -112,6 +113,8 @@ class Loading:
             interval = sys.getswitchinterval()
             sys.setswitchinterval(SWITCH_INTERVAL_S)
             try:
+                if self._before is not None:  # in this thread too: it may import what the load needs
+                    self._before()
                 from torch._inductor import config
 
                 with config.patch(self.options), open(self.path, "rb") as file:

@@ -562,7 +562,8 @@ def _start_loading(kernel: Kernel, entry: _Entry, threads: int, background: floa
     path = None if marker is None else compiled_artifact.path_beside(marker)
     if path is None or not (compiled_artifact.supported() and path.exists()):
         return False
-    entry.loading[threads] = compiled_artifact.Loading(path, INDUCTOR_OPTIONS, background)
+    entry.loading[threads] = compiled_artifact.Loading(path, INDUCTOR_OPTIONS, background,
+                                                       before=_import_cpp_extension_quietly)
     return True
 
 
