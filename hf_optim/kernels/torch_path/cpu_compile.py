@@ -553,12 +553,14 @@ def _finish(kernel: Kernel, entry: _Entry, threads: int, block: bool) -> None:
     _fail(kernel, entry, threads, error or f"the compiler process exited with status {status}")
 
 
-def _start_loading(kernel: Kernel, entry: _Entry, threads: int, background: float | None = None) -> bool:
+def _start_loading(kernel: Kernel, entry: _Entry, threads: int, background: float | None = None,
+                   marker: Path | None = None) -> bool:
     """The background worker has compiled ``kernel`` for ``threads`` threads into the cache (``background``: the
     seconds since it was queued, None when an earlier process's worker did): start loading the kernel it saved,
     beside the steps, which run eagerly until it is loaded (:func:`_take_loaded`); False where it saved none (this
-    torch cannot, or the file is gone): the caller then compiles it from inductor's cache in this thread."""
-    marker = warm_marker(kernel, threads)
+    torch cannot, or the file is gone): the caller then compiles it from inductor's cache in this thread. ``marker``:
+    the kernel's warm marker when the caller has it (its name digests source files)."""
+    marker = marker or warm_marker(kernel, threads)
     path = None if marker is None else compiled_artifact.path_beside(marker)
     if path is None or not (compiled_artifact.supported() and path.exists()):
         return False
@@ -598,7 +600,7 @@ def _start(kernel: Kernel, entry: _Entry, threads: int) -> None:
     entry.pending.add(threads)
     marker = warm_marker(kernel, threads) if compile_mode() == "auto" else None
     compiled_before = marker is not None and marker.exists()  # by an earlier process's background worker
-    if compiled_before and _start_loading(kernel, entry, threads):
+    if compiled_before and _start_loading(kernel, entry, threads, marker=marker):
         _announce(kernel, entry, threads, "load")
         return
     background = compile_mode() != "1" and compile_queue.supported() and not compiled_before
