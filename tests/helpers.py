@@ -1,4 +1,6 @@
-"""Shared test helpers: the class list and small deterministic problems."""
+"""Shared test helpers: the class list, small deterministic problems, and child processes that see Ctrl-C."""
+
+import signal
 
 import torch
 
@@ -26,3 +28,12 @@ def run_steps(opt, params, steps, start=0):
     for step in range(start, start + steps):
         set_grads(params, step)
         opt.step()
+
+
+def sigint_as_in_a_terminal() -> None:
+    """``preexec_fn`` for a child that a test sends SIGINT: the default disposition, as a shell gives it.
+
+    An ignored SIGINT is inherited through exec, and Python then never raises ``KeyboardInterrupt``. A pytest worker
+    can run with it ignored (a library loaded by an earlier test in the same worker can set that), so a test that
+    relied on the worker's disposition would test the worker, not the command."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

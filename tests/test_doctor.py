@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from helpers import sigint_as_in_a_terminal
 
 from hf_optim import cli
 from hf_optim.doctor import report as report_module
@@ -230,7 +231,8 @@ def test_redirected_doctor_prints_the_machine_first_then_progress_lines_and_ctrl
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     with out.open("w") as stdout:
         process = subprocess.Popen([sys.executable, "-m", "hf_optim.cli", "doctor", "--quick"], stdout=stdout,
-                                   stderr=subprocess.PIPE, text=True, env=env)
+                                   stderr=subprocess.PIPE, text=True, env=env,
+                                   preexec_fn=sigint_as_in_a_terminal)
         try:
             first = process.stderr.readline()  # blocks until the first case starts (torch imported by then)
             assert first.startswith("doctor: ") and "(1/" in first, first

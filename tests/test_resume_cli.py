@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import sigint_as_in_a_terminal
 from safetensors.torch import load_file
 
 from hf_optim import cli
@@ -70,7 +71,7 @@ def runs(tmp_path_factory):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     process = subprocess.Popen([sys.executable, "-m", "hf_optim.cli", "train", *ARGS, "--output-dir",
                                 str(interrupted)], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+                               text=True, preexec_fn=sigint_as_in_a_terminal)
     watcher = threading.Thread(target=interrupt_when_logged, args=(process, interrupted, INTERRUPT_AT))
     watcher.start()
     try:
