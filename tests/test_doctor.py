@@ -247,5 +247,6 @@ def test_redirected_doctor_prints_the_machine_first_then_progress_lines_and_ctrl
                 process.kill()
                 process.wait()
     lines = [line for line in rest.splitlines() if not line.startswith("doctor: ")]
-    assert code == 130 and lines == ["hf-optim doctor: interrupted"], rest[-3000:]
+    assert code == 130 and lines == ["hf-optim doctor: interrupted"], (
+        f"exit status {code}; stderr after the first line:\n{rest[-3000:]}\nstdout's end:\n{out.read_text()[-2000:]}")
     assert all(line.startswith("doctor: ") and line.rstrip().endswith(")") for line in rest.splitlines()[:-1])
