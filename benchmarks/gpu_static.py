@@ -20,6 +20,8 @@ cubin for each arch, and the cubin is read with the tools in Triton's wheel (``c
   bytes (sm_75) or 128 bytes, and blocks are limited by the SM's warps (sm_75 32, sm_80 64, sm_86/89 48, sm_90 64),
   its blocks (16, 32, 16, 24, 32) and its shared memory (64, 164, 100, 100, 228 KiB).
 - ``inst/el``: SASS instructions executed per thread on the main path x threads per program / elements per program.
+- ``ld/el``: global loads (``LDG``, any width) executed per thread on the main path x threads per program / elements
+  per program, counted on the same path as ``inst/el``: streaming loads (vectorized) and any table gathers.
   The main path is the common case: a full tile, the configuration's parameter dtype and state format, no special
   operands. For straight-line code it is the static instruction count. Where a kernel branches at run time (the
   generic fused kernel before issue 22 branched on dtype and state format per tensor), only the executed path is
@@ -874,7 +876,8 @@ def measure(config: LaunchConfig, arch: str, compiled: Compiled | None = None) -
            "local_instructions": local, "smem": smem, "occupancy": occ, "blocks_per_sm": blocks,
            "occupancy_limiter": limiter, "sass_instructions": len(sass.instructions),
            "compile_seconds": compiled.seconds, "elements_per_program": config.elements_per_program,
-           "path_instructions": None, "instructions_per_element": None, "ambiguous_branches": None}
+           "path_instructions": None, "instructions_per_element": None, "ambiguous_branches": None,
+           "loads_per_element": None}
     if config.elements_per_program:
         try:
             path = main_path(sass, _names(config))
@@ -885,6 +888,9 @@ def measure(config: LaunchConfig, arch: str, compiled: Compiled | None = None) -
             row["ambiguous_branches"] = path.ambiguous
             row["instructions_per_element"] = (path.instructions * compiled.num_warps * 32
                                                / config.elements_per_program)
+            loads = sum(1 for b in path.blocks for ins in sass.blocks[b].instructions
+                        if ins.opcode.split(".")[0] == "LDG")
+            row["loads_per_element"] = loads * compiled.num_warps * 32 / config.elements_per_program
     if config.stream is not None:
         row["bytes_per_element"] = config.stream.bytes_per_element()
     return row
@@ -1102,7 +1108,7 @@ def cold_start(rows: Sequence[dict], config_names: Iterable[str], arch: str) -> 
 # --------------------------------------------------------------------------------------------------------------
 # Output
 
-COLUMNS = ("config", "arch", "warps", "regs", "spill st/ld", "local", "smem", "occ", "inst/el", "compile s",
+COLUMNS = ("config", "arch", "warps", "regs", "spill st/ld", "local", "smem", "occ", "inst/el", "ld/el", "compile s",
            "bw-bound ms", "predicted ms")
 
 
@@ -1121,13 +1127,20 @@ def _cells(row: dict) -> list[str]:
         bound = " issue" if predicted > bw * 1.0001 else ""
     return [row["config"], row["arch"], str(row["num_warps"]), str(row["regs"]),
             f"{row['spill_stores']}/{row['spill_loads']}", str(row["local_instructions"]), str(row["smem"]),
-            f"{row['occupancy']:.0%} ({row['occupancy_limiter']})", ipe_text, f"{row['compile_seconds']:.1f}",
+            f"{row['occupancy']:.0%} ({row['occupancy_limiter']})", ipe_text, _loads_text(row),
+            f"{row['compile_seconds']:.1f}",
             "" if bw is None else f"{gpu.name} {bw:.2f}", "" if predicted is None else f"{predicted:.2f}{bound}"]
+
+
+def _loads_text(row: dict) -> str:
+    loads = row.get("loads_per_element")  # absent in --json files written before the column
+    return "-" if loads is None or "analysis_error" in row else f"{loads:.2f}"
 
 
 def caption(environment: dict) -> str:
     return (f"Triton {environment['triton']}, {environment['date']}, {environment['machine']}; "
             "occupancy at the launch's warps (limiter); inst/el: main-path SASS instructions per element; "
+            "ld/el: main-path global loads (LDG) per element; "
             "step times: Llama-3.2-1B full set, sm_90 rows on an H100 SXM, sm_75 rows on a T4 "
             "('issue': issue-bound)")
 
@@ -1180,7 +1193,7 @@ def markdown(rows: Sequence[dict], environment: dict) -> str:
     each = "/".join(arch.removeprefix("sm_") for arch in arches)
     gpus = [gpu for gpu in GPUS if gpu.arch in arches]
     header = (["config", "warps", f"regs ({each})", f"occupancy % ({each})", f"spill B ({each})", f"smem B ({each})",
-               f"inst/el ({each})", f"compile s ({each})"]
+               f"inst/el ({each})", f"ld/el ({each})", f"compile s ({each})"]
               + [f"{gpu.name} ms: bw / predicted" for gpu in gpus])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
@@ -1197,7 +1210,7 @@ def markdown(rows: Sequence[dict], environment: dict) -> str:
         line = [name, str(first["num_warps"]), joined(cells, lambda r: str(r["regs"])),
                 joined(cells, lambda r: f"{100 * r['occupancy']:.0f}"),
                 joined(cells, lambda r: str(r["spill_stores"] + r["spill_loads"])),
-                joined(cells, lambda r: str(r["smem"])), ipe,
+                joined(cells, lambda r: str(r["smem"])), ipe, joined(cells, _loads_text),
                 joined(cells, lambda r: f"{r['compile_seconds']:.1f}")]
         for gpu in gpus:
             row = cells.get(gpu.arch, {})
