@@ -119,3 +119,43 @@ def hf_optim_records():
     yield records
     logger.removeHandler(handler)
     logger.setLevel(level)
+
+
+@pytest.fixture
+def use_triton(monkeypatch):
+    """Force the Triton backend (in the interpreter on CPU)."""
+    monkeypatch.setenv("HF_OPTIM_BACKEND", "triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def cuda_scalars(monkeypatch):
+    """The PyTorch path's rules get :class:`CudaScalar` scalars."""
+    from helpers import CudaScalar
+
+    from hf_optim.kernels.torch_path import elementwise
+
+    original = elementwise.scalar_tensors
+    monkeypatch.setattr(elementwise, "scalar_tensors",
+                        lambda hyper: type(hyper)(*(v.as_subclass(CudaScalar) for v in original(hyper))))
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The fused configurations launched (``triton_elementwise.launch`` records them)."""
+    from hf_optim.kernels.triton_path import elementwise as triton_elementwise
+    from hf_optim.kernels.triton_path import lamb_passes as triton_lamb
+    from hf_optim.kernels.triton_path import step as triton_step
+
+    configs = []
+    original = triton_elementwise.launch
+
+    def recording(config, *args, **kwargs):
+        configs.append(config)
+        return original(config, *args, **kwargs)
+
+    monkeypatch.setattr(triton_elementwise, "launch", recording)
+    for module in (triton_step, triton_lamb):
+        monkeypatch.setattr(module, "launch_fused", recording)
+    return configs

@@ -37,3 +37,18 @@ def sigint_as_in_a_terminal() -> None:
     can run with it ignored (a library loaded by an earlier test in the same worker can set that), so a test that
     relied on the worker's disposition would test the worker, not the command."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class CudaScalar(torch.Tensor):
+    """A rule's scalar that divides as torch does on CUDA: ``tensor / scalar`` is ``tensor * (1 / scalar)`` with the
+    fp32 reciprocal (torch's CPU kernels divide; they differ by an ulp now and then). The Triton twins follow the
+    CUDA semantics (``triton_rules``: ``inv_...`` fields), so the reference they are compared with bit for bit does
+    too. Every other operation sees a plain tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        plain = [a.as_subclass(torch.Tensor) if isinstance(a, CudaScalar) else a for a in args]
+        divides = func in (torch.Tensor.__truediv__, torch.Tensor.div, torch.div, torch.true_divide)
+        if divides and isinstance(args[1], CudaScalar) and not isinstance(args[0], CudaScalar):
+            return plain[0] * (torch.ones((), dtype=torch.float32) / plain[1])
+        return func(*plain, **(kwargs or {}))

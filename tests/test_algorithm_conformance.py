@@ -17,10 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from format_helpers import build, element_scale, round_trip_bound
 from helpers import make_params, set_grads
-from test_format_conformance import element_scale, round_trip_bound
-from test_state_format import build
-from test_triton_kernels import cuda_scalars  # noqa: F401 (fixture)
 
 import hf_optim
 from hf_optim.integrations.names import OPTIMIZER_NAMES

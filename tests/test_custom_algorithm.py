@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from format_helpers import reference_codes
 from helpers import make_params, set_grads
-from test_quantization import reference_codes
 
 import hf_optim
 from hf_optim.kernels.formats.dynamic_map import dynamic_map

@@ -17,11 +17,10 @@ import warnings
 
 import pytest
 import torch
-from test_triton_kernels import cuda_scalars, launched, use_triton  # noqa: F401 (fixtures)
+from format_helpers import element_scale, round_trip_bound
 
 from hf_optim.kernels.formats import FORMATS, StateFormat, formats_by_rank, loaded_format
 from hf_optim.kernels.formats.base import StateDictError
-from hf_optim.kernels.formats.rank1_quant4 import matrix_shape
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.kernels.triton_path.configs import fused_configs
 from hf_optim.optim import dispatch, registry
@@ -47,58 +46,6 @@ def slot_id(spec: StateSpec) -> str:
 
 # --------------------------------------------------------------------------------------------------------------
 # Bounds derived from the format
-def round_trip_bound(state: dict, spec: StateSpec, fmt: StateFormat) -> float:
-    """Largest round-trip error of one element relative to its scale (the block absmax; a rank-1 slot's
-    ``min(row, col)``), from the map stored in the slot: half the widest gap between neighbouring map values, the
-    whole gap next to 0 (tiny negatives keep a negative code), and the distance from the range's ends ([-1, 1]
-    signed, [0, 1] unsigned) to the nearest map value; twice that for a slot rounded stochastically. fp32: 0."""
-    if not fmt.quantized:
-        return 0.0
-    if spec.qmap_key not in state:  # a float8 format: its code book is the float8 type's finite values
-        root = getattr(fmt, "stores_root", lambda _: False)(spec.signed)
-        bound = float8_bound(state[spec.key].dtype, spec.signed, root)
-        # rounded stochastically, a value goes to either neighbour: up to the whole gap, not half of it
-        return 2 * bound if getattr(fmt, "rounds_stochastically", lambda _: False)(spec.signed) else bound
-    qmap = state[spec.qmap_key].detach().double().sort().values
-    return map_bound(qmap, spec.signed)
-
-
-def float8_bound(dtype: torch.dtype, signed: bool, root: bool) -> float:
-    """:func:`map_bound` of the map of every finite value of a float8 ``dtype`` over its largest (the block absmax
-    maps to it), from the 256 bit patterns; a slot storing square roots squares its values on decoding, so its error
-    relative to the block's absmax ``A`` is ``(r + b)**2 - r**2 <= 2b + b**2`` for ``r <= 1``."""
-    values = torch.arange(256, dtype=torch.uint8).view(dtype).double()
-    values = values[values.isfinite()].unique()
-    qmap = values / values.max()
-    bound = map_bound(qmap if signed else qmap[qmap >= 0], signed)
-    return 2 * bound + bound * bound if root else bound
-
-
-def map_bound(qmap: torch.Tensor, signed: bool) -> float:
-    """The bound of a sorted map of values in [-1, 1] (see :func:`round_trip_bound`)."""
-    low = -1.0 if signed else 0.0
-    bound = max((qmap[1:] - qmap[:-1]).max().item() / 2, qmap[0].item() - low, 1.0 - qmap[-1].item())
-    if signed and bool((qmap == 0).any()):
-        zero = int((qmap == 0).nonzero()[0])
-        bound = max(bound, (qmap[zero] - qmap[zero - 1]).item(), (qmap[zero + 1] - qmap[zero]).item())
-    return bound
-
-
-def element_scale(fmt: StateFormat, values: torch.Tensor, signed: bool, shape: tuple[int, ...]) -> torch.Tensor:
-    """Each element's quantization scale for ``values`` ``(rows, n)``: its block's absmax, or for a rank-1 unsigned
-    slot (a whole-tensor format) ``min(row max, column max)`` of the parameter seen as a matrix."""
-    rows, n = values.shape
-    magnitude = values.detach().abs().float()
-    if getattr(fmt, "whole_tensor", False) and not signed:
-        r, c = matrix_shape(shape)
-        matrix = magnitude.view(rows, r, c)
-        return torch.minimum(matrix.amax(2, keepdim=True), matrix.amax(1, keepdim=True)).view(rows, n)
-    size = fmt.block_size or 1
-    blocks = fmt.num_blocks(n) if fmt.quantized else n
-    padded = torch.nn.functional.pad(magnitude, (0, blocks * size - n))
-    return padded.view(rows, blocks, size).amax(2).repeat_interleave(size, dim=1)[:, :n]
-
-
 def probe_values(spec: StateSpec, n: int) -> torch.Tensor:
     """``(rows, n)`` values over nine decades, zeros, a negative zero and an all-zero block (|v| for unsigned)."""
     gen = torch.Generator().manual_seed(7)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_kernels import use_triton  # noqa: F401 (fixture)
 
 import hf_optim
 from hf_optim.kernels.formats import FP8, format_named

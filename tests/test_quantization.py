@@ -4,6 +4,7 @@ bitsandbytes and the spec: tests/test_dynamic_map.py)."""
 import bitsandbytes.functional as bnbF
 import pytest
 import torch
+from format_helpers import reference_codes
 
 from hf_optim.kernels.formats import quant8 as blockwise
 from hf_optim.kernels.formats.dynamic_map import dynamic_map, encoder_table
@@ -14,20 +15,6 @@ def test_dynamic_map_landmarks():
     assert signed[127] == 0 and signed[255] == 1 and abs(signed[0].item() + 0.99297) < 1e-5
     assert unsigned[0] == 0 and unsigned[255] == 1
     assert len(set(signed.tolist())) == 256 and len(set(unsigned.tolist())) == 256
-
-
-def reference_codes(values: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Brute force: nearest map value to value/absmax (exact ties to the code nearer zero), then the sign fix."""
-    qmap = dynamic_map(signed).double()
-    blocks = blockwise._blocked(values.view(1, -1))
-    absmax = blocks.abs().amax(-1, keepdim=True)
-    y = (blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))).double().flatten()[: values.numel()]
-    mids = ((qmap[1:].float() + qmap[:-1].float()) * 0.5).double()
-    above = torch.where(y.unsqueeze(-1) < 0, y.unsqueeze(-1) >= mids, y.unsqueeze(-1) > mids)
-    codes = above.sum(-1)
-    if signed:
-        codes = torch.where(torch.signbit(y) & (codes == 127), 126, codes)
-    return codes.to(torch.uint8)
 
 
 def awkward_values(n: int, signed: bool) -> torch.Tensor:

@@ -2,11 +2,11 @@
 class names, ``optim=`` names and labels derive from what each format declares."""
 
 import inspect
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from format_helpers import build
 from helpers import ALL_CLASSES, make_params, run_steps
 
 import hf_optim
@@ -27,14 +27,6 @@ def formats_of(opt) -> list[str]:
     may store the first moment as another does: ``StateFormat.stored_as``)."""
     return [loaded_format(opt.state[p], opt.state_specs[-1]).name for group in opt.param_groups
             for p in group["params"]]
-
-
-def build(cls, params, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # paged classes on CPU
-        if cls is hf_optim.Adafactor:
-            kwargs = {"beta1": 0.9, "lr": 1e-2, "relative_step": False, **kwargs}  # a first moment to store
-        return cls(params, **kwargs)
 
 
 @pytest.mark.parametrize("cls", BASES, ids=lambda cls: cls.__name__)

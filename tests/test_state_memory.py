@@ -3,9 +3,9 @@
 import math
 
 import torch
+from helpers import make_params, run_steps
 
 import hf_optim
-from tests.helpers import make_params, run_steps
 
 
 def test_8bit_adamw_is_two_bytes_per_element_plus_absmax_and_maps():

@@ -18,23 +18,12 @@ ON_GPU = torch.cuda.is_available()
 from hf_optim.kernels import backend  # noqa: E402
 from hf_optim.kernels.formats import quant8 as blockwise  # noqa: E402
 from hf_optim.kernels.formats.dynamic_map import dynamic_map, encoder_table  # noqa: E402
-from hf_optim.kernels.triton_path import elementwise as triton_elementwise  # noqa: E402
-from hf_optim.kernels.triton_path import lamb_passes as triton_lamb  # noqa: E402
 from hf_optim.kernels.triton_path import quant8 as triton_blockwise  # noqa: E402
-from hf_optim.kernels.triton_path import step as triton_step  # noqa: E402
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(ON_GPU, reason="GPU machine: the cuda cases run the kernels")),
     pytest.param("cuda", marks=pytest.mark.gpu),
 ]
-
-
-@pytest.fixture
-def use_triton(monkeypatch):
-    """Force the Triton backend (in the interpreter on CPU)."""
-    monkeypatch.setenv("HF_OPTIM_BACKEND", "triton")
-    if not ON_GPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -203,31 +192,6 @@ def config_grads(params, step):
             p.grad.view(-1)[ZERO_BLOCK] = 0.0
 
 
-class CudaScalar(torch.Tensor):
-    """A rule's scalar that divides as torch does on CUDA: ``tensor / scalar`` is ``tensor * (1 / scalar)`` with the
-    fp32 reciprocal (torch's CPU kernels divide; they differ by an ulp now and then). The Triton twins follow the
-    CUDA semantics (``triton_rules``: ``inv_...`` fields), so the reference they are compared with bit for bit does
-    too. Every other operation sees a plain tensor."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        plain = [a.as_subclass(torch.Tensor) if isinstance(a, CudaScalar) else a for a in args]
-        divides = func in (torch.Tensor.__truediv__, torch.Tensor.div, torch.div, torch.true_divide)
-        if divides and isinstance(args[1], CudaScalar) and not isinstance(args[0], CudaScalar):
-            return plain[0] * (torch.ones((), dtype=torch.float32) / plain[1])
-        return func(*plain, **(kwargs or {}))
-
-
-@pytest.fixture
-def cuda_scalars(monkeypatch):
-    """The PyTorch path's rules get :class:`CudaScalar` scalars."""
-    from hf_optim.kernels.torch_path import elementwise
-
-    original = elementwise.scalar_tensors
-    monkeypatch.setattr(elementwise, "scalar_tensors",
-                        lambda hyper: type(hyper)(*(v.as_subclass(CudaScalar) for v in original(hyper))))
-
-
 def run_config_case(cls, kwargs, device, backend_name, monkeypatch, steps=2):
     monkeypatch.setenv("HF_OPTIM_BACKEND", backend_name)
     plain, rounded = config_problem(device)
@@ -271,22 +235,6 @@ FORMAT_CASES = [
     pytest.param(cls, kwargs, fmt.name, id=f"{cls.__name__}-{fmt.class_suffix}")
     for cls, kwargs in CONFIG_CASES for fmt in cls._supported_formats()
 ] + [pytest.param(hf_optim.LAMB, {"weight_decay": 0.0, "adam_w_mode": False}, "blockwise8", id="LAMB-L2-8bit")]
-
-
-@pytest.fixture
-def launched(monkeypatch):
-    """The fused configurations launched (``triton_elementwise.launch`` records them)."""
-    configs = []
-    original = triton_elementwise.launch
-
-    def recording(config, *args, **kwargs):
-        configs.append(config)
-        return original(config, *args, **kwargs)
-
-    monkeypatch.setattr(triton_elementwise, "launch", recording)
-    for module in (triton_step, triton_lamb):
-        monkeypatch.setattr(module, "launch_fused", recording)
-    return configs
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -577,7 +525,6 @@ def test_sharded_parameters_update_their_local_shard(cls, device, monkeypatch, u
     assert opt._triton_eligible(fused._shard, sharded=True) is (cls is hf_optim.AdamW8bit)
     assert_params_close(fused._shard, ref._shard, "local shard", steps=1)
     assert torch.equal(opt.state[fused]["state1"], ref_opt.state[ref]["state1"])
-
 
 
 @pytest.mark.parametrize("device", DEVICES)
