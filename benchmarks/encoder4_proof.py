@@ -10,7 +10,7 @@ The Triton encoders compute the count arithmetically, without the thresholds (th
 CPU (:func:`arithmetic_codes`, a line-by-line copy of ``encode4``) and compares them with the threshold count for
 every input. Each fp32 operation of the copy rounds exactly as Triton's does (single IEEE operations on fp32
 tensors; integer operations are exact), so equality here is equality of the kernels' codes. The interpreter tests
-(``tests/test_blockwise4.py``) run the kernel itself on the values near each threshold.
+(``tests/formats/test_blockwise4.py``) run the kernel itself on the values near each threshold.
 """
 
 from __future__ import annotations

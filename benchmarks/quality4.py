@@ -8,7 +8,8 @@ Problems:
   elements, get quantized state; the rest stays fp32 under ``min_8bit_size`` 4096, as in torchao), minibatches of
   256, lr 1e-3, weight decay 0.01, 400 steps; final loss = MSE on all 8192 points after the last step.
 - ``llama``: :func:`hf_optim.tiny.train_tiny` (a 2-layer Llama-3-shaped model, hidden 64, vocab 512, on a random
-  Markov chain; what ``tests/test_finetune_quality.py`` runs), 120 steps of 8 x 32 tokens, lr 3e-3; final loss = mean
+  Markov chain; what ``tests/recipes/test_finetune_quality.py`` runs), 120 steps of 8 x 32 tokens, lr 3e-3; final loss
+  = mean
   training loss of the last 10 steps.
 - ``quickstart`` (only with ``--problems``): ``hf-optim train quickstart training.optim=NAME`` in this process (QLoRA
   r=32 on the builtin tiny Llama, 60 steps, lr 5e-3); final loss = mean training loss of the last 10 steps; only the

@@ -4,7 +4,7 @@ arXiv 1802.04434), with decoupled weight decay.
 One PyTorch rule, its (optional) Triton twin, one registration call: hf_optim derives ``Signum32bit``,
 ``Signum8bit``, ``PagedSignum``, ``PagedSignum8bit``, ``PagedSignum32bit``, and the Trainer accepts
 ``optim="signum"``, ``"signum_8bit"``, ``"paged_signum_8bit"``, ... (docs/guide/extending.md, "Adding an
-algorithm", shows this file; ``tests/test_custom_algorithm.py`` runs it).
+algorithm", shows this file; ``tests/algorithms/test_custom_algorithm.py`` runs it).
 
     python examples/custom_algorithm.py
 """

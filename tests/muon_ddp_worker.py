@@ -1,4 +1,5 @@
-"""torchrun worker of tests/test_muon.py's DDP and FSDP2 tests: 2 gloo processes train a small model with hybrid Muon
+"""torchrun worker of tests/algorithms/test_muon.py's DDP and FSDP2 tests: 2 gloo processes train a small model with
+hybrid Muon
 (8-bit and 32-bit) under DistributedDataParallel (``ddp``) or FSDP2's ``fully_shard`` (``fsdp2``: every parameter
 sharded by rows, so Muon all-gathers its updates), each rank on its half of the global batch; each rank saves the
 whole parameters. The model, data and optimizer here are what both sides share; :func:`train_as_ranks` is the

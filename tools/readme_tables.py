@@ -1,7 +1,7 @@
 """The README's generated tables: the ``optim=`` names and classes, and the state formats.
 
 Both come from the installed package (``hf_optim.available_optimizers()``, ``hf_optim.available_state_formats()``),
-so the README cannot drift from the code: ``tests/test_readme_tables.py`` fails when the README's copy differs from
+so the README cannot drift from the code: ``tests/cli/test_readme_tables.py`` fails when the README's copy differs from
 what this script produces now.
 
     python tools/readme_tables.py           # print both tables

@@ -50,8 +50,8 @@ for m in ("triton", "transformers", "bitsandbytes", "trl", "peft", "accelerate",
     command -v ncu > /dev/null && ncu --version | tail -1 || echo "ncu: not installed"
 } 2>&1 | tee "$OUT/env.log"
 
-# tests/test_notebooks.py needs nbformat (a test extra) at import and has no GPU case: left out where it is missing
-ignore=$(python3 -c "import nbformat" 2>/dev/null || echo --ignore=tests/test_notebooks.py)
+# tests/cli/test_notebooks.py needs nbformat (a test extra) at import and has no GPU case: left out where it is missing
+ignore=$(python3 -c "import nbformat" 2>/dev/null || echo --ignore=tests/cli/test_notebooks.py)
 bounded gpu_tests 150 python3 -m pytest -m gpu -n 0 -q -p no:cacheprovider -rfEs --durations=15 $ignore tests
 bounded step_time 70 python3 benchmarks/step_time.py --device cuda --sets 4096x4096,llama-3.2-1b-lora,llama-3.2-1b \
     --dtype bf16 --steps 10 --warmup 3 --rounds 1 --gbs

@@ -13,7 +13,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 part() { echo; echo "=== $1 ($(date +%T))"; }
-ignore=$(python3 -c "import nbformat" 2>/dev/null || echo --ignore=tests/test_notebooks.py)
+ignore=$(python3 -c "import nbformat" 2>/dev/null || echo --ignore=tests/cli/test_notebooks.py)
 {
     part env
     nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader

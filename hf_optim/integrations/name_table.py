@@ -13,5 +13,5 @@ HF_OPTIM_OPTIMIZER_NAMES = (
     "rmsprop_8bit", "rmsprop_bnb", "rmsprop_bnb_32bit", "rmsprop_bnb_8bit",
 )
 """The ``optim=`` names of hf_optim's built-in algorithms and formats (``hf_optim.integrations.names.OPTIMIZER_NAMES``
-after import; tests/test_cli_fast.py keeps the two equal). A name registered at run time by a user's
+after import; tests/cli/test_cli_fast.py keeps the two equal). A name registered at run time by a user's
 ``register_algorithm`` is not here: the CLI runs no user code before its checks."""

@@ -6,5 +6,5 @@ description), :mod:`~hf_optim.kernels.state_store` (an optimizer state's slots a
 as one object, and the PyTorch math of its codes), ``torch_path/`` (the PyTorch path, eager and compiled: the
 reference) and ``triton_path/`` (the shared Triton machinery, imported only when a Triton step runs). Each
 algorithm's own rule and Triton twin live in ``hf_optim/optim/<algorithm>/``. Nothing here imports
-``hf_optim.optim``, ``hf_optim.integrations`` or any other higher layer (``tests/test_import_layers.py``).
+``hf_optim.optim``, ``hf_optim.integrations`` or any other higher layer (``tests/architecture/test_import_layers.py``).
 """

@@ -3,7 +3,7 @@
 bitsandbytes ships each algorithm as a family of classes that differ only in ``optim_bits`` and ``is_paged``.
 Here each twin is derived from its algorithm class, so the math lives in one place; the twin's signature and
 docstring are the algorithm's minus the arguments it fixes, which gives bitsandbytes' signature of the namesake
-(tests/test_bitsandbytes_signatures.py compares them).
+(tests/integrations/test_bitsandbytes_signatures.py compares them).
 """
 
 from __future__ import annotations

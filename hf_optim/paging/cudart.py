@@ -13,7 +13,7 @@ Why ctypes on torch's own runtime rather than a binding library (cuda-python / c
   asked its version (``cudaRuntimeGetVersion``) and the prototype is declared to match.
 
 The price of ctypes is that no header checks the prototypes: they are declared by hand below, from the CUDA
-runtime API reference, and ``tests/test_cudart_binding.py`` checks the marshalling (the by-value
+runtime API reference, and ``tests/kernels/test_cudart_binding.py`` checks the marshalling (the by-value
 ``cudaMemLocation`` included) against a stub library compiled with both prototypes.
 """
 

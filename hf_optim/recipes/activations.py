@@ -26,7 +26,8 @@ freed. :func:`backward_peak_bytes` walks the backward stage by stage (head, then
 takes the largest sum of what is alive, with all gradients kept or with gradient release (a released gradient is
 freed once its parameter has stepped: see :func:`backward_peak_bytes`).
 
-Calibrated in ``tests/test_activation_estimate.py`` against the tensors a CPU forward of the tiny model really saves
+Calibrated in ``tests/recipes/test_activation_estimate.py`` against the tensors a CPU forward of the tiny model really
+saves
 (``torch.autograd.graph.saved_tensors_hooks``) and against the peak of the CPU allocator's own allocation events
 (``torch.profiler`` with ``profile_memory=True``) over a forward and backward. Not counted: a padded batch's
 attention mask (we assume unpadded or packed sequences, ``is_causal`` attention), attention without

@@ -4,7 +4,7 @@ Importing torch, transformers and TRL takes seconds (a minute on a loaded machin
 them: a recipe name that is neither a file nor a bundled recipe, an unknown section or key of the sections hf_optim
 owns, a ``training`` key that is no ``SFTConfig`` field, an unknown ``training.optim`` name, and an output directory
 that already holds a run. Each raises the same error, with the same words, as the full check would
-(:func:`hf_optim.recipes.schema.validate`, :func:`hf_optim.recipes.rundir.prepare`; tests/test_cli_fast.py compares
+(:func:`hf_optim.recipes.schema.validate`, :func:`hf_optim.recipes.rundir.prepare`; tests/cli/test_cli_fast.py compares
 them). What cannot be decided without the installed classes is left to the full check, which runs next: these
 checks only ever report what the full check reports too.
 

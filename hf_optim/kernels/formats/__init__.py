@@ -24,7 +24,7 @@ twin), :mod:`quant4` (4-bit blockwise quantization) and :mod:`rank1_quant4` (ran
 conversion is in its format module. The Triton twins of this math are in ``hf_optim.kernels.triton_path``. Modules
 here import torch, each other and two leaf helpers of the PyTorch path, ``torch_path.exact_math`` (correctly rounded
 division and ``lerp``) and ``torch_path.rounding`` (the stochastic-rounding bits, which fp8's second moments use);
-never ``triton``, ``triton_path`` or a higher layer (``tests/test_import_layers.py``).
+never ``triton``, ``triton_path`` or a higher layer (``tests/architecture/test_import_layers.py``).
 """
 
 from hf_optim.kernels.formats.base import (

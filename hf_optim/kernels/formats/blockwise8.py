@@ -31,7 +31,8 @@ torch's CPU kernels evaluate the map's ``linspace`` bounds in one of two ways: `
 kernels: AVX2, AVX-512; the constants) or twice (``ATEN_CPU_CAPABILITY=default``). A bound then differs by 1 ulp;
 where the midpoint, scaled by ``10**(i - 6)``, lands at the bottom of a lower binade than the bound, that 1 ulp is 2
 of the result's ulp: signed entries 89 and 165, unsigned 39, 75, 96 and 98 differ by 2 ulp, 40 + 27 others by 1
-(tests/test_dynamic_map.py reproduces both evaluations exactly). Any other map (torchao's, a 4-bit one, one cast to
+(tests/formats/test_dynamic_map.py reproduces both evaluations exactly). Any other map (torchao's, a 4-bit one, one
+cast to
 bf16 or fp16) is thousands of ulp off."""
 
 logger = logging.getLogger("hf_optim")

@@ -8,7 +8,7 @@ a Triton twin raised the 8-bit AdamW kernel from 98 to 312 instructions per elem
 
 The maps of :mod:`hf_optim.kernels.formats.dynamic_map` hold, per decade ``e`` (0..6), the fp32 midpoints of
 ``linspace(0.1, 1, n + 1)`` (``n = 2**e`` signed, ``2**(e + 1)`` unsigned) times ``10**(e - 6)``. Their values are
-reproduced bit for bit by fp32 arithmetic from a handful of constants (``tests/test_encoder8.py`` checks all 256
+reproduced bit for bit by fp32 arithmetic from a handful of constants (``tests/formats/test_encoder8.py`` checks all 256
 codes of each map, ``benchmarks/encoder8_proof.py`` prints the check):
 
 **Magnitude codes.** A signed code ``c`` has magnitude code ``a = |c - 127|`` (0..128; 128 is the code of 1.0, which

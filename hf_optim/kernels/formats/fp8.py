@@ -27,7 +27,7 @@ are not passed to a format's ``store``. The bits are still a pure function of th
 (tensor by tensor or in multi-tensor chunks, eager, compiled, Triton) and every rerun draws the same ones. A scaled
 value changes from step to step with its own gradient or with its block's absmax, and so do its bits; it repeats
 only if neither moves (a block that only decays keeps its scaled values, and its fp32 absmax carries the decay).
-``tests/test_fp8.py`` checks that elements without gradients decay as ``beta2**t`` under a moving block maximum.
+``tests/formats/test_fp8.py`` checks that elements without gradients decay as ``beta2**t`` under a moving block maximum.
 
 Flat buffers are all zero bytes (float8 +0.0), which decode to 0 whatever the absmax. The Triton twin is
 :mod:`hf_optim.kernels.triton_path.fp8` (native conversion on sm_89+, bit-exact integer conversion below).
@@ -107,9 +107,10 @@ class Fp8(StateFormat):
     class_suffix, optim_suffix, label, rank, optim_bits = "Fp8", "fp8", "8-bit float (fp8)", 2.5, None
     second_moment = SECOND_MOMENT
     # The Triton branch (kernels/triton_path/fp8.py): bit-exact with this file's math in the interpreter
-    # (tests/test_triton_kernels.py), every configuration compiled for sm_75..sm_90 without spills and at >= 50%
+    # (tests/kernels/test_triton_kernels.py), every configuration compiled for sm_75..sm_90 without spills and at >= 50%
     # occupancy (benchmarks/gpu_static.py); on an H200 the native sm_89+ conversions and the software ones passed
-    # `pytest -m gpu tests/test_fp8.py tests/test_triton_kernels.py -k Fp8` (docs/performance.md has its speed).
+    # `pytest -m gpu tests/formats/test_fp8.py tests/kernels/test_triton_kernels.py -k Fp8` (docs/performance.md has
+    # its speed).
     triton = True
 
     def dtype(self, signed: bool) -> torch.dtype:

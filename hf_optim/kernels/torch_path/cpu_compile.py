@@ -28,7 +28,8 @@ eagerly).
 
 Why switching in mid-run changes no result: eager and compiled updates compute the same bits (the rules use
 single-rounding operations only, see :mod:`hf_optim.kernels.torch_path.exact_math`; inductor compiles without
-contraction; every reduction is within one 256-element block), and ``tests/test_multi_tensor.py`` compares them bit for
+contraction; every reduction is within one 256-element block), and ``tests/kernels/test_multi_tensor.py`` compares
+them bit for
 bit, a run that switches after its first steps included. So the step at which a run switches depends on the machine's
 speed, the optimizer's results do not, and neither do the model's.
 

@@ -30,7 +30,7 @@ with OMP_WAIT_POLICY=PASSIVE"); the choice measures either way, and the one-thre
 when it is not there (:func:`spinning_waits`).
 
 The thread count changes only the speed: the compiled kernels parallelize over blocks and every reduction is within
-one 256-element block, so one thread and many compute the same bits (``tests/test_multi_tensor.py``). It is set
+one 256-element block, so one thread and many compute the same bits (``tests/kernels/test_multi_tensor.py``). It is set
 with libgomp's ``omp_set_num_threads`` for the calling thread only, around the step's chunks, and restored after;
 ``torch.set_num_threads`` would also change MKL's global setting, which other threads share. Without an OpenMP
 runtime in the process (a torch build without OpenMP) the kernels keep torch's thread count.

@@ -14,7 +14,7 @@ kernels too). Two torch operations are not:
   reciprocal.
 
 :func:`sqrt` is correctly rounded on every path (eagerly on CPU it goes through float64, whose result rounds to
-the correctly rounded float32 square root; ``tests/test_exact_math.py`` checks every float32 mantissa of both
+the correctly rounded float32 square root; ``tests/kernels/test_exact_math.py`` checks every float32 mantissa of both
 exponent parities), :func:`lerp` spells torch's formula out with one rounding per operation, and :func:`div`
 divides tensor by tensor (Triton's ``div_rn``). With these, an algorithm's eager, compiled and Triton paths agree
 bit for bit.

@@ -15,7 +15,7 @@ elements:
 3. the new parameters go back with one ``torch._foreach_copy_``.
 
 The rule sees exactly the values the per-tensor path gives it, and every operation in it is elementwise or
-per 256-element block, so both paths agree bit for bit (``tests/test_multi_tensor.py``). Memory beyond the state
+per 256-element block, so both paths agree bit for bit (``tests/kernels/test_multi_tensor.py``). Memory beyond the state
 itself: the scratch buffers (``CHUNK`` elements of the parameter and gradient dtypes) and the block padding.
 """
 

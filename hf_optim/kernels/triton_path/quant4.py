@@ -11,7 +11,8 @@ second 4-bit row when ``n`` is not a multiple of 32) goes byte by byte, writing 
 Same rules as the PyTorch path: the scale is the exact block absmax (NaN-propagating; an all-zero block has scale 0
 and encodes the code of 0.0), values are divided with ``div_rn`` (correctly rounded, as torch), and the code is the
 number of the map's encoder thresholds at or below the quotient (``quant4.encode``). The Triton encoders reach
-that count without reading the thresholds, and are exact (``tests/test_blockwise4.py`` checks every fp32 near each
+that count without reading the thresholds, and are exact (``tests/formats/test_blockwise4.py`` checks every fp32 near
+each
 threshold, both signs, and the special values):
 
 - unsigned map ``k/16, k = 1..16``: its thresholds are the midpoints ``(2k + 1) / 32`` exactly, so the count is

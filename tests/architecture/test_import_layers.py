@@ -1,0 +1,230 @@
+"""The package's import structure: lower layers never import higher ones, no module imports itself in a circle, and
+the Triton code is imported only when a Triton step runs.
+
+Read statically from the source (``ast`` over ``hf_optim/**/*.py``, imports inside functions included: a lazy
+import closes a cycle all the same, it only hides it until that function runs). Without cycles, any module can be
+imported first in a fresh interpreter; a subprocess test checks that for the modules that used to form one.
+
+The kernels layer is split by kind (``hf_optim/kernels/__init__.py``): ``formats/`` and ``torch_path/`` never
+import ``triton`` or ``triton_path/``, even lazily (they are the path of machines without Triton); outside
+``triton_path/`` and the algorithms' ``triton_rule`` modules nothing imports them at module level, and importing
+the package loads none of them (a subprocess test).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "hf_optim"
+LOWER = ("hf_optim.kernels", "hf_optim.paging")
+HIGHER = ("hf_optim.optim", "hf_optim.integrations", "hf_optim.recipes", "hf_optim.monitor")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def import_nodes(name: str, module_level: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of module ``name``: all of them, or (``module_level``) only those that run when the
+    module is imported (not inside a function body)."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(), str(path))
+    if not module_level:
+        return [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
+    found, stack = [], list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def imports(name: str, module_level: bool = False) -> list[tuple[str, int]]:
+    """(imported hf_optim module, line) for every import statement of module ``name`` (``module_level``: only those
+    that run when it is imported)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in import_nodes(name, module_level):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names if alias.name.split(".")[0] == "hf_optim"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.split(".")[0] != "hf_optim":
+                continue
+            for alias in node.names:  # ``from pkg import module`` imports the module; ``from module import x`` not
+                submodule = f"{base}.{alias.name}"
+                found.append((submodule if submodule in MODULES else base, node.lineno))
+    return found
+
+
+def imports_triton(name: str, module_level: bool = False) -> list[int]:
+    """The lines of module ``name`` that import the ``triton`` package itself."""
+    lines = []
+    for node in import_nodes(name, module_level):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        if not getattr(node, "level", 0) and any(n.split(".")[0] == "triton" for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def in_layer(name: str, layers: tuple[str, ...]) -> bool:
+    return any(name == layer or name.startswith(layer + ".") for layer in layers)
+
+
+def test_the_walk_sees_the_package():
+    assert len(MODULES) > 50 and "hf_optim.kernels.triton_path.step" in MODULES
+    targets = {target for target, _ in imports("hf_optim.optim.adamw")}
+    assert {"hf_optim.kernels.algorithm", "hf_optim.kernels.torch_path.exact_math", "hf_optim.optim.base"} <= targets
+    # lazy (function-level) imports count: dispatch imports triton_step inside _update_group
+    assert "hf_optim.kernels.triton_path.step" in {target for target, _ in imports("hf_optim.optim.dispatch")}
+
+
+def test_lower_layers_never_import_higher_ones():
+    bad = [
+        f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}"
+        for name in MODULES if in_layer(name, LOWER)
+        for target, line in imports(name)
+        if in_layer(target, HIGHER) or target == "hf_optim"  # the package's __init__ imports every layer
+    ]
+    assert not bad, "hf_optim/kernels and hf_optim/paging must not import optim/, integrations/, recipes/, " \
+        "monitor/ (pass what they need instead):\n" + "\n".join(bad)
+
+
+TRITON_PATH = "hf_optim.kernels.triton_path"
+NO_TRITON = ("hf_optim.kernels.formats", "hf_optim.kernels.torch_path")
+GUARD = f"{TRITON_PATH}.guard"
+"""The one module of triton_path/ that does not import triton: the compile-before-launch fallback, whose record of
+failed configurations the doctor and the backend's name read on machines without Triton too."""
+
+
+def is_triton_code(name: str) -> bool:
+    """The Triton path's modules (but :data:`GUARD`) and the algorithms' Triton rules
+    (``hf_optim/optim/<algorithm>/triton_rule.py``)."""
+    return (in_layer(name, (TRITON_PATH,)) and name != GUARD) or name.endswith(".triton_rule")
+
+
+def test_the_kernels_folders_are_what_their_names_say():
+    folders = {name.rpartition(".")[0] for name in MODULES if name.startswith("hf_optim.kernels.")
+               and MODULES[name].name != "__init__.py"}
+    assert folders == {"hf_optim.kernels", "hf_optim.kernels.formats", "hf_optim.kernels.torch_path", TRITON_PATH}
+    top = {name for name in MODULES if name.rpartition(".")[0] == "hf_optim.kernels"
+           and MODULES[name].name != "__init__.py"}
+    assert top == {"hf_optim.kernels.algorithm", "hf_optim.kernels.backend", "hf_optim.kernels.state_store"}, \
+        "hf_optim/kernels/ keeps only the algorithm description, the state bookkeeping and the backend choice at " \
+        "its top; put a new module in formats/, torch_path/ or triton_path/"
+    # every module of triton_path/ but the guard imports triton when imported
+    without = {name for name in MODULES if in_layer(name, (TRITON_PATH,)) and MODULES[name].name != "__init__.py"
+               and not imports_triton(name, module_level=True)
+               and not any(is_triton_code(target) for target, _ in imports(name, module_level=True))}
+    assert without == {GUARD}
+    assert not imports_triton(GUARD, module_level=True)
+
+
+def test_formats_and_the_torch_path_never_import_triton():
+    bad = [f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}"
+           for name in MODULES if in_layer(name, NO_TRITON)
+           for target, line in imports(name) if is_triton_code(target)]
+    bad += [f"{MODULES[name].relative_to(ROOT)}:{line} imports triton"
+            for name in MODULES if in_layer(name, NO_TRITON) for line in imports_triton(name)]
+    assert not bad, "formats/ and torch_path/ run where Triton is missing, so they never import it (not even in " \
+        "a function):\n" + "\n".join(bad)
+
+
+def test_triton_code_is_imported_only_when_a_triton_step_runs():
+    """Outside triton_path/ and the Triton rules, no module imports them, or triton, at module level: they are
+    imported by the step that needs them (``hf_optim.optim.dispatch``) or named as ``"module:attribute"``."""
+    bad = [f"{MODULES[name].relative_to(ROOT)}:{line} imports {target} at module level"
+           for name in MODULES if not is_triton_code(name)
+           for target, line in imports(name, module_level=True) if is_triton_code(target)]
+    bad += [f"{MODULES[name].relative_to(ROOT)}:{line} imports triton at module level"
+            for name in MODULES if not is_triton_code(name) for line in imports_triton(name, module_level=True)]
+    assert not bad, "\n".join(bad)
+
+
+def test_importing_the_package_loads_no_triton_code():
+    code = ("import sys, hf_optim, hf_optim.optim.registry\n"
+            "for family in hf_optim.optim.registry.families():\n"
+            "    family.base(__import__('torch').nn.Linear(2, 2).parameters())\n"
+            "print(sorted(m for m in sys.modules if m.startswith('hf_optim.kernels.triton_path')"
+            " or m.endswith('.triton_rule')))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]"
+
+
+def test_each_elementwise_algorithm_keeps_its_triton_rule_beside_it():
+    """A built-in elementwise algorithm's Triton rule is ``triton_rule.py`` in the algorithm's own package."""
+    from hf_optim.optim import registry
+
+    for family in registry.families():
+        algorithm = family.algorithm
+        package = family.base.__module__
+        if not package.startswith("hf_optim.optim.") or algorithm.triton_rule is None:
+            continue
+        assert isinstance(algorithm.triton_rule, str), algorithm.name
+        assert algorithm.triton_rule == f"{package}.triton_rule:{algorithm.name}", algorithm.triton_rule
+        assert MODULES[package].name == "__init__.py" and f"{package}.triton_rule" in MODULES
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (as a closed path), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles():
+    graph = {name: {target for target, _ in imports(name) if target in MODULES and target != name}
+             for name in MODULES}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_kernels_import_first_in_a_fresh_interpreter():
+    """The modules that used to form a cycle (optim/base -> kernels/triton_step -> kernels/triton_adafactor ->
+    optim/adafactor -> optim/base), the kernels first, then the package (one subprocess: the static check above
+    covers every other order)."""
+    order = ["hf_optim.kernels.triton_path.adafactor_passes", "hf_optim.kernels.triton_path.step",
+             "hf_optim.optim.adafactor", "hf_optim.optim.base", "hf_optim"]
+    code = f"import importlib\nfor name in {order!r}:\n    importlib.import_module(name)\nprint('imported')\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "imported"
