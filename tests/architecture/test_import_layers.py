@@ -228,3 +228,11 @@ def test_the_kernels_import_first_in_a_fresh_interpreter():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "imported"
+
+
+def test_the_architecture_diagram_is_the_current_import_graph():
+    """docs/architecture.md shows what ``python tools/import_graph.py`` prints now: a part or an import added or
+    removed without the diagram following fails here (run the tool and paste its output)."""
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "import_graph.py")], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() in (ROOT / "docs" / "architecture.md").read_text(), done.stdout
