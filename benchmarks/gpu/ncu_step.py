@@ -4,7 +4,7 @@
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
         python3 benchmarks/gpu/ncu_step.py --set llama-3.2-1b --optimizer AdamW8bit
 
-Parameters are bf16 (benchmarks/step_time.py's sets); the whole-tile launch is the large one of each step.
+Parameters are bf16 (benchmarks/performance/step_time.py's sets); the whole-tile launch is the large one of each step.
 """
 import argparse
 import sys
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "performance"))
 from step_time import fresh_params, shape_set  # noqa: E402
 
 import hf_optim  # noqa: E402

@@ -53,7 +53,7 @@ for m in ("triton", "transformers", "bitsandbytes", "trl", "peft", "accelerate",
 # tests/cli/test_notebooks.py needs nbformat (a test extra) at import and has no GPU case: left out where it is missing
 ignore=$(python3 -c "import nbformat" 2>/dev/null || echo --ignore=tests/cli/test_notebooks.py)
 bounded gpu_tests 150 python3 -m pytest -m gpu -n 0 -q -p no:cacheprovider -rfEs --durations=15 $ignore tests
-bounded step_time 70 python3 benchmarks/step_time.py --device cuda --sets 4096x4096,llama-3.2-1b-lora,llama-3.2-1b \
+bounded step_time 70 python3 benchmarks/performance/step_time.py --device cuda --sets 4096x4096,llama-3.2-1b-lora,llama-3.2-1b \
     --dtype bf16 --steps 10 --warmup 3 --rounds 1 --gbs
 if command -v ncu > /dev/null; then
     bounded ncu_adamw8bit 45 ncu --kernel-name regex:_fused_update_kernel --launch-skip 4 --launch-count 1 \
@@ -68,7 +68,7 @@ fi
 RS="$OUT/real_shape"
 real_shape() {  # real_shape NAME SECONDS RECIPE [run options and overrides...]
     local name=$1 limit=$2 recipe=$3; shift 3
-    bounded "rs_$name" "$limit" python3 benchmarks/real_shape.py run "$recipe" --out "$RS/$name" --steps 10 \
+    bounded "rs_$name" "$limit" python3 benchmarks/performance/real_shape.py run "$recipe" --out "$RS/$name" --steps 10 \
         training.gradient_accumulation_steps=1 "$@"
 }
 real_shape 8b-full-24gib-plan 90 llama-3.1-8b-full --cap 24GiB --plan
@@ -87,12 +87,12 @@ real_shape 3b-lora 45 llama-3.2-3b-lora
 real_shape 3b-full 60 llama-3.2-3b-full
 {
     part real_shape_table
-    ls -d "$RS"/*/ > /dev/null 2>&1 && python3 benchmarks/real_shape.py table "$RS"/*/ || echo "no real-shape runs"
+    ls -d "$RS"/*/ > /dev/null 2>&1 && python3 benchmarks/performance/real_shape.py table "$RS"/*/ || echo "no real-shape runs"
 } 2>&1 | tee "$OUT/real_shape_table.log"
 
 # Measured before (docs/benchmarks.md): run again only when time is left.
 bounded profile 90 python3 benchmarks/gpu/step_profile.py
-bounded paged_memory 60 python3 benchmarks/paged_memory.py --parts speed,peak,resume,pressure --rounds 3 --steps 3
+bounded paged_memory 60 python3 benchmarks/performance/paged_memory.py --parts speed,peak,resume,pressure --rounds 3 --steps 3
 bounded doctor 75 python3 -c 'import sys; from hf_optim.cli import main; sys.exit(main(["doctor"]))'
 bounded quickstart_cuda 60 python3 -c 'import sys; from hf_optim.cli import main; sys.exit(main(sys.argv[1:]))' \
     train quickstart training.use_cpu=false --overwrite --sweep training.optim=adamw_torch,adamw_8bit,paged_adamw_8bit \

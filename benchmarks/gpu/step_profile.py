@@ -2,7 +2,8 @@
 
     python3 benchmarks/gpu/step_profile.py      # on a CUDA machine, from the repository root
 
-Sets: the LoRA set, one 4096x4096 tensor and the Llama-3.2-1B set of benchmarks/step_time.py, bf16 parameters.
+Sets: the LoRA set, one 4096x4096 tensor and the Llama-3.2-1B set of benchmarks/performance/step_time.py, bf16
+parameters.
 """
 import cProfile
 import pstats
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "performance"))
 from step_time import fresh_params, shape_set  # noqa: E402
 
 import hf_optim  # noqa: E402

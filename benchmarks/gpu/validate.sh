@@ -21,9 +21,9 @@ ignore=$(python3 -c "import nbformat" 2>/dev/null || echo --ignore=tests/cli/tes
     part "pytest -m gpu"
     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=8 $ignore tests
     part "step time"
-    timeout 100 python3 benchmarks/step_time.py --device cuda --sets llama-3.2-1b-lora,llama-3.2-1b --dtype bf16 \
+    timeout 100 python3 benchmarks/performance/step_time.py --device cuda --sets llama-3.2-1b-lora,llama-3.2-1b --dtype bf16 \
         --steps 15 --warmup 4 --gbs --no-bnb --only "fused,AdamW8bit,AdamWFp8,LionFp8,AdEMAMixFp8,AdEMAMix8bit"
     part "Muon step time"
-    timeout 70 python3 benchmarks/muon_step.py --device cuda --sets llama-3.2-1b-lora,4096x4096 --steps 10 --warmup 3
+    timeout 70 python3 benchmarks/performance/muon_step.py --device cuda --sets llama-3.2-1b-lora,4096x4096 --steps 10 --warmup 3
     part done
 } 2>&1 | grep -v "it/s\]\|s/it\]" | tee "$OUT/validate.log"

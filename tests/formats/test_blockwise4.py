@@ -358,7 +358,7 @@ def test_triton_encoders_near_every_threshold(device):
     """The Triton encoders count thresholds arithmetically (``triton_blockwise4.encode4``): on every fp32 within 64
     ulps of each threshold of both maps, both signs, plus 0, -0, the map values and +-1, they give the PyTorch
     path's codes (each 128-value block holds 1.0, so values are their own normalized values).
-    ``benchmarks/encoder4_proof.py`` checks every fp32 in [-1, 1]."""
+    ``benchmarks/proofs/encoder4_proof.py`` checks every fp32 in [-1, 1]."""
     triton_blockwise4 = pytest.importorskip("hf_optim.kernels.triton_path.quant4")
     edges = torch.cat([b4.encoder_thresholds(True), b4.encoder_thresholds(False)]).abs()
     bits = edges.view(torch.int32).long()

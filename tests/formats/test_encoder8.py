@@ -2,7 +2,7 @@
 
 The reference is ``dynamic_map``'s: the nearest map value of ``rn(s / absmax)`` with ties toward zero and the sign
 fix (``blockwise.quantize`` / ``blockwise.encode``, themselves checked against ``_nearest_codes`` and bitsandbytes
-elsewhere). The exhaustive proof over every fp32 in [-1, 1] is ``benchmarks/encoder8_proof.py``; these are the
+elsewhere). The exhaustive proof over every fp32 in [-1, 1] is ``benchmarks/proofs/encoder8_proof.py``; these are the
 fast checks: the Triton helpers in the interpreter (on CUDA on a GPU machine) on targeted values, the twin on a
 sample, and a check that the probes catch a one-ulp error in the encoder's table.
 """

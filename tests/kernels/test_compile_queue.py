@@ -144,7 +144,7 @@ def test_three_short_runs_in_a_row_never_have_two_compile_processes_and_leave_no
     """The issue's scenario: each run meets four kernels (AdamW8bit, LAMB8bit, Lion8bit, RMSprop8bit on two
     300K-element tensors, 3 steps each) and exits while they compile. The old code had one compile process per kernel
     per run, 12 alive at once and orphaned. Counts only: how many are alive, sampled every 0.1 s."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "performance"))
     try:
         import compile_swarm
     finally:

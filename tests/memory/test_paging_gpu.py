@@ -237,7 +237,8 @@ def test_fallback_on_cuda_when_managed_memory_is_unavailable(monkeypatch):
 
 def test_finetune_peak_is_lower_by_about_the_paged_state():
     """max_memory_allocated of a full step (forward, backward, step) of a small Llama: the paged run's peak is lower
-    by about the managed state, which torch's allocator does not see (benchmarks/paged_memory.py does the 1B)."""
+    by about the managed state, which torch's allocator does not see (benchmarks/performance/paged_memory.py does the
+    1B)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=16,

@@ -5,7 +5,7 @@ The encoder (:mod:`hf_optim.kernels.triton_path.encode8`) returns the codes of t
 :mod:`hf_optim.kernels.formats.dynamic_map` (round to nearest against the map's fp32 midpoints, exact ties to the code
 nearer zero, bitsandbytes' sign fix) without its 48 KiB table and without dividing by the block's absmax: it guesses
 a pair of neighbouring codes from a piecewise-linear position function, then settles the pair with one exact
-comparison. Everything below is built from the map itself; ``benchmarks/encoder8_proof.py`` proves the result.
+comparison. Everything below is built from the map itself; ``benchmarks/proofs/encoder8_proof.py`` proves the result.
 
 **Guess.** In decade ``i`` (magnitudes ``[10**(i-7), 10**(i-6))``) the map holds ``n_i`` evenly spaced codes (signed
 ``2**i``, unsigned ``2**(i+1)``), so the fractional code index of a magnitude ``q`` is the line ``P_i(q) = base_i +

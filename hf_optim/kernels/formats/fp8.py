@@ -12,7 +12,8 @@ correctly rounded division (``exact_math.div``; Triton's ``div_rn``), so every p
 the same way.
 
 Both moments are e4m3 (``torch.float8_e4m3fn``: 3 mantissa bits, 448 at most, subnormals down to 2**-9), as in torchao's
-``AdamWFp8``. Chosen by measurement (docs/lab/2026-measurements.md#fp8-state-issue-24, ``benchmarks/quality4.py``) over
+``AdamWFp8``. Chosen by measurement (docs/lab/2026-measurements.md#fp8-state-issue-24,
+``benchmarks/quality/quality4.py``) over
 storing ``sqrt(v)`` in e4m3 (half the dynamic range, but twice the relative step on ``v``) and ``v`` in e5m2 (more
 range, 2 mantissa bits): rounded to nearest, on the MLP regression their final losses moved 6-8% off 32-bit AdamW's,
 e4m3's 3-4%; on the tiny fine-tune all stay within 0.6%. That gap is the second moment's (with an fp32 ``v`` and an e4m3
@@ -108,7 +109,7 @@ class Fp8(StateFormat):
     second_moment = SECOND_MOMENT
     # The Triton branch (kernels/triton_path/fp8.py): bit-exact with this file's math in the interpreter
     # (tests/kernels/test_triton_kernels.py), every configuration compiled for sm_75..sm_90 without spills and at >= 50%
-    # occupancy (benchmarks/gpu_static.py); on an H200 the native sm_89+ conversions and the software ones passed
+    # occupancy (benchmarks/gpu/gpu_static.py); on an H200 the native sm_89+ conversions and the software ones passed
     # `pytest -m gpu tests/formats/test_fp8.py tests/kernels/test_triton_kernels.py -k Fp8` (docs/performance.md has
     # its speed).
     triton = True

@@ -57,7 +57,8 @@ rather than gathered, and so on. The OpenMP thread count is part of a graph's gu
 for.
 
 Compile options (:data:`INDUCTOR_OPTIONS`; the quickstart's AdamW8bit on a cold cache took 22 CPU seconds with them,
-34 with inductor's defaults, ``benchmarks/first_step.py``): ``cpp.vec_isa_ok=True`` trusts the CPU's flags for its
+34 with inductor's defaults, ``benchmarks/performance/first_step.py``): ``cpp.vec_isa_ok=True`` trusts the CPU's flags
+for its
 vector instruction sets instead of compiling a test program per set (an old compiler that lacks one then fails the
 kernel's own compilation: a warning, the kernel runs eagerly); ``cpp_cache_precompile_headers=False`` skips a 150 MB
 precompiled header that only pays off over many kernels; ``compile_threads=1``: one generated kernel per graph gains

@@ -4,7 +4,8 @@ A :class:`LaunchSpec` is one binary as the optimizers launch it: the ``@triton.j
 run-time arguments, the values of its compile-time ones and its launch options. :func:`kernel_specs` lists them
 all, built from the same configuration objects the launches use (``elementwise.FusedConfig``,
 ``lamb_passes.ApplyConfig`` / ``RatioConfig``, ``adafactor_passes.AdafactorConfig``), so the compile test
-(``tests/kernels/test_gpu_static.py``) and ``benchmarks/gpu_static.py`` compile exactly what runs; :func:`step_specs`
+(``tests/kernels/test_gpu_static.py``) and ``benchmarks/gpu/gpu_static.py`` compile exactly what runs;
+:func:`step_specs`
 lists the kernels one step of one optimizer launches (the cold-start cost). :meth:`LaunchSpec.compile` compiles one
 for an arch without a GPU (``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``).
 

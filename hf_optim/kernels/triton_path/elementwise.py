@@ -177,7 +177,7 @@ class FusedConfig:
     @property
     def whole_tile_width(self) -> int:
         """Elements per thread row (``tile``) of the whole-tile kernel, chosen from compiled register counts
-        (``benchmarks/gpu_static.py``, Triton 3.9) so that every kernel reaches 50% occupancy at its 4 warps without
+        (``benchmarks/gpu/gpu_static.py``, Triton 3.9) so that every kernel reaches 50% occupancy at its 4 warps without
         spills: at most 64 registers on the SMs of 64 warps (sm_80, sm_90), 80 on sm_86/sm_89, 128 on sm_75.
 
         - 8 for 16-bit parameters with quantized state in at most two rows (AdamW, Lion, RMSprop): a 256-element
@@ -229,7 +229,7 @@ class FusedConfig:
         even with 80, and not without one: measured per configuration, not a rule ptxas documents. Nowhere else: a
         limit above a kernel's natural count is not free (ptxas then spends registers up to it: AdamW bf16 8-bit SR
         on sm_80, 48 without, 64 with), and every other configuration is within its arch's limit without one
-        (``benchmarks/gpu_static.py`` measures every configuration)."""
+        (``benchmarks/gpu/gpu_static.py`` measures every configuration)."""
         if self.arch == 80 and len(self.formats) > 2:
             return 64
         if self.arch in (86, 89) and self.full and (self.param_dtype == 0 or self.algorithm == "lion"):

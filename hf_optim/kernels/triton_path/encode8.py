@@ -3,9 +3,9 @@
 Same codes as :mod:`hf_optim.kernels.formats.dynamic_map`'s reference encoder (the nearest map value of ``rn(s /
 absmax)``, exact ties to the code nearer zero, bitsandbytes' sign fix) for every finite input; the method is described
 in :mod:`hf_optim.kernels.formats.encode8` (which also holds the table and the PyTorch twin) and proved by
-``benchmarks/encoder8_proof.py``. Per element: two gathers from one 10 KiB table (16 bytes: a pair of lines keyed
+``benchmarks/proofs/encoder8_proof.py``. Per element: two gathers from one 10 KiB table (16 bytes: a pair of lines keyed
 by the value's sign and exponent; 8 bytes: the guessed code pair's midpoint), two multiplies, four fmas and a few
-integer operations; per block: about 8 instructions, one of them ``MUFU.RSQ`` (``benchmarks/encoder8_sass.py``
+integer operations; per block: about 8 instructions, one of them ``MUFU.RSQ`` (``benchmarks/proofs/encoder8_sass.py``
 measures the encoder against ``div_rn`` and the table encoder).
 
 Compiled, a few operations are spelled in PTX (``tl.inline_asm_elementwise``; the interpreter runs the same

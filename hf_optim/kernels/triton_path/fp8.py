@@ -9,7 +9,7 @@ Two conversions, chosen at compile time (``NATIVE``):
 - native (sm_89 and later): ``.to(tl.float8e4nv)``, the hardware's ``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest
   even, from fp32 directly) and its widening back;
 - software (every other target, the interpreter included): integer arithmetic on the fp32 bits, equal bit for bit.
-  Triton 3.9 refuses ``float8e4nv`` below sm_89 (``benchmarks/gpu_static.py``-style compiles for sm_75/80/86 fail:
+  Triton 3.9 refuses ``float8e4nv`` below sm_89 (``benchmarks/gpu/gpu_static.py``-style compiles for sm_75/80/86 fail:
   "type fp8e4nv not supported in this architecture"), so those targets need it.
 
 Encoding follows the PyTorch twin: ``q = clamp(x * (448 / absmax), -448, 448)`` with the reciprocal computed once per

@@ -36,7 +36,8 @@ whether Triton's on-disk cache holds it is only known once the compile returns (
 answer, from Triton's compilation listener, with the seconds it took).
 
 Cost per guarded step: one extra argument binding and cache lookup per launch (the warmup), about 7 us of host
-time per launch with Triton 3.9's binder on a 2-core CPU (``benchmarks/guard_overhead.py``); no device work and no
+time per launch with Triton 3.9's binder on a 2-core CPU (``benchmarks/performance/guard_overhead.py``); no device
+work and no
 synchronization.
 """
 

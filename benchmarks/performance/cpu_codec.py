@@ -14,7 +14,7 @@ one signed state of ``--elements`` values (default 16.8M, one 4096 x 4096 tensor
 Every formulation is first checked against the shipped one on the timed input (plus 0.0, -0.0 and +-1): a row that
 differs says so and is not timed. Prints ms per call (median of ``--repeats``) and the ratio to the shipped one.
 
-    python benchmarks/cpu_codec.py [--elements 16777216] [--repeats 9]
+    python benchmarks/performance/cpu_codec.py [--elements 16777216] [--repeats 9]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The GPU kernels without a GPU: every Triton kernel configuration the optimizers launch, compiled ahead of time.
 
-    python benchmarks/gpu_static.py                    # every configuration on sm_75, sm_80, sm_86, sm_89, sm_90
-    python benchmarks/gpu_static.py --arch sm_90,sm_75 --kernels adamw --jobs 2
-    python benchmarks/gpu_static.py --json benchmarks/results/gpu_static_after.json
-    python benchmarks/gpu_static.py --from-json benchmarks/results/gpu_static_before.json --markdown
+    python benchmarks/gpu/gpu_static.py                    # every configuration on sm_75, sm_80, sm_86, sm_89, sm_90
+    python benchmarks/gpu/gpu_static.py --arch sm_90,sm_75 --kernels adamw --jobs 2
+    python benchmarks/gpu/gpu_static.py --json benchmarks/gpu/results/gpu_static_after.json
+    python benchmarks/gpu/gpu_static.py --from-json benchmarks/gpu/results/gpu_static_before.json --markdown
 
 The configurations are those ``hf_optim.kernels.triton_path.configs.kernel_specs`` lists (exactly what the optimizers
 launch, built from the configuration objects the launches use). Each is compiled with Triton's ahead-of-time
@@ -107,7 +107,7 @@ from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # after PYTHONPATH: a checkout named there is the one measured
 
@@ -901,12 +901,12 @@ def measure(config: LaunchConfig, arch: str, compiled: Compiled | None = None) -
 
 
 def llama_numels() -> list[int]:
-    """Element counts of the Llama-3.2-1B tensors the optimizers step (benchmarks/step_time.py's set)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    """Element counts of the Llama-3.2-1B tensors the optimizers step (benchmarks/performance/step_time.py's set)."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "performance"))
     try:
         from step_time import PRESETS  # noqa: PLC0415
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "benchmarks" / "performance"))
     return [math.prod(shape) for shape in PRESETS["llama-3.2-1b"]()]
 
 
@@ -1227,7 +1227,7 @@ def environment(argv: Sequence[str]) -> dict:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
     return {"triton": triton.__version__, "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()} {os.cpu_count()} cores, load {load[0]:.1f} at start",
-            "command": "python benchmarks/gpu_static.py " + " ".join(argv)}
+            "command": "python benchmarks/gpu/gpu_static.py " + " ".join(argv)}
 
 
 def merge(runs: Sequence[dict]) -> dict:

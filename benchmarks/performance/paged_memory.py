@@ -1,9 +1,9 @@
 """Paged 8-bit AdamW against unpaged, side by side: step time, peak torch-allocated memory, and resume.
 
-    python benchmarks/paged_memory.py                                 # all parts, Llama-3.2-1B shapes, CUDA
-    python benchmarks/paged_memory.py --parts speed --rounds 10
-    python benchmarks/paged_memory.py --parts pressure                # ordinary allocations crowd the state out
-    python benchmarks/paged_memory.py --model tiny --device cpu       # smoke run of the script itself (no paging)
+    python benchmarks/performance/paged_memory.py                                 # all parts, Llama-3.2-1B shapes, CUDA
+    python benchmarks/performance/paged_memory.py --parts speed --rounds 10
+    python benchmarks/performance/paged_memory.py --parts pressure  # ordinary allocations crowd the state out
+    python benchmarks/performance/paged_memory.py --model tiny --device cpu  # smoke run (no paging)
 
 Parts:
 

@@ -8,7 +8,7 @@ recipe's seed) and the mean of the last 20 training losses; then 8-bit and 4-bit
 best lr, and the run directories to pass to `hf-optim compare`. Commands:
 docs/lab/2026-measurements.md#muon-quality-issue-25.
 
-    python benchmarks/muon_quality.py runs/muon_quality full lora loramuon
+    python benchmarks/quality/muon_quality.py runs/muon_quality full lora loramuon
 """
 
 from __future__ import annotations

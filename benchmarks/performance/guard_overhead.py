@@ -7,7 +7,7 @@ and cache lookup on the host. This times that on the fused AdamW kernel's real a
 - without one: Triton's argument binder and cache key for an sm_90 target (what ``warmup`` does before finding the
   kernel in its cache), since nothing can be launched.
 
-    python benchmarks/guard_overhead.py [--repeats 20000]
+    python benchmarks/performance/guard_overhead.py [--repeats 20000]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Muon step time and state bytes, side by side in one run: torch.optim.Muon, hf_optim's Muon in 32/8/4-bit, and
-hf_optim's AdamW8bit, on the shape sets of benchmarks/step_time.py.
+hf_optim's AdamW8bit, on the shape sets of benchmarks/performance/step_time.py.
 
-    python benchmarks/muon_step.py                                  # CPU: quickstart-lora and llama-3.2-1b-lora
-    python benchmarks/muon_step.py --sets 4096x4096 --steps 3       # the 16.8M-element matrix (slow on CPU)
-    python benchmarks/muon_step.py --device cuda --sets 4096x4096,llama-3.2-1b-lora
+    python benchmarks/performance/muon_step.py  # CPU: quickstart-lora and llama-3.2-1b-lora
+    python benchmarks/performance/muon_step.py --sets 4096x4096 --steps 3       # the 16.8M-element matrix (slow on CPU)
+    python benchmarks/performance/muon_step.py --device cuda --sets 4096x4096,llama-3.2-1b-lora
 
 Prints per set and optimizer: ms per step (median of ``--steps`` timed steps after ``--warmup``), ``x torch`` (row
 / torch.optim.Muon, same run) and optimizer-state bytes per parameter element (``hf_optim.state_memory``; torch's

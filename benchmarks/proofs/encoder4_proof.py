@@ -2,8 +2,8 @@
 PyTorch path's threshold count (``hf_optim.kernels.formats.quant4.encode``), on every fp32 value in [-1, 1] and the
 special values.
 
-    python benchmarks/encoder4_proof.py            # every fp32 in [-1, 1] (2 x 1.07e9 values), about 10 min
-    python benchmarks/encoder4_proof.py --sample 20  # every 2**20-th bit pattern plus every value near a threshold
+    python benchmarks/proofs/encoder4_proof.py            # every fp32 in [-1, 1] (2 x 1.07e9 values), about 10 min
+    python benchmarks/proofs/encoder4_proof.py --sample 20  # a sample, and every value near a threshold
 
 The Triton encoders compute the count arithmetically, without the thresholds (the module docstring of
 ``triton_blockwise4`` has the argument); this script runs the same integer and fp32 operations with torch on the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hf_optim.kernels.formats import quant4 as blockwise4  # noqa: E402
 from hf_optim.kernels.triton_path.quant4 import ONE_BITS, T7, ZERO_CODE, signed_keys  # noqa: E402

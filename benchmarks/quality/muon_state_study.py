@@ -7,7 +7,8 @@ stored momentum, updates it in fp32, orthogonalizes the fp32 update, and stores 
 judged by training with it, before anyone writes it as a format. ``none`` leaves the momentum as it is (it must
 reproduce ``muon``'s losses to the last digit: the check that the harness changes nothing else).
 
-    python benchmarks/muon_state_study.py --schemes none,b4-128,b4-16,fp8-256 --seeds 0,1,2 --out runs/muon_state
+    python benchmarks/quality/muon_state_study.py --schemes none,b4-128,b4-16,fp8-256 --seeds 0,1,2 --out
+    runs/muon_state
 
 Scheme names: ``KIND-BLOCK`` quantizes blocks of BLOCK consecutive elements scaled by their absmax, with KIND one of
 ``b4`` (hf_optim's 4-bit signed map, blockwise4's), ``lin4`` (15 evenly spaced levels), ``fp4`` (e2m1 values),

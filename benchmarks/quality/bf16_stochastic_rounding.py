@@ -1,6 +1,7 @@
 """Does bf16 stochastic rounding bring a pure-bf16 full fine-tune's loss curve back to the fp32 one?
 
-Runs ``benchmarks/bf16_full_tiny.yaml`` (the builtin tiny Llama-3-shaped model, full fine-tune, the full recipes'
+Runs ``benchmarks/quality/bf16_full_tiny.yaml`` (the builtin tiny Llama-3-shaped model, full fine-tune, the full
+recipes'
 paged_adamw_8bit at lr 2e-5 with a cosine schedule) three times with ``hf-optim train``, same seed and data order:
 
 - ``fp32``: fp32 weights (the reference);
@@ -10,7 +11,8 @@ paged_adamw_8bit at lr 2e-5 with a cosine schedule) three times with ``hf-optim 
 Then writes ``docs/figures/bf16_stochastic_rounding.png`` (loss curves, smoothed, and their gap to fp32) and
 ``docs/figures/bf16_stochastic_rounding.json`` (final and mean loss gaps to fp32). Usage::
 
-    PYTHONPATH=. HF_HUB_OFFLINE=1 python benchmarks/bf16_stochastic_rounding.py [--steps 200] [--runs runs/bf16-sr]
+    PYTHONPATH=. HF_HUB_OFFLINE=1 python benchmarks/quality/bf16_stochastic_rounding.py [--steps 200] \\
+        [--runs runs/bf16-sr]
 
 ``--plot-only`` redraws from existing run directories.
 """
@@ -26,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-RECIPE = ROOT / "benchmarks" / "bf16_full_tiny.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "benchmarks" / "quality" / "bf16_full_tiny.yaml"
 VARIANTS = {
     "fp32": ["model.dtype=float32"],
     "bf16": ["model.dtype=bfloat16"],

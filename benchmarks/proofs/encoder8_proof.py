@@ -30,7 +30,7 @@ The fp32 fma used throughout is Triton's interpreter's C fma where this Triton h
 checked against the twin's ``fma32`` and against exact rational arithmetic), else the twin's ``fma32`` (checked
 against exact rational arithmetic; slower).
 
-    python benchmarks/encoder8_proof.py [--maps signed unsigned] [--chunk-log2 22] [--skip-exhaustive]
+    python benchmarks/proofs/encoder8_proof.py [--maps signed unsigned] [--chunk-log2 22] [--skip-exhaustive]
                                         [--parts 0 1 2]
 
 Parts 0 and 1 take about 15 minutes per map each on an idle 2-core machine (most of it the reference's bucketize;

@@ -10,7 +10,7 @@ calls are not on it), ``own/el``: the same less the kernel's with a one-instruct
 the lookup), i.e. the encoder's (or lookup's) own cost, MUFU (special function) instructions per element, and
 global loads per element by width (the tile's own vector loads included: one 128-bit load per 4 fp32 values).
 
-    python benchmarks/encoder8_sass.py [--arch 90 80] [--warps 4]
+    python benchmarks/proofs/encoder8_sass.py [--arch 90 80] [--warps 4]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Step-time cost of ``bf16_stochastic_round`` on the CPU path: one bf16 tensor, with and without the option.
 
-    PYTHONPATH=. python benchmarks/stochastic_round_cost.py [--shape 4096x4096] [--steps 10] [--threads 1]
+    PYTHONPATH=. python benchmarks/performance/stochastic_round_cost.py [--shape 4096x4096] [--steps 10] [--threads 1]
 
 Per variant: the median over ``--steps`` steps (after two warm-up steps, the first of which compiles) of the
 step's CPU time (``time.process_time``: every thread of the process, so other jobs on the machine inflate it far

@@ -22,7 +22,8 @@ torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_
 (torch AdamW's math, each moment quantized and dequantized after every step, exactly what storing it does):
 ``sim:`` names below.
 
-Run: ``HF_OPTIM_COMPILE=0 python benchmarks/quality4.py --markdown quality4.md`` (eager steps: the rank-1 format has no
+Run: ``HF_OPTIM_COMPILE=0 python benchmarks/quality/quality4.py --markdown quality4.md`` (eager steps: the rank-1
+format has no
 compiled form, and compiled and eager steps compute the same values).
 """
 
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hf_optim  # noqa: E402
 from hf_optim.kernels.formats import FORMATS, rank1_quant4  # noqa: E402

@@ -3,11 +3,12 @@ component beside the planner's estimate, on CPU or CUDA, optionally under a memo
 smaller card.
 
   # one run (its own process: a cap applies from the first CUDA allocation)
-  python benchmarks/real_shape.py run llama-3.2-1b-lora --out runs/rs/1b-lora --steps 3 --seq-len 256 \\
+  python benchmarks/performance/real_shape.py run llama-3.2-1b-lora --out runs/rs/1b-lora --steps 3 --seq-len 256 \\
       --batch-size 1 training.gradient_accumulation_steps=1
-  python benchmarks/real_shape.py run llama-3.1-8b-full --cap 24GiB --plan --out runs/rs/8b-full-24g --steps 10
+  python benchmarks/performance/real_shape.py run llama-3.1-8b-full --cap 24GiB --plan \\
+      --out runs/rs/8b-full-24g --steps 10
   # the table of finished runs (Markdown)
-  python benchmarks/real_shape.py table runs/rs/*
+  python benchmarks/performance/real_shape.py table runs/rs/*
 
 ``--cap`` calls ``torch.cuda.set_per_process_memory_fraction(cap / total)``: torch's allocator refuses to hold more,
 as on a card of that size (the CUDA context and CUDA managed memory, where paged optimizer state lives, are not
@@ -27,7 +28,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

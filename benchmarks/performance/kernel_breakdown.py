@@ -5,7 +5,7 @@ operation of the same shape without it. The math is then WRONG: this measures ti
 fresh process (the replacement must be in place before inductor compiles), with glibc's mmap and trim thresholds
 raised so that page faults do not blur the figures.
 
-    python benchmarks/kernel_breakdown.py [--numel 262144]
+    python benchmarks/performance/kernel_breakdown.py [--numel 262144]
 """
 
 from __future__ import annotations

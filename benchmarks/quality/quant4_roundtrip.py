@@ -1,8 +1,8 @@
 """4-bit quantize + dequantize round trip of one large state tensor on CPU: hf_optim's PyTorch path eagerly and
 compiled by inductor, against the same done by torchao (when installed) and by the 8-bit format for scale.
 
-    PYTHONPATH=. python benchmarks/quant4_roundtrip.py                       # 16.8M elements, both maps
-    PYTHONPATH=. python benchmarks/quant4_roundtrip.py --numel 1048576 --rounds 3
+    PYTHONPATH=. python benchmarks/quality/quant4_roundtrip.py                       # 16.8M elements, both maps
+    PYTHONPATH=. python benchmarks/quality/quant4_roundtrip.py --numel 1048576 --rounds 3
 
 torchao is compared when importable; keep it out of the project environment (transformers would import it on every
 Trainer import) and point at a side install: ``pip install --no-deps --target /tmp/torchao_site torchao``, then

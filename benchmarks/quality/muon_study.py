@@ -22,9 +22,9 @@ seed 0 as the recipe; data order = ``--seeds``). It is a plain loop, not the Tra
 built by hand. Reported: train loss = mean of the last 10 steps; eval loss on the recipe's 5% held-out split at
 the end; the curve as the mean train loss over windows of steps.
 
-    python benchmarks/muon_study.py                               # all three parts, defaults below
-    python benchmarks/muon_study.py --parts full --lrs 1e-3,3e-3,1e-2,3e-2 --steps 300 --seeds 0,1
-    python benchmarks/muon_study.py --parts routing                # seconds
+    python benchmarks/quality/muon_study.py                               # all three parts, defaults below
+    python benchmarks/quality/muon_study.py --parts full --lrs 1e-3,3e-3,1e-2,3e-2 --steps 300 --seeds 0,1
+    python benchmarks/quality/muon_study.py --parts routing                # seconds
 
 Prints markdown; ``--json PATH`` also writes every run's loss curve. Quality does not depend on machine load.
 """
@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
-          f"`{' '.join(['python', 'benchmarks/muon_study.py', *(sys.argv[1:] if argv is None else argv)])}`\n")
+          f"`{' '.join(['python', 'benchmarks/quality/muon_study.py', *(sys.argv[1:] if argv is None else argv)])}`\n")
     print(check_none_is_original())
     record: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
 

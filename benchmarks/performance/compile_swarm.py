@@ -10,8 +10,8 @@ in the command line, that cache directory in the environment; zombies not counte
   ``--wait`` seconds, then kills those left);
 - the peak resident memory (RSS) of one worker and of all at once.
 
-    python benchmarks/compile_swarm.py                       # this checkout (or the installed hf_optim)
-    PYTHONPATH=/tmp/old python benchmarks/compile_swarm.py   # another checkout, e.g. `git worktree add /tmp/old REV`
+    python benchmarks/performance/compile_swarm.py                       # this checkout (or the installed hf_optim)
+    PYTHONPATH=/tmp/old python benchmarks/performance/compile_swarm.py  # another checkout
 
 Counts, not timings: they do not depend on how loaded the machine is, except that on a fast machine a worker may
 finish all kernels before the last process exits.

@@ -1,8 +1,8 @@
 """Peak CPU memory of a full fine-tuning step of a ~100M-parameter Llama-shaped model, with and without gradient
 release, per optimizer; bytes per parameter.
 
-    python benchmarks/release_memory.py                      # the table in docs/performance.md#memory-per-parameter
-    python benchmarks/release_memory.py --layers 2 --hidden 256 --vocab 4096   # a quick smoke run
+    python benchmarks/performance/release_memory.py  # the table in docs/performance.md#memory-per-parameter
+    python benchmarks/performance/release_memory.py --layers 2 --hidden 256 --vocab 4096   # a quick smoke run
 
 What is measured: each configuration runs in a fresh process (``HF_OPTIM_COMPILE=0``: inductor's compile-time
 memory is not training memory). The model is built from its config directly in bfloat16 (random weights,

@@ -1,8 +1,8 @@
 """Host (Python) time of one optimizer step on the Triton path, per step and per tensor.
 
-    python benchmarks/host_overhead.py                    # CPU: host side only, kernel launches replaced by no-ops
-    PYTHONPATH=/work/main python benchmarks/host_overhead.py   # the same harness against another tree (before/after)
-    python benchmarks/host_overhead.py --device cuda      # a GPU: real launches; wall (synced), host, device ms
+    python benchmarks/performance/host_overhead.py  # CPU: host side only, kernel launches replaced by no-ops
+    PYTHONPATH=/work/main python benchmarks/performance/host_overhead.py  # another tree (before/after)
+    python benchmarks/performance/host_overhead.py --device cuda  # a GPU: real launches; wall (synced), host, device ms
 
 On CPU (the default) the parameters are CPU tensors, ``HF_OPTIM_BACKEND=triton`` and ``TRITON_INTERPRET=1`` send
 them down the Triton path, and ``triton_guard.launch`` is replaced by a no-op: what is timed is everything

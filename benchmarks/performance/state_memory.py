@@ -5,10 +5,11 @@ download), fully fine-tuned for one step on random tokens with each optimizer, a
 the optimizer is read (torch's AdamW is measured the same way: its ``exp_avg``/``exp_avg_sq`` in the parameter
 dtype, plus its step tensors).
 
-    python benchmarks/state_memory.py [--dtype bf16]
-    python benchmarks/state_memory.py --sets 4096x4096,llama-3.2-1b-lora   # step_time.py's shape sets instead
+    python benchmarks/performance/state_memory.py [--dtype bf16]
+    python benchmarks/performance/state_memory.py --sets 4096x4096,llama-3.2-1b-lora  # step_time.py's sets
 
-With ``--sets``, each set's tensors (``benchmarks/step_time.py``'s presets, fp32) get one step of random gradients
+With ``--sets``, each set's tensors (``benchmarks/performance/step_time.py``'s presets, fp32) get one step of random
+gradients
 with each optimizer instead of the model.
 """
 

@@ -1,13 +1,14 @@
 """The first optimizer steps on a cold and on a warm inductor cache, per algorithm and state format, fresh processes.
 
-    python benchmarks/first_step.py                          # every algorithm x format, quickstart and LoRA sets
-    python benchmarks/first_step.py --sets quickstart-lora --optimizers AdamW8bit,AdamW32bit --modes auto,1
+    python benchmarks/performance/first_step.py  # every algorithm x format, quickstart and LoRA sets
+    python benchmarks/performance/first_step.py --sets quickstart-lora --optimizers AdamW8bit,AdamW32bit --modes auto,1
 
 Each measurement runs in a fresh Python process with caches of its own: ``cold`` is a new empty directory for
 inductor's cache (``TORCHINDUCTOR_CACHE_DIR``), Triton's cache and the temporary directory (``TMPDIR``, where
 inductor keeps the precompiled headers that every cache directory of a user shares: a machine's first compilation
 builds them); ``warm`` is a second process on the same directories. The parameters are a shape set of
-``benchmarks/step_time.py`` (``quickstart-lora``: the quickstart recipe's 28 LoRA tensors; ``llama-3.2-1b-lora``:
+``benchmarks/performance/step_time.py`` (``quickstart-lora``: the quickstart recipe's 28 LoRA tensors;
+``llama-3.2-1b-lora``:
 Llama-3.2-1B's 224), fp32, with fixed random gradients. Per run:
 
 - ``first s``: the first ``optimizer.step()`` (wall seconds; the process's imports are not included);

@@ -7,9 +7,9 @@ weight norm ``||p||`` and, for LAMB, the median trust ratio ``||p|| / ||u||``, w
 norm 0, where the ratio is 1; from then on LAMB moves B by about ``lr * ||B||`` per step, so B grows by a factor
 near ``1 + lr`` per step from the first step's ``lr * ||u||``.
 
-    python benchmarks/lamb_lora_trust_ratio.py                                  # lamb_8bit at the recipe's lr
-    python benchmarks/lamb_lora_trust_ratio.py training.optim=adamw_torch       # B's norm under AdamW
-    python benchmarks/lamb_lora_trust_ratio.py training.learning_rate=0.02
+    python benchmarks/quality/lamb_lora_trust_ratio.py                                  # lamb_8bit at the recipe's lr
+    python benchmarks/quality/lamb_lora_trust_ratio.py training.optim=adamw_torch       # B's norm under AdamW
+    python benchmarks/quality/lamb_lora_trust_ratio.py training.learning_rate=0.02
 
 The per-tensor path is forced (the multi-tensor path computes the same ratios in batches) so each ratio can be
 attributed to its tensor. Prints one table; writes nothing.

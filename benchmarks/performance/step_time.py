@@ -1,8 +1,8 @@
 """Optimizer step time, side by side in one run: hf_optim vs torch.optim.AdamW and bitsandbytes, on shape sets.
 
-    python benchmarks/step_time.py                                     # CPU: every preset shape set, one table
-    python benchmarks/step_time.py --sets llama-3.2-1b-lora --steps 10 # one set
-    python benchmarks/step_time.py --device cuda --sets 4096x4096,llama-3.2-1b --dtype bf16
+    python benchmarks/performance/step_time.py  # CPU: every preset shape set, one table
+    python benchmarks/performance/step_time.py --sets llama-3.2-1b-lora --steps 10 # one set
+    python benchmarks/performance/step_time.py --device cuda --sets 4096x4096,llama-3.2-1b --dtype bf16
 
 Shape sets (``--sets``, separated by commas; a set is a preset name or shapes joined by ``+``, e.g. ``64x80+5000``):
 
@@ -42,7 +42,7 @@ import hf_optim
 
 try:
     from hf_optim.kernels.torch_path import cpu_compile, cpu_threads
-except ImportError:  # hf_optim before issue 23 (benchmarks/first_step.py compares with it): nothing to wait for
+except ImportError:  # hf_optim before issue 23 (first_step.py compares with it): nothing to wait for
     cpu_compile = cpu_threads = None
 
 LLAMA_3_2_1B = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, head_dim=64, vocab=128256)
