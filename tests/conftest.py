@@ -145,8 +145,8 @@ def cuda_scalars(monkeypatch):
 def launched(monkeypatch):
     """The fused configurations launched (``triton_elementwise.launch`` records them)."""
     from hf_optim.kernels.triton_path import elementwise as triton_elementwise
-    from hf_optim.kernels.triton_path import lamb_passes as triton_lamb
     from hf_optim.kernels.triton_path import step as triton_step
+    from hf_optim.optim.lamb import triton_passes as triton_lamb
 
     configs = []
     original = triton_elementwise.launch

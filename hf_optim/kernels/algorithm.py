@@ -76,11 +76,16 @@ class TritonPlan:
         shards: whether a shard of a sharded (DTensor) parameter can step alone; False for algorithms that
             reduce over the whole tensor (norms, statistics), whose shards take the PyTorch path.
         empty: whether a tensor with no elements can step on Triton.
+        specs: for a ``step`` of its own, the kernels its passes launch, for ahead-of-time compilation: a function
+            (or ``"module:function"``) ``specs(algorithm, formats, fused)`` returning
+            ``hf_optim.kernels.triton_path.configs.LaunchSpec``s, where ``fused`` are the algorithm's fused-kernel
+            configurations (LAMB's direction pass); None: the shared fused kernel is all it launches.
     """
 
     step: str | Callable = ELEMENTWISE
     shards: bool = True
     empty: bool = True
+    specs: str | Callable | None = None
 
     @property
     def elementwise(self) -> bool:

@@ -113,9 +113,9 @@ failed configurations the doctor and the backend's name read on machines without
 
 
 def is_triton_code(name: str) -> bool:
-    """The Triton path's modules (but :data:`GUARD`) and the algorithms' Triton rules
-    (``hf_optim/optim/<algorithm>/triton_rule.py``)."""
-    return (in_layer(name, (TRITON_PATH,)) and name != GUARD) or name.endswith(".triton_rule")
+    """The Triton path's modules (but :data:`GUARD`) and the algorithms' Triton rules and passes
+    (``hf_optim/optim/<algorithm>/triton_rule.py``, ``triton_passes.py``)."""
+    return (in_layer(name, (TRITON_PATH,)) and name != GUARD) or name.endswith((".triton_rule", ".triton_passes"))
 
 
 def test_the_kernels_folders_are_what_their_names_say():
@@ -161,11 +161,28 @@ def test_importing_the_package_loads_no_triton_code():
             "for family in hf_optim.optim.registry.families():\n"
             "    family.base(__import__('torch').nn.Linear(2, 2).parameters())\n"
             "print(sorted(m for m in sys.modules if m.startswith('hf_optim.kernels.triton_path')"
-            " or m.endswith('.triton_rule')))\n")
+            " or m.endswith(('.triton_rule', '.triton_passes'))))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_each_multi_pass_algorithm_keeps_its_triton_passes_beside_it():
+    """A built-in algorithm with passes of its own (LAMB, Adafactor) names its Triton step and their launch specs in
+    ``triton_passes.py`` of its own package, so that one algorithm is one folder."""
+    from hf_optim.optim import registry
+
+    found = []
+    for family in registry.families():
+        algorithm, package = family.algorithm, family.base.__module__
+        if not package.startswith("hf_optim.optim.") or algorithm.triton_plan.elementwise:
+            continue
+        found.append(algorithm.name)
+        assert algorithm.triton_plan.step == f"{package}.triton_passes:step", algorithm.name
+        assert algorithm.triton_plan.specs == f"{package}.triton_passes:launch_specs", algorithm.name
+        assert f"{package}.triton_passes" in MODULES
+    assert sorted(found) == ["adafactor", "lamb"]
 
 
 def test_each_elementwise_algorithm_keeps_its_triton_rule_beside_it():
@@ -221,7 +238,7 @@ def test_the_kernels_import_first_in_a_fresh_interpreter():
     """The modules that used to form a cycle (optim/base -> kernels/triton_step -> kernels/triton_adafactor ->
     optim/adafactor -> optim/base), the kernels first, then the package (one subprocess: the static check above
     covers every other order)."""
-    order = ["hf_optim.kernels.triton_path.adafactor_passes", "hf_optim.kernels.triton_path.step",
+    order = ["hf_optim.optim.adafactor.triton_passes", "hf_optim.kernels.triton_path.step",
              "hf_optim.optim.adafactor", "hf_optim.optim.base", "hf_optim"]
     code = f"import importlib\nfor name in {order!r}:\n    importlib.import_module(name)\nprint('imported')\n"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -18,6 +18,8 @@ import hf_optim
 from hf_optim.kernels import backend
 from hf_optim.kernels.torch_path import compile_guard, multi_tensor
 from hf_optim.kernels.triton_path import guard as triton_guard
+from hf_optim.optim.adafactor import triton_passes as triton_adafactor  # noqa: E402
+from hf_optim.optim.lamb import triton_passes as triton_lamb  # noqa: E402
 
 triton = pytest.importorskip("triton")
 ON_GPU = torch.cuda.is_available()
@@ -28,9 +30,7 @@ DEVICES = [
 
 from triton.compiler.errors import CompilationError  # noqa: E402
 
-from hf_optim.kernels.triton_path import adafactor_passes as triton_adafactor  # noqa: E402
 from hf_optim.kernels.triton_path import elementwise as triton_elementwise  # noqa: E402
-from hf_optim.kernels.triton_path import lamb_passes as triton_lamb  # noqa: E402
 
 SHAPES = [(40, 70), (300,), (5000,), ()]
 DTYPES = [torch.float32, torch.bfloat16, torch.float32, torch.float32]

@@ -396,7 +396,7 @@ def test_adafactor_one_launch_per_pass(device, monkeypatch, use_triton):
     (factored, unfactored), never once per tensor, and matches the PyTorch path."""
     from collections import Counter
 
-    from hf_optim.kernels.triton_path import adafactor_passes as triton_adafactor
+    from hf_optim.optim.adafactor import triton_passes as triton_adafactor
 
     launches = []
     for name in ADAFACTOR_PASSES:

@@ -2,8 +2,9 @@
 
 A :class:`LaunchSpec` is one binary as the optimizers launch it: the ``@triton.jit`` kernel, the types of its
 run-time arguments, the values of its compile-time ones and its launch options. :func:`kernel_specs` lists them
-all, built from the same configuration objects the launches use (``elementwise.FusedConfig``,
-``lamb_passes.ApplyConfig`` / ``RatioConfig``, ``adafactor_passes.AdafactorConfig``), so the compile test
+all, built from the same configuration objects the launches use (``elementwise.FusedConfig``, and the configurations
+a multi-pass algorithm's ``TritonPlan.specs`` lists from its own folder: LAMB's and Adafactor's
+``triton_passes.launch_specs``), so the compile test
 (``tests/kernels/test_gpu_static.py``) and ``benchmarks/gpu/gpu_static.py`` compile exactly what runs;
 :func:`step_specs`
 lists the kernels one step of one optimizer launches (the cold-start cost). :meth:`LaunchSpec.compile` compiles one
@@ -16,7 +17,6 @@ the state formats each runs with, e.g. ``[(f.algorithm, f.base._supported_format
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 
 from hf_optim.kernels.algorithm import Algorithm, resolve
 from hf_optim.kernels.formats import FP32, StateFormat, format_for_bits, format_named
-from hf_optim.kernels.triton_path import adafactor_passes, lamb_passes, quant4, quant8, rounding
+from hf_optim.kernels.triton_path import quant4, quant8, rounding
 from hf_optim.kernels.triton_path.elementwise import FusedConfig, _fused_update_kernel
 from hf_optim.kernels.triton_path.tile import DTYPE_NAMES, launch_options
 
@@ -171,87 +171,6 @@ def fused_configs(algorithm: Algorithm, formats: Iterable[StateFormat | str | in
     return configs
 
 
-def lamb_specs(direction_tile_blocks: Iterable[int]) -> list[LaunchSpec]:
-    """LAMB's norm and apply passes, for each tile size its direction pass uses."""
-    specs = []
-    for tile_blocks in sorted(set(direction_tile_blocks)):
-        for adapt, clamp, unorm in itertools.product((True, False), repeat=3):
-            ratio = lamb_passes.RatioConfig(adapt, clamp, tile_blocks, unorm)
-            specs.append(LaunchSpec(
-                f"{ratio.label} ({tile_blocks * 256}-element tiles)", lamb_passes._ratio_kernel,
-                {"meta": "*i64", "partials": "*fp32", "ratios": "*fp32", "max_trust_ratio": "fp32",
-                 "max_unorm": "fp32"}, ratio.constants(), ratio.num_warps, "lamb", "LAMB"))
-        for dtype in DTYPES:
-            for stochastic in (False, True) if dtype == BF16 else (False,):
-                for full in (True, False):
-                    apply = lamb_passes.ApplyConfig(dtype, full, tile_blocks, stochastic)
-                    specs.append(LaunchSpec(
-                        f"{apply.label} ({tile_blocks * 256}-element tiles)", lamb_passes._apply_kernel,
-                        {"meta": "*i64", "tiles": "*i32", "ratios": "*fp32", "lr": "fp32", **_ROUNDING},
-                        apply.constants(), apply.num_warps, "lamb", "LAMB", elements_per_program=tile_blocks * 256,
-                        main=full, param_dtype=DTYPE_NAMES[dtype]))
-    return specs
-
-
-_ADAFACTOR_SIGNATURES = {
-    "row-stats": {"meta": "*i64", "units": "*i32", "row_sums": "*fp32", "param_sq": "*fp32", "eps1": "fp32"},
-    "col-stats": {"meta": "*i64", "units": "*i32", "col_sums": "*fp32", "eps1": "fp32"},
-    "finalize": {"meta": "*i64", "units": "*i32", "row_sums": "*fp32", "param_sq": "*fp32", "col_sums": "*fp32",
-                 "row_factor": "*fp32", "col_factor": "*fp32", "lrs": "*fp32", "step_size": "fp32", "eps2": "fp32",
-                 "beta2t": "fp32", "one_minus_beta2t": "fp32"},
-    "update": {"meta": "*i64", "tiles": "*i32", "row_factor": "*fp32", "col_factor": "*fp32", "partials": "*fp32",
-               "beta2t": "fp32", "one_minus_beta2t": "fp32", "eps1": "fp32"},
-    "clip": {"meta": "*i64", "partials": "*fp32", "clip_denominators": "*fp32", "inverse_clip_threshold": "fp32"},
-    "apply": {"meta": "*i64", "tiles": "*i32", "row_factor": "*fp32", "col_factor": "*fp32",
-              "clip_denominators": "*fp32", "lrs": "*fp32", "eps1": "fp32", "negative_decay": "fp32", "qmap": "*fp32",
-              "table": "*i32", "beta1": "fp32", "one_minus_beta1": "fp32", "ordinals": "*i64", "sr_key": "*i64"},
-}
-
-
-def adafactor_specs(formats: Iterable[StateFormat | str | int] = ("fp32", "blockwise8")) -> list[LaunchSpec]:
-    """Adafactor's passes for every parameter dtype, first moment (none, or each of ``formats``), switch
-    (``scale_parameter``, weight decay) and stochastic rounding; each distinct binary once."""
-    moments = [adafactor_passes.NO_MOMENT] + [fmt.code for fmt in as_formats(formats)]
-    specs, seen = [], set()
-    for dtype in DTYPES:
-        for stochastic in (False, True) if dtype == BF16 else (False,):
-            for moment in moments:
-                for scale in (True, False):
-                    for decay in (True, False):
-                        config = adafactor_passes.AdafactorConfig(dtype, dtype, moment, scale, decay, stochastic)
-                        for name, kernel, constexprs in config.kernels():
-                            binary = (name, tuple(sorted(constexprs.items())))
-                            if binary in seen:
-                                continue
-                            seen.add(binary)
-                            label = _adafactor_label(constexprs)
-                            per_program = (adafactor_passes.TILE_BLOCKS * 256 if name in ("update", "apply")
-                                           else None)
-                            specs.append(LaunchSpec(
-                                f"adafactor/{name} {label}".strip(), kernel, _ADAFACTOR_SIGNATURES[name], constexprs,
-                                config.warps(name), "adafactor", "Adafactor", elements_per_program=per_program,
-                                param_dtype=DTYPE_NAMES[dtype] if name in ("row-stats", "apply") else None,
-                                options={key: value for key, value in
-                                         config.launch_options(name, constexprs.get("FACTORED")).items()
-                                         if key != "num_warps"}))
-    return specs
-
-
-def _adafactor_label(constexprs: dict) -> str:
-    """``bf16 grad=fp32 factored m=8bit decay scale sr``: the compile-time choices of one Adafactor pass."""
-    words = []
-    if "PARAM_DTYPE" in constexprs:
-        words.append(DTYPE_NAMES[constexprs["PARAM_DTYPE"]])
-    if "GRAD_DTYPE" in constexprs:
-        words.append(f"grad={DTYPE_NAMES[constexprs['GRAD_DTYPE']]}")
-    if "FACTORED" in constexprs:
-        words.append("factored" if constexprs["FACTORED"] else "unfactored")
-    if "M_FORMAT" in constexprs:
-        moment = constexprs["M_FORMAT"]
-        words.append("no-m" if moment == adafactor_passes.NO_MOMENT else
-                     f"m={next(f.class_suffix for f in _formats() if f.code == moment)}")
-    words += [name for name, flag in (("decay", "HAS_DECAY"), ("scale", "SCALE"), ("sr", "SR")) if constexprs.get(flag)]
-    return " ".join(words)
 
 
 def standalone_specs() -> list[LaunchSpec]:
@@ -304,17 +223,12 @@ def kernel_specs(algorithms: Iterable[tuple[Algorithm, Iterable[StateFormat | st
         arch (default 90): the compute capability (``major * 10 + minor``).
     """
     specs: list[LaunchSpec] = []
-    lamb_tiles = set()
     for algorithm, formats in algorithms:
         formats = as_formats(formats)
-        for config in fused_configs(algorithm, formats, include_unaligned=include_unaligned, arch=arch):
-            specs.append(fused_spec(algorithm, config))
-            if config.write_out:
-                lamb_tiles.add(config.tile_blocks)
-        if not algorithm.triton_plan.elementwise and resolve(algorithm.triton_plan.step) is adafactor_passes.step:
-            specs.extend(adafactor_specs(formats))
-    if lamb_tiles:
-        specs.extend(lamb_specs(lamb_tiles))
+        fused = fused_configs(algorithm, formats, include_unaligned=include_unaligned, arch=arch)
+        specs.extend(fused_spec(algorithm, config) for config in fused)
+        if algorithm.triton_plan.specs is not None:  # a multi-pass algorithm's own kernels (LAMB, Adafactor)
+            specs.extend(resolve(algorithm.triton_plan.specs)(algorithm, formats, fused))
     if standalone:
         specs.extend(standalone_specs())
     names = [spec.name for spec in specs]

@@ -7,7 +7,7 @@ in as arguments, nothing here calls the optimizer. Everything algorithm-specific
 as in the PyTorch path, passed as kernel arguments in the field order of its ``hyper`` class: nothing here reads a
 device value, so a step never waits for the GPU, and changing scalars never recompiles) and its
 :class:`~hf_optim.kernels.algorithm.TritonPlan`: one launch of the fused elementwise kernel, or the algorithm's own
-passes (LAMB: ``lamb_passes.step``; Adafactor: ``adafactor_passes.step``). Tensors whose step counters differ (a
+passes (LAMB's and Adafactor's ``triton_passes.step``, beside their algorithms). Tensors whose step counters differ (a
 parameter that had no gradient for a while) go in separate launches, one per distinct step; so do tensors whose
 kernels are specialized differently (parameter or gradient dtype, state formats: :func:`kernel_group`), since each
 compiled kernel holds exactly one such combination.

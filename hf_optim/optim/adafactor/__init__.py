@@ -4,8 +4,9 @@ This is what ``optim="adafactor"`` runs in the Trainer today (not ``torch.optim.
 variant that always uses a relative step and has no first moment). State keys match transformers, so its
 checkpoints load here.
 
-Its Triton twin is :mod:`hf_optim.kernels.triton_path.adafactor_passes` (in the kernels layer, whose
-configuration list enumerates its passes), imported only when a Triton step runs.
+Its Triton twin is :mod:`hf_optim.optim.adafactor.triton_passes`, beside this module (its ``launch_specs`` lists the
+passes' kernels for ahead-of-time compilation, through ``TritonPlan.specs``), imported only when a Triton step
+runs.
 """
 
 from __future__ import annotations
@@ -103,9 +104,10 @@ ADAFACTOR = Algorithm(
     slots=(FIRST_MOMENT,),  # only with beta1; the factored statistics are not per-element slots
     hyper=AdafactorHyper,
     hyper_at=adafactor_hyper,
-    # six passes (kernels/triton_path/adafactor_passes.py); statistics over the whole tensor: shards and empty
+    # six passes (triton_passes.py); statistics over the whole tensor: shards and empty
     # tensors take PyTorch's path
-    triton_plan=TritonPlan(step="hf_optim.kernels.triton_path.adafactor_passes:step", shards=False, empty=False),
+    triton_plan=TritonPlan(step="hf_optim.optim.adafactor.triton_passes:step", shards=False, empty=False,
+                           specs="hf_optim.optim.adafactor.triton_passes:launch_specs"),
     trainer=TrainerMapping(
         names=("adafactor", "adafactor_8bit"),
         takes_over=("adafactor",),

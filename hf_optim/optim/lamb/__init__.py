@@ -3,9 +3,9 @@
 bitsandbytes' ``LAMB`` is Adam with update-norm clipping and its ``LAMB8bit`` has no clipping at all; this is
 the algorithm users mean by LAMB, in 32-bit and 8-bit state alike.
 
-Its Triton twin: the direction rule :mod:`hf_optim.optim.lamb.triton_rule` (beside this module) and the
-trust-ratio passes :mod:`hf_optim.kernels.triton_path.lamb_passes` (in the kernels layer, whose
-configuration list enumerates them); both are imported only when a Triton step runs.
+Its Triton twin, beside this module: the direction rule :mod:`hf_optim.optim.lamb.triton_rule` and the trust-ratio
+passes :mod:`hf_optim.optim.lamb.triton_passes` (its ``launch_specs`` lists their kernels for ahead-of-time
+compilation, through ``TritonPlan.specs``); both are imported only when a Triton step runs.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ LAMB_ALGORITHM = Algorithm(
     rule=lamb_rule,
     triton_rule="hf_optim.optim.lamb.triton_rule:lamb",
     # three passes (directions, norms, apply); the norms are of the whole tensor, so shards take the PyTorch path
-    triton_plan=TritonPlan(step="hf_optim.kernels.triton_path.lamb_passes:step", shards=False),
+    triton_plan=TritonPlan(step="hf_optim.optim.lamb.triton_passes:step", shards=False,
+                           specs="hf_optim.optim.lamb.triton_passes:launch_specs"),
     trainer=TrainerMapping(
         names=("lamb", "lamb_32bit", "lamb_8bit", "paged_lamb_8bit", "paged_lamb_32bit"),
         betas=("adam_beta1", "adam_beta2"),

@@ -1,5 +1,5 @@
 """LAMB's Triton rule (the direction; the trust-ratio passes are
-:mod:`hf_optim.kernels.triton_path.lamb_passes`): the twin of :func:`hf_optim.optim.lamb.lamb_rule`, the same fp32
+:mod:`hf_optim.optim.lamb.triton_passes`): the twin of :func:`hf_optim.optim.lamb.lamb_rule`, the same fp32
 operations in the same order (conventions: :mod:`hf_optim.kernels.triton_path.exact_math`). Imported only when a Triton
 step runs.
 """

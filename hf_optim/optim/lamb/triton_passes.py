@@ -12,17 +12,23 @@ update ``lr * ratio * u`` is small next to ``p``, so parameters agree to within 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.algorithm import kernel_scalars
+from hf_optim.kernels.algorithm import Algorithm, kernel_scalars
+from hf_optim.kernels.formats import StateFormat
 from hf_optim.kernels.formats.quant8 import num_blocks
 from hf_optim.kernels.torch_path.multi_tensor import consecutive_pieces
 from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.kernels.triton_path import multi_tensor as mt
+from hf_optim.kernels.triton_path.configs import _ROUNDING, DTYPES, LaunchSpec
+from hf_optim.kernels.triton_path.configs import BF16 as BF16_CODE
+from hf_optim.kernels.triton_path.elementwise import FusedConfig
 from hf_optim.kernels.triton_path.elementwise import launch as launch_fused
 from hf_optim.kernels.triton_path.rounding import store_param
 from hf_optim.kernels.triton_path.tile import (
@@ -215,3 +221,27 @@ def step(algorithm, group: dict, key, batch: list, step: int, hyper, cache: mt.P
             rounding_args = (stochastic[0][first : first + len(bucket)], stochastic[1])
         first += len(bucket)
         apply(launch, ratios, group["lr"], update, rounding_args)
+
+
+def launch_specs(algorithm: Algorithm, formats: Sequence[StateFormat],
+                 fused: Sequence[FusedConfig]) -> list[LaunchSpec]:
+    """LAMB's norm and apply passes (``TritonPlan.specs``), for each tile size its direction pass (``fused``: the
+    fused kernel's configurations with ``write_out``) uses."""
+    specs = []
+    for tile_blocks in sorted({config.tile_blocks for config in fused if config.write_out}):
+        for adapt, clamp, unorm in itertools.product((True, False), repeat=3):
+            ratio = RatioConfig(adapt, clamp, tile_blocks, unorm)
+            specs.append(LaunchSpec(
+                f"{ratio.label} ({tile_blocks * 256}-element tiles)", _ratio_kernel,
+                {"meta": "*i64", "partials": "*fp32", "ratios": "*fp32", "max_trust_ratio": "fp32",
+                 "max_unorm": "fp32"}, ratio.constants(), ratio.num_warps, "lamb", "LAMB"))
+        for dtype in DTYPES:
+            for stochastic in (False, True) if dtype == BF16_CODE else (False,):
+                for full in (True, False):
+                    apply = ApplyConfig(dtype, full, tile_blocks, stochastic)
+                    specs.append(LaunchSpec(
+                        f"{apply.label} ({tile_blocks * 256}-element tiles)", _apply_kernel,
+                        {"meta": "*i64", "tiles": "*i32", "ratios": "*fp32", "lr": "fp32", **_ROUNDING},
+                        apply.constants(), apply.num_warps, "lamb", "LAMB", elements_per_program=tile_blocks * 256,
+                        main=full, param_dtype=DTYPE_NAMES[dtype]))
+    return specs

@@ -30,20 +30,24 @@ PyTorch path's in the last bits, and parameters agree within an ulp rather than 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.algorithm import kernel_scalars
-from hf_optim.kernels.formats import BLOCKWISE8
+from hf_optim.kernels.algorithm import Algorithm, kernel_scalars
+from hf_optim.kernels.formats import BLOCKWISE8, StateFormat, formats_by_rank
 from hf_optim.kernels.formats.blockwise8 import shared_map as shared_map8
 from hf_optim.kernels.formats.encode8 import encoder8_tables
 from hf_optim.kernels.formats.quant8 import num_blocks
 from hf_optim.kernels.state_store import slot_format
 from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.kernels.triton_path import multi_tensor as mt
+from hf_optim.kernels.triton_path.configs import BF16 as BF16_CODE
+from hf_optim.kernels.triton_path.configs import DTYPES, LaunchSpec, as_formats
+from hf_optim.kernels.triton_path.elementwise import FusedConfig
 from hf_optim.kernels.triton_path.quant8 import load_state, store_state
 from hf_optim.kernels.triton_path.rounding import store_param
 from hf_optim.kernels.triton_path.tile import (
@@ -465,3 +469,66 @@ def step(algorithm, group: dict, key, items: list, step: int, hyper, cache: mt.P
             run("apply", grid, meta, cache.units(units, TILE_BLOCKS, device, chosen), row_factor, col_factor,
                 clip_denominators, lrs, eps1, h.negative_decay, shared_map8(True, device),
                 encoder8_tables(True, device), h.beta1, h.one_minus_beta1, ordinals, sr_key, factored=factored)
+
+
+SIGNATURES = {
+    "row-stats": {"meta": "*i64", "units": "*i32", "row_sums": "*fp32", "param_sq": "*fp32", "eps1": "fp32"},
+    "col-stats": {"meta": "*i64", "units": "*i32", "col_sums": "*fp32", "eps1": "fp32"},
+    "finalize": {"meta": "*i64", "units": "*i32", "row_sums": "*fp32", "param_sq": "*fp32", "col_sums": "*fp32",
+                 "row_factor": "*fp32", "col_factor": "*fp32", "lrs": "*fp32", "step_size": "fp32", "eps2": "fp32",
+                 "beta2t": "fp32", "one_minus_beta2t": "fp32"},
+    "update": {"meta": "*i64", "tiles": "*i32", "row_factor": "*fp32", "col_factor": "*fp32", "partials": "*fp32",
+               "beta2t": "fp32", "one_minus_beta2t": "fp32", "eps1": "fp32"},
+    "clip": {"meta": "*i64", "partials": "*fp32", "clip_denominators": "*fp32", "inverse_clip_threshold": "fp32"},
+    "apply": {"meta": "*i64", "tiles": "*i32", "row_factor": "*fp32", "col_factor": "*fp32",
+              "clip_denominators": "*fp32", "lrs": "*fp32", "eps1": "fp32", "negative_decay": "fp32", "qmap": "*fp32",
+              "table": "*i32", "beta1": "fp32", "one_minus_beta1": "fp32", "ordinals": "*i64", "sr_key": "*i64"},
+}
+"""The run-time argument types of each pass's kernel, for ahead-of-time compilation."""
+
+
+def launch_specs(algorithm: Algorithm, formats: Sequence[StateFormat],
+                 fused: Sequence[FusedConfig]) -> list[LaunchSpec]:
+    """Adafactor's passes (``TritonPlan.specs``) for every parameter dtype, first moment (none, or each of
+    ``formats``), switch (``scale_parameter``, weight decay) and stochastic rounding; each distinct binary once."""
+    moments = [NO_MOMENT] + [fmt.code for fmt in as_formats(formats)]
+    specs, seen = [], set()
+    for dtype in DTYPES:
+        for stochastic in (False, True) if dtype == BF16_CODE else (False,):
+            for moment in moments:
+                for scale in (True, False):
+                    for decay in (True, False):
+                        config = AdafactorConfig(dtype, dtype, moment, scale, decay, stochastic)
+                        for name, kernel, constexprs in config.kernels():
+                            binary = (name, tuple(sorted(constexprs.items())))
+                            if binary in seen:
+                                continue
+                            seen.add(binary)
+                            label = _adafactor_label(constexprs)
+                            per_program = (TILE_BLOCKS * 256 if name in ("update", "apply")
+                                           else None)
+                            specs.append(LaunchSpec(
+                                f"adafactor/{name} {label}".strip(), kernel, SIGNATURES[name], constexprs,
+                                config.warps(name), "adafactor", "Adafactor", elements_per_program=per_program,
+                                param_dtype=DTYPE_NAMES[dtype] if name in ("row-stats", "apply") else None,
+                                options={key: value for key, value in
+                                         config.launch_options(name, constexprs.get("FACTORED")).items()
+                                         if key != "num_warps"}))
+    return specs
+
+
+def _adafactor_label(constexprs: dict) -> str:
+    """``bf16 grad=fp32 factored m=8bit decay scale sr``: the compile-time choices of one Adafactor pass."""
+    words = []
+    if "PARAM_DTYPE" in constexprs:
+        words.append(DTYPE_NAMES[constexprs["PARAM_DTYPE"]])
+    if "GRAD_DTYPE" in constexprs:
+        words.append(f"grad={DTYPE_NAMES[constexprs['GRAD_DTYPE']]}")
+    if "FACTORED" in constexprs:
+        words.append("factored" if constexprs["FACTORED"] else "unfactored")
+    if "M_FORMAT" in constexprs:
+        moment = constexprs["M_FORMAT"]
+        words.append("no-m" if moment == NO_MOMENT else
+                     f"m={next(f.class_suffix for f in formats_by_rank() if f.code == moment)}")
+    words += [name for name, flag in (("decay", "HAS_DECAY"), ("scale", "SCALE"), ("sr", "SR")) if constexprs.get(flag)]
+    return " ".join(words)
