@@ -8,8 +8,7 @@ inductor's cache (``TORCHINDUCTOR_CACHE_DIR``), Triton's cache and the temporary
 inductor keeps the precompiled headers that every cache directory of a user shares: a machine's first compilation
 builds them); ``warm`` is a second process on the same directories. The parameters are a shape set of
 ``benchmarks/performance/step_time.py`` (``quickstart-lora``: the quickstart recipe's 28 LoRA tensors;
-``llama-3.2-1b-lora``:
-Llama-3.2-1B's 224), fp32, with fixed random gradients. Per run:
+``llama-3.2-1b-lora``: Llama-3.2-1B's 224), fp32, with fixed random gradients. Per run:
 
 - ``first s``: the first ``optimizer.step()`` (wall seconds; the process's imports are not included);
 - ``N steps s``: the first ``--steps`` steps together (wall);

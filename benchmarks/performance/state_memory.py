@@ -9,8 +9,7 @@ dtype, plus its step tensors).
     python benchmarks/performance/state_memory.py --sets 4096x4096,llama-3.2-1b-lora  # step_time.py's sets
 
 With ``--sets``, each set's tensors (``benchmarks/performance/step_time.py``'s presets, fp32) get one step of random
-gradients
-with each optimizer instead of the model.
+gradients with each optimizer instead of the model.
 """
 
 from __future__ import annotations

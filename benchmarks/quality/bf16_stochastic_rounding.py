@@ -1,8 +1,8 @@
 """Does bf16 stochastic rounding bring a pure-bf16 full fine-tune's loss curve back to the fp32 one?
 
 Runs ``benchmarks/quality/bf16_full_tiny.yaml`` (the builtin tiny Llama-3-shaped model, full fine-tune, the full
-recipes'
-paged_adamw_8bit at lr 2e-5 with a cosine schedule) three times with ``hf-optim train``, same seed and data order:
+recipes' paged_adamw_8bit at lr 2e-5 with a cosine schedule) three times with ``hf-optim train``, same seed and data
+order:
 
 - ``fp32``: fp32 weights (the reference);
 - ``bf16``: pure bf16 weights, the optimizer's fp32 result rounded to nearest (what the full recipes ran);

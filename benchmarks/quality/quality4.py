@@ -9,8 +9,7 @@ Problems:
   256, lr 1e-3, weight decay 0.01, 400 steps; final loss = MSE on all 8192 points after the last step.
 - ``llama``: :func:`hf_optim.tiny.train_tiny` (a 2-layer Llama-3-shaped model, hidden 64, vocab 512, on a random
   Markov chain; what ``tests/recipes/test_finetune_quality.py`` runs), 120 steps of 8 x 32 tokens, lr 3e-3; final loss
-  = mean
-  training loss of the last 10 steps.
+  = mean training loss of the last 10 steps.
 - ``quickstart`` (only with ``--problems``): ``hf-optim train quickstart training.optim=NAME`` in this process (QLoRA
   r=32 on the builtin tiny Llama, 60 steps, lr 5e-3); final loss = mean training loss of the last 10 steps; only the
   optimizers the Trainer can name (n/a for the others).
@@ -23,8 +22,7 @@ torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_
 ``sim:`` names below.
 
 Run: ``HF_OPTIM_COMPILE=0 python benchmarks/quality/quality4.py --markdown quality4.md`` (eager steps: the rank-1
-format has no
-compiled form, and compiled and eager steps compute the same values).
+format has no compiled form, and compiled and eager steps compute the same values).
 """
 
 from __future__ import annotations

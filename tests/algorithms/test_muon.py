@@ -2,8 +2,7 @@
 its non-Muon parameters, state dicts, refusals, the estimator, and routing a model's parameters for the Trainer.
 
 What the conformance suite (tests/algorithms/test_algorithm_conformance.py) checks for every algorithm (format bounds
-of the
-momentum slot, exact resume per format, state bytes) is not repeated here.
+of the momentum slot, exact resume per format, state bytes) is not repeated here.
 """
 
 from __future__ import annotations

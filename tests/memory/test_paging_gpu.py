@@ -1,8 +1,7 @@
 """Paged optimizers on a CUDA GPU: managed state, no added synchronization, resume stays paged, eviction.
 
 Run on a GPU machine with ``python -m pytest -m gpu tests/memory/test_paging_gpu.py -q``. Every test checks the card's
-free
-memory before it asks for managed memory and asks for far less (a shared GPU can hang when managed memory is
+free memory before it asks for managed memory and asks for far less (a shared GPU can hang when managed memory is
 oversubscribed); memory pressure is made with ordinary device allocations only.
 """
 

@@ -3,9 +3,9 @@
 Status: proven, not on the optimizers' paths. The CPU path and the Triton kernels decode and encode through the map
 and the encoder table, which measured faster: compiled by inductor for an AVX2 CPU, this decode took 1.4x the map
 lookup's time and this encode 3.5x the table's (``benchmarks/performance/cpu_codec.py``; the arithmetic is 25-60
-vector operations
-per element against a lookup's eight scalar loads, while the fp32/int32 reinterpretations cost nothing measurable), and
-a Triton twin raised the 8-bit AdamW kernel from 98 to 312 instructions per element (docs/benchmarks.md).
+vector operations per element against a lookup's eight scalar loads, while the fp32/int32 reinterpretations cost nothing
+measurable), and a Triton twin raised the 8-bit AdamW kernel from 98 to 312 instructions per element
+(docs/benchmarks.md).
 
 The maps of :mod:`hf_optim.kernels.formats.dynamic_map` hold, per decade ``e`` (0..6), the fp32 midpoints of
 ``linspace(0.1, 1, n + 1)`` (``n = 2**e`` signed, ``2**(e + 1)`` unsigned) times ``10**(e - 6)``. Their values are

@@ -10,8 +10,7 @@ with bitsandbytes, and what the optimizers' PyTorch path runs); :func:`decode_bl
 the same values and codes from :mod:`codebook8`'s arithmetic, with no table (inductor's CPU code then has no
 gathers). The optimizers do not run them: compiled by inductor on an AVX2 machine the arithmetic decode took 1.4x
 the map lookup's time and the arithmetic encode 3.5x the table's (``benchmarks/performance/cpu_codec.py``). They are
-the PyTorch
-twin the tests compile and the proof runs.
+the PyTorch twin the tests compile and the proof runs.
 
 The functions work on 2-D views ``(rows, n)`` so that AdEMAMix's stacked ``(2, ...)`` state, whose rows have
 separate absmax rows, goes through the same code as every other state.

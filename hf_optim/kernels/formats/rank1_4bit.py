@@ -7,9 +7,8 @@
   column (``absmaxK_col``) of the parameter seen as :func:`~hf_optim.kernels.formats.rank1_quant4.matrix_shape`.
 
 Measured (``benchmarks/quality/quality4.py``, docs/performance.md#quality-of-quantized-state): on a 3-layer MLP
-regression where
-the torchao-compatible format ends 5-8% off 32-bit AdamW's final loss, this one ends within 1.3%; on the tiny
-fine-tunes both are within 1.5%. State: v costs 0.5 byte/element plus ``4 * (rows + cols)`` bytes, less than
+regression where the torchao-compatible format ends 5-8% off 32-bit AdamW's final loss, this one ends within 1.3%; on
+the tiny fine-tunes both are within 1.5%. State: v costs 0.5 byte/element plus ``4 * (rows + cols)`` bytes, less than
 ``blockwise4``'s 4 bytes per 128 elements for large matrices, more for small or thin ones.
 
 Limits: the column scales span the whole matrix, so a slot cannot be quantized in independent chunks

@@ -7,8 +7,8 @@ records the failures of GPU compilations, and :func:`compiles_on` is what the ba
 Inductor needs a working toolchain there (a C++ compiler on the CPU; on a
 GPU, Triton, which it generates kernels for): when a compile fails on a device, that device runs the same update
 eagerly for the rest of the process (the same rule, the same bits: ``tests/kernels/test_multi_tensor.py``) after ONE
-warning
-on the ``hf_optim`` logger (see :mod:`hf_optim.kernels.triton_path.guard` for why the logger). Only compile failures
+warning on the ``hf_optim`` logger (see :mod:`hf_optim.kernels.triton_path.guard` for why the logger). Only compile
+failures
 (dynamo's and inductor's exceptions, :data:`COMPILE_ERRORS`) fall back: they are raised before the compiled code
 runs, so no state was written; any other error propagates.
 """

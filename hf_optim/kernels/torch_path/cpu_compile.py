@@ -29,9 +29,8 @@ eagerly).
 Why switching in mid-run changes no result: eager and compiled updates compute the same bits (the rules use
 single-rounding operations only, see :mod:`hf_optim.kernels.torch_path.exact_math`; inductor compiles without
 contraction; every reduction is within one 256-element block), and ``tests/kernels/test_multi_tensor.py`` compares
-them bit for
-bit, a run that switches after its first steps included. So the step at which a run switches depends on the machine's
-speed, the optimizer's results do not, and neither do the model's.
+them bit for bit, a run that switches after its first steps included. So the step at which a run switches depends on the
+machine's speed, the optimizer's results do not, and neither do the model's.
 
 Why a process and not a thread of the training process: dynamo and inductor running in a thread beside the training
 changed the training thread's results (measured on the quickstart: the losses left the eager run's from step 5 on;
@@ -58,9 +57,8 @@ for.
 
 Compile options (:data:`INDUCTOR_OPTIONS`; the quickstart's AdamW8bit on a cold cache took 22 CPU seconds with them,
 34 with inductor's defaults, ``benchmarks/performance/first_step.py``): ``cpp.vec_isa_ok=True`` trusts the CPU's flags
-for its
-vector instruction sets instead of compiling a test program per set (an old compiler that lacks one then fails the
-kernel's own compilation: a warning, the kernel runs eagerly); ``cpp_cache_precompile_headers=False`` skips a 150 MB
+for its vector instruction sets instead of compiling a test program per set (an old compiler that lacks one then fails
+the kernel's own compilation: a warning, the kernel runs eagerly); ``cpp_cache_precompile_headers=False`` skips a 150 MB
 precompiled header that only pays off over many kernels; ``compile_threads=1``: one generated kernel per graph gains
 nothing from a pool of compile processes, and none is started.
 

@@ -37,8 +37,7 @@ answer, from Triton's compilation listener, with the seconds it took).
 
 Cost per guarded step: one extra argument binding and cache lookup per launch (the warmup), about 7 us of host
 time per launch with Triton 3.9's binder on a 2-core CPU (``benchmarks/performance/guard_overhead.py``); no device
-work and no
-synchronization.
+work and no synchronization.
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ Same rules as the PyTorch path: the scale is the exact block absmax (NaN-propaga
 and encodes the code of 0.0), values are divided with ``div_rn`` (correctly rounded, as torch), and the code is the
 number of the map's encoder thresholds at or below the quotient (``quant4.encode``). The Triton encoders reach
 that count without reading the thresholds, and are exact (``tests/formats/test_blockwise4.py`` checks every fp32 near
-each
-threshold, both signs, and the special values):
+each threshold, both signs, and the special values):
 
 - unsigned map ``k/16, k = 1..16``: its thresholds are the midpoints ``(2k + 1) / 32`` exactly, so the count is
   ``clamp(trunc(16 y - 0.5), 0, 15)``, with ``16 y - 0.5`` in one fma. ``16 y`` is exact, and ``16 y - 0.5`` is
