@@ -3,7 +3,8 @@
 A part is a sub-package (``hf_optim.kernels.formats``, ``hf_optim.optim``, ...) or a top-level module grouped with
 its kind (the command line, the start-up hooks). An arrow ``a --> b`` means some module of ``a`` imports one of ``b``,
 at module level or inside a function (a lazy import is a dependency all the same). ``docs/architecture.md`` holds the
-output, and ``tests/architecture/test_import_layers.py`` checks that it is current.
+output. ``tests/architecture/test_import_layers.py`` reads the package's imports through :func:`imports` too (its
+layering rules), and checks that the diagram is current.
 
     python tools/import_graph.py
 """
@@ -40,39 +41,59 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def part_of(module: str) -> str:
-    matches = [(len(prefix), part) for part, (_, prefixes) in PARTS.items() for prefix in prefixes
-               if module == prefix or module.startswith(prefix + ".")]
-    return max(matches)[1]
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def imported_modules(path: Path, name: str) -> set[str]:
-    """The hf_optim modules (or packages) that module ``name`` at ``path`` imports, anywhere in its body."""
+def import_nodes(name: str, module_level: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of module ``name``: all of them, or (``module_level``) only those that run when the
+    module is imported (not inside a function body)."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(), str(path))
+    if not module_level:
+        return [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
+    found, stack = [], list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def imports(name: str, module_level: bool = False) -> list[tuple[str, int]]:
+    """(imported hf_optim module, line) for every import statement of module ``name`` (``module_level``: only those
+    that run when it is imported)."""
+    path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    found = []
+    for node in import_nodes(name, module_level):
         if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "hf_optim"}
+            found += [(alias.name, node.lineno) for alias in node.names if alias.name.split(".")[0] == "hf_optim"]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
+            if node.level:  # relative: resolved against this module's package
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             if base.split(".")[0] != "hf_optim":
                 continue
             for alias in node.names:  # ``from pkg import module`` imports the module; ``from module import x`` not
                 submodule = f"{base}.{alias.name}"
-                found.add(submodule if (PACKAGE.parent / submodule.replace(".", "/")).with_suffix(".py").exists()
-                          or (PACKAGE.parent / submodule.replace(".", "/")).is_dir() else base)
+                found.append((submodule if submodule in MODULES else base, node.lineno))
     return found
+
+
+def part_of(module: str) -> str:
+    matches = [(len(prefix), part) for part, (_, prefixes) in PARTS.items() for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    return max(matches)[1]
 
 
 def edges() -> set[tuple[str, str]]:
     """(importing part, imported part) pairs, each part's own imports left out."""
     found = set()
-    for path in sorted(PACKAGE.rglob("*.py")):
-        name = module_name(path)
-        for imported in imported_modules(path, name):
+    for name in MODULES:
+        for imported, _ in imports(name):
             source, target = part_of(name), part_of(imported)
             if source != target:
                 found.add((source, target))

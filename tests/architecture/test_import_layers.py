@@ -20,56 +20,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "hf_optim"
+sys.path.insert(0, str(ROOT / "tools"))
+from import_graph import MODULES, import_nodes, imports  # noqa: E402  (tools/ is a folder of scripts)
+
 LOWER = ("hf_optim.kernels", "hf_optim.paging")
 HIGHER = ("hf_optim.optim", "hf_optim.integrations", "hf_optim.recipes", "hf_optim.monitor")
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
-
-
-def import_nodes(name: str, module_level: bool = False) -> list[ast.Import | ast.ImportFrom]:
-    """The import statements of module ``name``: all of them, or (``module_level``) only those that run when the
-    module is imported (not inside a function body)."""
-    path = MODULES[name]
-    tree = ast.parse(path.read_text(), str(path))
-    if not module_level:
-        return [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
-    found, stack = [], list(tree.body)
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            found.append(node)
-        elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-            stack.extend(ast.iter_child_nodes(node))
-    return found
-
-
-def imports(name: str, module_level: bool = False) -> list[tuple[str, int]]:
-    """(imported hf_optim module, line) for every import statement of module ``name`` (``module_level``: only those
-    that run when it is imported)."""
-    path = MODULES[name]
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = []
-    for node in import_nodes(name, module_level):
-        if isinstance(node, ast.Import):
-            found += [(alias.name, node.lineno) for alias in node.names if alias.name.split(".")[0] == "hf_optim"]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: resolved against this module's package
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            if base.split(".")[0] != "hf_optim":
-                continue
-            for alias in node.names:  # ``from pkg import module`` imports the module; ``from module import x`` not
-                submodule = f"{base}.{alias.name}"
-                found.append((submodule if submodule in MODULES else base, node.lineno))
-    return found
 
 
 def imports_triton(name: str, module_level: bool = False) -> list[int]:
