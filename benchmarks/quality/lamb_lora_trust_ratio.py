@@ -27,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 import hf_optim
 from hf_optim.optim import lamb as lamb_module
-from hf_optim.optim.base import HfOptimizer
+from hf_optim.optim.runner import Runner
 from hf_optim.recipes.api import train
 
 EVERY = 5
@@ -62,7 +62,7 @@ def main(overrides: list[str]) -> None:
                     steps[id(p)] += 1
                     norms[steps[id(p)], kinds[id(p)]].append(p.detach().float().norm().item())
 
-    original_ratio, original_update = lamb_module.trust_ratio, lamb_module.LAMB._update
+    original_ratio, original_norms = lamb_module.trust_ratio, lamb_module._norms
 
     def recorded_ratio(weight_norm, update_norm, **kwargs):
         ratio = original_ratio(weight_norm, update_norm, **kwargs)
@@ -71,13 +71,13 @@ def main(overrides: list[str]) -> None:
             ratios[steps[id(param)] + 1, kinds[id(param)]].append(ratio.item())
         return ratio
 
-    def recorded_update(self, param, grad, state, group, full=None):
-        current["param"] = param
-        return original_update(self, param, grad, state, group, full)
+    def recorded_norms(weight, direction, full=None):
+        current["param"] = weight
+        return original_norms(weight, direction, full)
 
     lamb_module.trust_ratio = recorded_ratio
-    lamb_module.LAMB._update = recorded_update
-    HfOptimizer._on_multi_tensor_path = lambda self, full, param: False  # per tensor, to attribute each ratio
+    lamb_module._norms = recorded_norms
+    Runner.on_multi_tensor_path = lambda self, full, param: False  # per tensor, to attribute each ratio
     register_optimizer_step_pre_hook(pre_hook)
     register_optimizer_step_post_hook(post_hook)
 

@@ -130,27 +130,27 @@ FINAL_MOMENTA: dict[int, torch.Tensor] = {}
 def run(name: str, seed: int, lr: str, steps: int, out: Path) -> dict:
     """One quickstart full fine-tune with 32-bit Muon whose momentum goes through scheme ``name``."""
     from hf_optim.cli import main
-    from hf_optim.optim.muon import Muon
+    from hf_optim.optim import muon as muon_module
 
-    store, original = scheme(name), Muon._muon_batch
+    store, original = scheme(name), muon_module._muon_batch
     FINAL_MOMENTA.clear()
 
-    def batch(self, group, shape, items):
-        original(self, group, shape, items)
+    def batch(ctx, group, shape, items):
+        original(ctx, group, shape, items)
         for param, _, state, _ in items:
             momentum = state["state1"]
             momentum.copy_(store(momentum.view(param.shape)).view_as(momentum))
             FINAL_MOMENTA[id(param)] = momentum.view(param.shape).clone()
 
     torch.manual_seed(seed)  # stochastic rounding's draws
-    Muon._muon_batch = batch
+    muon_module._muon_batch = batch
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             status = main(["train", "quickstart", "quantization=null", "peft=null", f"training.max_steps={steps}",
                            f"training.learning_rate={lr}", "training.optim=muon", f"training.seed={seed}",
                            "--output-dir", str(out)])
     finally:
-        Muon._muon_batch = original
+        muon_module._muon_batch = original
     if status:
         raise SystemExit(f"{name} seed {seed}: hf-optim train exited with {status} (log above)")
     return losses(out)

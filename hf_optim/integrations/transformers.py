@@ -106,14 +106,13 @@ def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None, name: st
     kwargs = optimizer_kwargs(entry, args)
     if kwargs.get("release_gradients"):
         check_release_arguments(args)
-    route = getattr(entry.cls, "route_model", None)  # Muon: which parameters take Muon, which AdamW
-    if model is not None and route is not None:
-        routes = route(model, kwargs)
-        logger.info("optim=%r routes %s", name, routes.describe())
-        if routes.muon_tensors == 0 and routes.adamw_tensors:
-            logger.warning(
-                "optim=%r: no trainable tensor takes Muon, every one steps with its AdamW rule (LoRA adapters take "
-                "AdamW by default, docs/muon_defaults.md); optim_args='muon_lora=true' sends adapters to Muon", name)
+    partition = entry.algorithm.partition  # a hybrid: mark which rule each parameter takes
+    if model is not None and partition is not None:
+        split = partition.mark_model(model, kwargs)
+        logger.info("optim=%r routes %s", name, split.describe())
+        warning = split.warning()
+        if warning:
+            logger.warning("optim=%r: %s", name, warning)
     if model is not None and entry.state_format.quantized:
         skipped = keep_embeddings_32bit(model)
         if skipped:

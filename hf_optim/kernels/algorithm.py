@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 
 from hf_optim.kernels.formats import FP32, StateFormat
 from hf_optim.kernels.formats.base import BITSANDBYTES_FORMATS
+from hf_optim.kernels.own_update import OwnUpdate
+from hf_optim.kernels.partition import Partition
 from hf_optim.kernels.state_store import StateSpec, slot_bytes
 
 ELEMENTWISE = "elementwise"
@@ -117,6 +119,10 @@ class Algorithm:
             (Adafactor's factored statistics): ``fmt`` is the optimizer's :class:`StateFormat`, ``quantized``
             whether this tensor's state is in it (else fp32); None: the slots' bytes. A hybrid algorithm's hook also
             takes ``rule=`` (the rule the optimizer gives the tensor, e.g. Muon's ``"muon"`` or ``"adamw"``).
+        update: how the algorithm updates on the PyTorch path when it is not elementwise (LAMB, Adafactor, Muon):
+            :class:`hf_optim.kernels.own_update.OwnUpdate`; None: the elementwise ``rule`` on every path.
+        partition: for a hybrid algorithm (Muon), the labelled rules its parameters are split into
+            (:class:`hf_optim.kernels.partition.Partition`); None: one rule for every parameter.
         variant_formats: the names of the formats with named classes (``<class_name><suffix>`` and their paged
             twins); default bitsandbytes' family (fp32, blockwise8); None: every registered format (a format
             registered later included). Any class runs with every format it supports through ``state_format``.
@@ -133,6 +139,8 @@ class Algorithm:
     trainer: Any = None
     state_bytes: Callable[[tuple[int, ...], bool, StateFormat], int] | None = None
     variant_formats: tuple[str, ...] | None = BITSANDBYTES_FORMATS
+    update: OwnUpdate | None = None
+    partition: Partition | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.isidentifier() or self.name != self.name.lower():

@@ -192,8 +192,8 @@ def _generated_class(algorithm: Algorithm, defaults: dict, check, module: str) -
         hyper = {name: as_tuple(value) if isinstance(value, list) else value for name, value in hyper.items()}
         HfOptimizer.__init__(self, params, hyper, **values)
 
-    def _check_group(self, group: dict) -> None:
-        HfOptimizer._check_group(self, group)
+    def validate_group(self, group: dict) -> None:
+        HfOptimizer.validate_group(self, group)
         check_lr(group["lr"])
         if check is not None:
             check(group)
@@ -203,6 +203,6 @@ def _generated_class(algorithm: Algorithm, defaults: dict, check, module: str) -
     doc = (f"The {algorithm.name!r} algorithm ({described}), registered with ``hf_optim.register_algorithm``; "
            "every state format (``state_format``), optionally paged, optionally with bf16 stochastic rounding.")
     return type(algorithm.class_name, (HfOptimizer,), {
-        "definition": algorithm, "__init__": __init__, "_check_group": _check_group, "__doc__": doc,
+        "definition": algorithm, "__init__": __init__, "validate_group": validate_group, "__doc__": doc,
         "__module__": module,
     })

@@ -25,6 +25,8 @@ from collections.abc import Iterable
 
 import torch
 
+from hf_optim.optim import sharding
+
 
 def check_release_gradients(value) -> bool:
     if not isinstance(value, bool):
@@ -131,3 +133,23 @@ class GradientRelease:
         optimizer._step_released(*location)
         p.grad = None
         self._released.add(id(p))
+
+
+def start_release(optimizer) -> GradientRelease:
+    """Hook every trainable parameter of ``optimizer``, after refusing what gradient release cannot run
+    correctly."""
+    name = type(optimizer).__name__
+    reason = release_unsupported_reason()
+    if reason is not None:
+        raise ValueError(f"{name}: {reason}")
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if sharding.is_dtensor(p):
+                raise ValueError(
+                    f"{name}: release_gradients does not support sharded (DTensor) parameters: FSDP2 "
+                    "reduce-scatters their gradients outside the hooks. Turn release_gradients off"
+                )
+    release = GradientRelease(optimizer)
+    for group in optimizer.param_groups:
+        release.watch(group["params"])
+    return release

@@ -155,8 +155,8 @@ def largest_local_numel(param) -> int:
 
 @dataclass(frozen=True)
 class PerShard:
-    """What ``_state_dims`` returns for state counted on the LOCAL shard (blockwise absmax vectors, packed 4-bit
-    codes): ``length(local numel)`` entries per row, saved as one zero-padded row per shard."""
+    """What a state layout (``Rules.state_dims``) returns for state counted on the LOCAL shard (blockwise absmax
+    vectors, packed 4-bit codes): ``length(local numel)`` entries per row, saved as one zero-padded row per shard."""
 
     length: Callable[[int], int]
 

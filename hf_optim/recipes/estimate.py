@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_optim.integrations.names import OPTIMIZER_NAMES
-from hf_optim.optim.muon.routing import MUON_ROUTE_ATTR, route_model
+from hf_optim.optim.registry import families
 from hf_optim.recipes.schema import Recipe
 
 MIN_8BIT_SIZE = 4096
@@ -56,14 +56,15 @@ def known_architecture(model_id: str) -> dict | None:
 
 @dataclass
 class TensorCount:
-    """One trainable tensor: elements, bytes per element, whether it is an ``nn.Embedding`` weight, and its route
-    for hybrid Muon (:func:`hf_optim.optim.muon.routing.route_model`: ``"muon"``, ``"adamw"`` or ``"lora"``)."""
+    """One trainable tensor: elements, bytes per element, whether it is an ``nn.Embedding`` weight, and the mark
+    each hybrid algorithm's partition put on it (by algorithm name; see
+    :attr:`hf_optim.kernels.partition.Partition.mark_model`)."""
 
     numel: int
     element_size: int
     shape: tuple[int, ...]
     embedding: bool
-    route: str | None = None
+    marks: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -115,22 +116,28 @@ def state_bytes(optim: str, tensors: list[TensorCount], optim_args: str | None =
         count = TORCH_STATE_COUNT.get(optim)
         return None if count is None else sum(count * t.numel * t.element_size for t in tensors)
     algorithm = entry.algorithm
-    rule_for = getattr(entry.cls, "rule_for", None)  # a hybrid optimizer (Muon): the rule of each tensor
-    kwargs = _typed_optim_args(entry, optim_args) if rule_for else {}
+    partition = algorithm.partition  # a hybrid: the rule each tensor takes
+    kwargs = _typed_optim_args(entry, optim_args) if partition else {}
     total = 0
     for t in tensors:
         quantized = entry.state_format.quantized and t.numel >= MIN_8BIT_SIZE and not t.embedding
-        rule = rule_for(t.route, len(t.shape), kwargs) if rule_for else None
+        rule = partition.label_for_mark(t.marks.get(algorithm.name), len(t.shape), kwargs) if partition else None
         total += algorithm.bytes_per_tensor(t.shape, quantized, entry.state_format, rule=rule)
     return total
 
 
 def trainable_tensors(model: torch.nn.Module) -> list[TensorCount]:
-    """The trainable tensors of ``model`` (a tied weight once), with their routes for hybrid Muon."""
+    """The trainable tensors of ``model`` (a tied weight once), with the marks of every hybrid algorithm's
+    partition (which rule each tensor would take)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    route_model(model)  # marks each trainable parameter's route (an attribute only Muon reads)
-    return [TensorCount(p.numel(), p.element_size(), tuple(p.shape), id(p) in embeddings,
-                        getattr(p, MUON_ROUTE_ATTR, None)) for p in model.parameters() if p.requires_grad]
+    partitions = {f.algorithm.name: f.algorithm.partition for f in families() if f.algorithm.partition is not None}
+    marks: dict[int, dict[str, str | None]] = {}
+    for name, partition in partitions.items():
+        partition.mark_model(model, {})  # an attribute on each trainable parameter, read only by that algorithm
+        for p in model.parameters():
+            marks.setdefault(id(p), {})[name] = getattr(p, partition.mark_attr, None)
+    return [TensorCount(p.numel(), p.element_size(), tuple(p.shape), id(p) in embeddings, marks.get(id(p), {}))
+            for p in model.parameters() if p.requires_grad]
 
 
 def _typed_optim_args(entry, optim_args: str | None) -> dict:

@@ -135,7 +135,7 @@ def test_triton_twin_matches_the_pytorch_rule(example, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     optimizer = run(example.Signum8bit, triton_params)
     assert "backend=triton" in repr(optimizer)
-    assert all(optimizer._triton_eligible(p, sharded=False) for p in triton_params)
+    assert all(optimizer._rules.main.triton_eligible(p, sharded=False) for p in triton_params)
     for p, q in zip(params, triton_params):
         assert torch.equal(p, q)  # the same fp32 operations in the same order
         for key in ("state1", "absmax1"):

@@ -45,8 +45,8 @@ def test_the_walk_sees_the_package():
     assert len(MODULES) > 50 and "hf_optim.kernels.triton_path.step" in MODULES
     targets = {target for target, _ in imports("hf_optim.optim.adamw")}
     assert {"hf_optim.kernels.algorithm", "hf_optim.kernels.torch_path.exact_math", "hf_optim.optim.base"} <= targets
-    # lazy (function-level) imports count: dispatch imports triton_step inside _update_group
-    assert "hf_optim.kernels.triton_path.step" in {target for target, _ in imports("hf_optim.optim.dispatch")}
+    # lazy (function-level) imports count: the runner imports triton_step inside triton_plans
+    assert "hf_optim.kernels.triton_path.step" in {target for target, _ in imports("hf_optim.optim.runner")}
 
 
 def test_lower_layers_never_import_higher_ones():
@@ -79,9 +79,10 @@ def test_the_kernels_folders_are_what_their_names_say():
     assert folders == {"hf_optim.kernels", "hf_optim.kernels.formats", "hf_optim.kernels.torch_path", TRITON_PATH}
     top = {name for name in MODULES if name.rpartition(".")[0] == "hf_optim.kernels"
            and MODULES[name].name != "__init__.py"}
-    assert top == {"hf_optim.kernels.algorithm", "hf_optim.kernels.backend", "hf_optim.kernels.state_store"}, \
-        "hf_optim/kernels/ keeps only the algorithm description, the state bookkeeping and the backend choice at " \
-        "its top; put a new module in formats/, torch_path/ or triton_path/"
+    description = {"hf_optim.kernels.algorithm", "hf_optim.kernels.own_update", "hf_optim.kernels.partition"}
+    assert top == description | {"hf_optim.kernels.backend", "hf_optim.kernels.state_store"}, \
+        "hf_optim/kernels/ keeps only the algorithm description (with its own update and partition), the state " \
+        "bookkeeping and the backend choice at its top; put a new module in formats/, torch_path/ or triton_path/"
     # every module of triton_path/ but the guard imports triton when imported
     without = {name for name in MODULES if in_layer(name, (TRITON_PATH,)) and MODULES[name].name != "__init__.py"
                and not imports_triton(name, module_level=True)
@@ -102,7 +103,7 @@ def test_formats_and_the_torch_path_never_import_triton():
 
 def test_triton_code_is_imported_only_when_a_triton_step_runs():
     """Outside triton_path/ and the Triton rules, no module imports them, or triton, at module level: they are
-    imported by the step that needs them (``hf_optim.optim.dispatch``) or named as ``"module:attribute"``."""
+    imported by the step that needs them (``hf_optim.optim.runner``) or named as ``"module:attribute"``."""
     bad = [f"{MODULES[name].relative_to(ROOT)}:{line} imports {target} at module level"
            for name in MODULES if not is_triton_code(name)
            for target, line in imports(name, module_level=True) if is_triton_code(target)]

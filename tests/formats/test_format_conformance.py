@@ -23,7 +23,7 @@ from hf_optim.kernels.formats import FORMATS, StateFormat, formats_by_rank, load
 from hf_optim.kernels.formats.base import StateDictError
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.kernels.triton_path.configs import fused_configs
-from hf_optim.optim import dispatch, registry
+from hf_optim.optim import fast_paths, registry
 from hf_optim.paging import is_paged_tensor, state_allocator
 
 REGISTERED = [fmt.name for fmt in formats_by_rank()]
@@ -179,9 +179,9 @@ def test_triton_interpreter_twin_equals_pytorch(name, monkeypatch, use_triton, c
         pytest.skip(f"no registered algorithm has a Triton rule for {name}")  # not a registered format's case today
     ref_opt, ref_params = run_twin(family.base, fmt, "torch", monkeypatch)
     assert launched == []
-    monkeypatch.setattr(dispatch, "_told_no_triton", set())
+    monkeypatch.setattr(fast_paths, "_told_no_triton", set())
     told: list[str] = []
-    monkeypatch.setattr(dispatch.logger, "warning", lambda message, *args: told.append(message % args))
+    monkeypatch.setattr(fast_paths.logger, "warning", lambda message, *args: told.append(message % args))
     opt, params = run_twin(family.base, fmt, "triton", monkeypatch)
     assert "backend=triton" in repr(opt)
     launched_codes = {code for config in launched for code in config.formats}

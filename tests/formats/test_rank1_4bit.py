@@ -18,6 +18,7 @@ from hf_optim.kernels.formats.quant4 import encoder_thresholds, qmap4
 from hf_optim.kernels.formats.rank1_4bit import RANK1_4BIT
 from hf_optim.kernels.state_store import slot_format
 from hf_optim.optim.overrides import PARAM_OVERRIDES_ATTR
+from hf_optim.optim.runner import Runner
 
 LINEAR = qmap4(False)
 
@@ -198,12 +199,12 @@ def test_its_tensors_step_one_by_one_beside_flat_buffers_and_equal_the_per_tenso
     params[1].__dict__[PARAM_OVERRIDES_ATTR] = {"state_format": "blockwise8"}
     opt = hf_optim.AdamW4bitRank1(params, lr=1e-2)
     steps(opt, params, 3)
-    located = [opt._flat.locate(p, opt.state[p]) is not None for p in params]
+    located = [opt._store.locate(p, opt.state[p]) is not None for p in params]
     assert located == [False, True, True]  # rank1 (per tensor), blockwise8 override and fp32 (flat buffers)
     assert slot_format(opt.state[params[0]], opt.state_specs[1]) is RANK1_4BIT
     assert slot_format(opt.state[params[1]], opt.state_specs[1]).name == "blockwise8"
 
-    monkeypatch.setattr(hf_optim.HfOptimizer, "_on_multi_tensor_path", lambda self, full, param: False)
+    monkeypatch.setattr(Runner, "on_multi_tensor_path", lambda self, full, param: False)
     ref = [torch.nn.Parameter(t.clone()) for t in start]
     ref[1].__dict__[PARAM_OVERRIDES_ATTR] = {"state_format": "blockwise8"}
     ref_opt = hf_optim.AdamW4bitRank1(ref, lr=1e-2)
@@ -219,7 +220,7 @@ def test_a_group_override_to_rank1_on_an_8bit_optimizer_steps_it_per_tensor():
     opt = hf_optim.AdamW8bit(params, lr=1e-2)
     steps(opt, params, 2)
     assert slot_format(opt.state[params[0]], opt.state_specs[1]) is RANK1_4BIT
-    assert [opt._flat.locate(p, opt.state[p]) is not None for p in params] == [False, True]
+    assert [opt._store.locate(p, opt.state[p]) is not None for p in params] == [False, True]
 
 
 def test_paged_class_and_trainer_names():
@@ -247,7 +248,7 @@ def test_no_flat_buffer_form():
 def test_on_cuda_triton_leaves_its_tensors_to_the_pytorch_path_says_so_once_and_matches_it(monkeypatch):
     """On a GPU the rank-1 tensors step on the PyTorch path (no Triton twin) with the same result as the torch
     backend, bit for bit; the small fp32-state tensor still runs on Triton."""
-    from hf_optim.optim import dispatch
+    from hf_optim.optim import fast_paths
 
     shapes = [(256, 384), (37,)]
     gen = torch.Generator().manual_seed(5)
@@ -264,9 +265,9 @@ def test_on_cuda_triton_leaves_its_tensors_to_the_pytorch_path_says_so_once_and_
             opt.step()
         return opt, params
 
-    monkeypatch.setattr(dispatch, "_told_no_triton", set())
+    monkeypatch.setattr(fast_paths, "_told_no_triton", set())
     told: list[str] = []
-    monkeypatch.setattr(dispatch.logger, "warning", lambda message, *args: told.append(message % args))
+    monkeypatch.setattr(fast_paths.logger, "warning", lambda message, *args: told.append(message % args))
     ref_opt, ref = run("torch")
     assert told == []
     opt, got = run("triton")

@@ -30,7 +30,7 @@ from hf_optim.kernels.torch_path import (
     multi_tensor,
 )
 from hf_optim.optim.adamw import adamw_rule
-from hf_optim.optim.base import HfOptimizer
+from hf_optim.optim.runner import Runner
 
 SHAPES = [(64, 80), (5000,), (300,), (9000,), (16, 200)]
 
@@ -550,7 +550,7 @@ def test_compiled_one_thread_and_all_threads_compute_the_same_bits(monkeypatch):
 
 
 def test_per_tensor_path_uses_the_same_policy(stand_in, monkeypatch):
-    monkeypatch.setattr(HfOptimizer, "_on_multi_tensor_path", lambda self, full, param: False)
+    monkeypatch.setattr(Runner, "on_multi_tensor_path", lambda self, full, param: False)
     expected, _ = reference(hf_optim.AdamW8bit, 2, monkeypatch)
     fake = StandIn()
     monkeypatch.setattr(cpu_compile, "_twin", fake.twin)

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 
 import hf_optim
 from hf_optim.kernels.torch_path import cpu_compile, cpu_threads, multi_tensor
-from hf_optim.optim.base import HfOptimizer
+from hf_optim.optim.runner import Runner
 
 # Sizes below and above min_8bit_size (so 8-bit and 32-bit state share a group), not multiples of 256, empty,
 # 0-d, and several larger than the (shrunk) chunk so that tensors straddle chunks and fill chunks by themselves.
@@ -40,7 +40,7 @@ def small_chunks(monkeypatch):
 
 
 def per_tensor_path(monkeypatch):
-    monkeypatch.setattr(HfOptimizer, "_on_multi_tensor_path", lambda self, full, param: False)
+    monkeypatch.setattr(Runner, "on_multi_tensor_path", lambda self, full, param: False)
 
 
 def mixed_params():
@@ -103,9 +103,9 @@ def test_multi_tensor_equals_per_tensor_eager(cls, kwargs, compiled, monkeypatch
     assert_same(reference, candidate)
     params, opt = candidate
     # every non-empty parameter, the loaded and the late ones included, took the flat path
-    assert all(opt._flat.locate(p, opt.state[p]) is not None for p in params if p.numel())
+    assert all(opt._store.locate(p, opt.state[p]) is not None for p in params if p.numel())
     ref_params, ref_opt = reference
-    assert not any(ref_opt._flat.locate(p, ref_opt.state[p]) for p in ref_params)
+    assert not any(ref_opt._store.locate(p, ref_opt.state[p]) for p in ref_params)
 
 
 def test_group_state_is_one_flat_buffer_per_layout(monkeypatch):
@@ -113,7 +113,7 @@ def test_group_state_is_one_flat_buffer_per_layout(monkeypatch):
     opt = hf_optim.AdamW8bit(params)
     set_grads(params, 0)
     opt.step()
-    buffers = {id(opt._flat.locate(p, opt.state[p])[0]) for p in params}
+    buffers = {id(opt._store.locate(p, opt.state[p])[0]) for p in params}
     assert len(buffers) == 2  # 8-bit state for the large tensors, fp32 for those below min_8bit_size
     state = opt.state[params[0]]
     assert state["state1"].dtype == torch.uint8 and state["state1"].shape == params[0].shape

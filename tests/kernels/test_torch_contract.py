@@ -18,7 +18,8 @@ from helpers import ALL_CLASSES
 
 import hf_optim
 from hf_optim.kernels.formats import dynamic_map as dynamic_maps
-from hf_optim.optim.base import ALGORITHM_KEY, QUANT_STATE_KEY, HfOptimizer
+from hf_optim.optim.base import ALGORITHM_KEY, QUANT_STATE_KEY
+from hf_optim.optim.runner import Runner
 
 IDS = [cls.__name__ for cls in ALL_CLASSES]
 BASE_CLASSES = {hf_optim.AdamW, hf_optim.AdEMAMix, hf_optim.LAMB, hf_optim.Lion, hf_optim.RMSprop, hf_optim.Adafactor}
@@ -468,7 +469,7 @@ def test_8bit_state_created_in_a_compiled_step_breaks_no_graph_once_the_maps_exi
     monkeypatch.setattr(dynamic_maps, "_built", {})  # as in a fresh process
     # The per-tensor path (GPUs, sharded parameters) creates state inside the graph. The CPU's multi-tensor path
     # runs outside it on purpose (it compiles its own kernels), which is a deliberate break, not this one.
-    monkeypatch.setattr(HfOptimizer, "_on_multi_tensor_path", lambda self, full, param: False)
+    monkeypatch.setattr(Runner, "on_multi_tensor_path", lambda self, full, param: False)
     for expected_breaks in (True, False):
         torch._dynamo.reset()
         counters.clear()

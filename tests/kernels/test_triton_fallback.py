@@ -20,6 +20,7 @@ from hf_optim.kernels.torch_path import compile_guard, multi_tensor
 from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.optim.adafactor import triton_passes as triton_adafactor  # noqa: E402
 from hf_optim.optim.lamb import triton_passes as triton_lamb  # noqa: E402
+from hf_optim.optim.runner import Runner
 
 triton = pytest.importorskip("triton")
 ON_GPU = torch.cuda.is_available()
@@ -163,19 +164,19 @@ def test_fallback_mid_run_keeps_the_state_the_triton_path_made(cls, kwargs, modu
         triton_guard.reset()
         with monkeypatch.context() as patch:
             if reference:
-                patch.setattr(hf_optim.HfOptimizer, "_multi_tensor_eligible", lambda self, full, param: False)
+                patch.setattr(Runner, "multi_tensor_eligible", lambda self, full, param: False)
             before = []
             fail_warmup(patch, module, kernel, armed=lambda before=before: len(before) > 2)  # from the third step
             params = make_params(device)
             opt = cls(params, **kwargs)
             entry_states = []
-            update_fallback = opt._update_fallback
+            update_fallback = opt._rules.main.update_fallback
 
             def spy(group, items, update_fallback=update_fallback, opt=opt, params=params, entry_states=entry_states):
                 entry_states.append({id(p): copy.deepcopy(opt.state[p]) for p in params})
                 update_fallback(group, items)
 
-            patch.setattr(opt, "_update_fallback", spy)
+            patch.setattr(opt._rules.main, "update_fallback", spy)
             for step in range(4):
                 before.append({id(p): copy.deepcopy(opt.state[p]) for p in params})
                 set_grads(params, step)
@@ -191,7 +192,7 @@ def test_fallback_mid_run_keeps_the_state_the_triton_path_made(cls, kwargs, modu
     (opt, params), (ref_opt, ref_params) = runs[False], runs[True]
     assert_identical(opt, params, ref_opt, ref_params)
     if cls is not hf_optim.Adafactor:  # its state is not in flat buffers (factored statistics)
-        assert all(opt._flat.locate(p, opt.state[p]) is not None for p in params)
+        assert all(opt._store.locate(p, opt.state[p]) is not None for p in params)
     # once per failed configuration (one per kernel group of the tensors) and run (the guard was reset between them)
     assert failed >= 2 and len(fallback_warnings(hf_optim_records)) == failed
 

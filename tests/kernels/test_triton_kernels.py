@@ -478,7 +478,7 @@ def test_sharded_parameters_update_their_local_shard(cls, device, monkeypatch, u
         assert opt.state[full]["state1"].shape == (4, 1100) and opt.state[full]["state1"].dtype == torch.uint8
         results.append((opt, full))
     (ref_opt, ref), (opt, fused) = results
-    assert opt._triton_eligible(fused._shard, sharded=True) is (cls is hf_optim.AdamW8bit)
+    assert opt._rules.main.triton_eligible(fused._shard, sharded=True) is (cls is hf_optim.AdamW8bit)
     assert_params_close(fused._shard, ref._shard, "local shard", steps=1)
     assert torch.equal(opt.state[fused]["state1"], ref_opt.state[ref]["state1"])
 
@@ -494,7 +494,7 @@ def test_non_contiguous_parameters_take_the_pytorch_path(device, monkeypatch, us
         assert not param.is_contiguous()
         param.grad = torch.ones_like(param)
         opt = hf_optim.AdamW8bit([param], min_8bit_size=16)
-        assert opt._triton_eligible(param, sharded=False) is False
+        assert opt._rules.main.triton_eligible(param, sharded=False) is False
         opt.step()
         results.append(param)
     assert torch.equal(results[0], results[1])
@@ -512,8 +512,8 @@ def test_subclass_with_its_own_rule_takes_the_pytorch_path(device, use_triton):
     param = torch.nn.Parameter(torch.zeros(10, device=device))
     param.grad = torch.arange(10.0, device=device) - 4.5
     opt = SignSGD([param], lr=0.5)
-    assert opt._triton_eligible(param, sharded=False) is False
-    assert hf_optim.Lion8bit([param])._triton_eligible(param, sharded=False) is True
+    assert opt._rules.main.triton_eligible(param, sharded=False) is False
+    assert hf_optim.Lion8bit([param])._rules.main.triton_eligible(param, sharded=False) is True
     opt.step()
     assert torch.equal(param.detach(), -0.5 * torch.sign(param.grad))
 

@@ -136,9 +136,9 @@ def test_steps_with_new_gradients_reuse_the_plan(use_triton):
             p.grad = g
         opt.step()
         if step == 1:
-            built = opt._triton_plans.builds
-    assert opt._triton_plans.builds == built == 1
-    (plan,) = opt._triton_plans._plans.values()
+            built = opt._rules.main.triton_plans.builds
+    assert opt._rules.main.triton_plans.builds == built == 1
+    (plan,) = opt._rules.main.triton_plans._plans.values()
     tables = [row for batch in plan.batches for row in batch.launch.meta.cpu().tolist()]
     assert sorted(row[triton_step.mt.GRAD] for row in tables) == sorted(p.grad.data_ptr() for p in params)
 
@@ -154,6 +154,6 @@ def test_state_moved_by_a_loaded_state_dict_is_what_the_kernels_update(use_trito
         opt.step()
     opt.load_state_dict(opt.state_dict())
     opt.step()
-    (plan,) = opt._triton_plans._plans.values()
+    (plan,) = opt._rules.main.triton_plans._plans.values()
     addresses = {row[triton_step.mt.VALUES] for batch in plan.batches for row in batch.launch.meta.cpu().tolist()}
     assert addresses == {opt.state[p]["state1"].data_ptr() for p in params}

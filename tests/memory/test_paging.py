@@ -17,7 +17,8 @@ from helpers import ALL_CLASSES, make_params, run_steps
 
 import hf_optim
 import hf_optim.paging as paging
-from hf_optim.optim.base import QUANT_STATE_KEY, HfOptimizer
+from hf_optim.optim.base import QUANT_STATE_KEY
+from hf_optim.optim.runner import Runner
 from hf_optim.paging import managed
 
 PAGED = [cls for cls in ALL_CLASSES if cls.__name__.startswith("Paged")]
@@ -87,7 +88,7 @@ def fake_managed(monkeypatch):
     monkeypatch.setattr(managed, "runtime", lambda: None)
     # Paging is real only on CUDA, where state is per tensor (Triton or the per-tensor PyTorch path); these CPU
     # stand-ins must not take the CPU's multi-tensor path, which keeps a group's state in one flat buffer.
-    monkeypatch.setattr(HfOptimizer, "_on_multi_tensor_path", lambda self, full, param: False)
+    monkeypatch.setattr(Runner, "on_multi_tensor_path", lambda self, full, param: False)
     monkeypatch.setattr(managed, "managed_zeros", fake_zeros)
     monkeypatch.setattr(managed, "prefetch", fake_prefetch)
     FREE["bytes"] = PLENTY

@@ -13,11 +13,11 @@ the tiny fine-tunes both are within 1.5%. State: v costs 0.5 byte/element plus `
 
 Limits: the column scales span the whole matrix, so a slot cannot be quantized in independent chunks
 (:attr:`whole_tensor`): this format has no flat-buffer (multi-tensor) form and no Triton twin (:attr:`triton` is
-False); the optimizers step its tensors one by one on the PyTorch path (``optim/dispatch.py``), also on a GPU, and
-its :meth:`flat_buffers` and friends raise. ``multi_tensor.step_tensor`` steps it eagerly over the whole tensor, with
-fp32 temporaries the size of the parameter (the chunked paths bound theirs). Kernels take a slot as
-``[codes as int8, scale A, scale B, qmap, encoder thresholds]``: for a signed slot A is the per-block absmax and B is
-empty, for an unsigned slot A and B are the row and column scales.
+False); the optimizers step its tensors one by one on the PyTorch path (``optim/runner.py``), also on a GPU, and its
+:meth:`flat_buffers` and friends raise. ``multi_tensor.step_tensor`` steps it eagerly over the whole tensor, with
+fp32 temporaries the size of the parameter (the chunked paths bound theirs). Kernels take a slot as ``[codes as int8,
+scale A, scale B, qmap, encoder thresholds]``: for a signed slot A is the per-block absmax and B is empty, for an
+unsigned slot A and B are the row and column scales.
 
 Which algorithms: only those with an unsigned (second-moment) slot (:meth:`suits`): AdamW, AdEMAMix and LAMB. A
 signed slot is stored exactly as ``blockwise4`` stores it (:meth:`stored_as`; a loaded state's first moment is

@@ -158,7 +158,7 @@ def fused_configs(algorithm: Algorithm, formats: Iterable[StateFormat | str | in
     signed = tuple(spec.signed for spec in algorithm.slots for _ in range(spec.rows))
     configs = []
     for fmt in as_formats([*formats, FP32]):
-        if not fmt.triton:  # stepped on the PyTorch path (optim/dispatch.py): no kernel of its own
+        if not fmt.triton:  # stepped on the PyTorch path (optim/runner.py): no kernel of its own
             continue
         codes = (fmt.code,) * len(signed)
         for dtype in DTYPES:

@@ -1,14 +1,14 @@
 """One optimizer step of a param group on the Triton kernels: a launch (or one per pass) for all its tensors.
 
-The optimizer (``hf_optim.optim.dispatch``) owns a :class:`TritonPlans`, the cache of its launch plans, and steps a
-call's tensors with ``plans.prepare(...)`` then ``.run(group, hypers, ordinals)``: everything the kernels need comes
-in as arguments, nothing here calls the optimizer. Everything algorithm-specific comes from its description (an
-:class:`~hf_optim.kernels.algorithm.Algorithm`): its Triton rule, its scalars (computed on the host by the optimizer
-as in the PyTorch path, passed as kernel arguments in the field order of its ``hyper`` class: nothing here reads a
-device value, so a step never waits for the GPU, and changing scalars never recompiles) and its
+Each runner of an optimizer (``hf_optim.optim.runner``) owns a :class:`TritonPlans`, the cache of its launch plans,
+and steps a call's tensors with ``plans.prepare(...)`` then ``.run(group, hypers, ordinals)``: everything the kernels
+need comes in as arguments, nothing here calls the optimizer. Everything algorithm-specific comes from its
+description (an :class:`~hf_optim.kernels.algorithm.Algorithm`): its Triton rule, its scalars (computed on the host
+by the optimizer as in the PyTorch path, passed as kernel arguments in the field order of its ``hyper`` class:
+nothing here reads a device value, so a step never waits for the GPU, and changing scalars never recompiles) and its
 :class:`~hf_optim.kernels.algorithm.TritonPlan`: one launch of the fused elementwise kernel, or the algorithm's own
-passes (LAMB's and Adafactor's ``triton_passes.step``, beside their algorithms). Tensors whose step counters differ (a
-parameter that had no gradient for a while) go in separate launches, one per distinct step; so do tensors whose
+passes (LAMB's and Adafactor's ``triton_passes.step``, beside their algorithms). Tensors whose step counters differ
+(a parameter that had no gradient for a while) go in separate launches, one per distinct step; so do tensors whose
 kernels are specialized differently (parameter or gradient dtype, state formats: :func:`kernel_group`), since each
 compiled kernel holds exactly one such combination.
 
@@ -19,7 +19,7 @@ gradient addresses into the tables (:class:`TritonPlans` lists what is checked).
 What takes the PyTorch path instead, with identical math: non-contiguous parameters; algorithms with no Triton
 rule or plan; shards of sharded (DTensor) parameters when the plan reduces over the whole tensor (LAMB's norms,
 Adafactor's statistics); empty parameters when the plan cannot take them (Adafactor: nothing to reduce);
-optimizers whose class replaces the algorithm's ``rule`` or ``_update`` (the optimizer does not send them here);
+optimizers whose class replaces the algorithm's ``rule`` (the optimizer does not send them here);
 tensors of 2^31 elements or more (the kernels index elements with 32-bit offsets).
 """
 

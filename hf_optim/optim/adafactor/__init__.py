@@ -19,6 +19,7 @@ import torch
 
 from hf_optim.kernels.algorithm import Algorithm, TritonPlan, fp32_reciprocal
 from hf_optim.kernels.formats import FP32, StateFormat, loaded_format
+from hf_optim.kernels.own_update import OwnUpdate
 from hf_optim.kernels.state_store import StateSpec, init_slot, read_slot, slot_bytes, write_slot
 from hf_optim.kernels.torch_path import rounding
 from hf_optim.optim import sharding
@@ -98,26 +99,6 @@ def _trainer_adjust(kwargs: dict, args, betas: list, optim_args: dict, state_for
         kwargs["lr"] = None
 
 
-ADAFACTOR = Algorithm(
-    name="adafactor",
-    class_name="Adafactor",
-    slots=(FIRST_MOMENT,),  # only with beta1; the factored statistics are not per-element slots
-    hyper=AdafactorHyper,
-    hyper_at=adafactor_hyper,
-    # six passes (triton_passes.py); statistics over the whole tensor: shards and empty
-    # tensors take PyTorch's path
-    triton_plan=TritonPlan(step="hf_optim.optim.adafactor.triton_passes:step", shards=False, empty=False,
-                           specs="hf_optim.optim.adafactor.triton_passes:launch_specs"),
-    trainer=TrainerMapping(
-        names=("adafactor", "adafactor_8bit"),
-        takes_over=("adafactor",),
-        fixed={"scale_parameter": False, "relative_step": False},
-        adjust=_trainer_adjust,
-    ),
-    state_bytes=adafactor_state_bytes,
-)
-
-
 def finite_mask(grad: torch.Tensor) -> torch.Tensor | None:
     """Where ``grad`` is finite, or None when it is finite everywhere (then no element needs skipping). On CPU one
     sum decides: a sum is NaN or infinite whenever an element is (a sum of finite values that overflows only takes
@@ -151,6 +132,171 @@ SCHEDULER_REFUSAL = (
     "AdafactorSchedule drives transformers' Adafactor), or Adafactor(relative_step=False, lr=...) to schedule a "
     "learning rate"
 )
+
+
+class _LocalStatistics:
+    """Means and RMS of a whole (unsharded) parameter: the exact operations of transformers' Adafactor."""
+
+    @staticmethod
+    def rms(tensor: torch.Tensor) -> torch.Tensor:
+        return rms(tensor)
+
+    @staticmethod
+    def mean(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return tensor.mean(dim=dim)
+
+    @staticmethod
+    def row_mean(row: torch.Tensor) -> None:
+        return None  # factored_inverse_sqrt takes the mean itself
+
+
+class _ShardedStatistics:
+    """The same statistics of a sharded parameter ``full``: local sums all-reduced over the shard group and
+    divided by global sizes (a mean over dimension ``d`` of the gradient is over parameter dimension ``d``)."""
+
+    def __init__(self, full) -> None:
+        self.full = full
+
+    def rms(self, tensor: torch.Tensor) -> torch.Tensor:
+        return sharding.rms(tensor, self.full)
+
+    def mean(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return sharding.mean(tensor, dim, self.full, dim)
+
+    def row_mean(self, row: torch.Tensor) -> torch.Tensor:
+        # row statistics drop the parameter's last dimension: their last dimension is parameter dim -2
+        return sharding.mean(row, -1, self.full, -2, keepdim=True)
+
+
+def init_adafactor_state(ctx, full: torch.Tensor, group: dict, state: dict) -> None:
+    """The factored statistics (rows and columns for tensors of 2 or more dimensions), the RMS scalar and, with
+    ``beta1``, the first moment in the group's state format."""
+    param = local_tensor(full)
+    state["step"] = 0
+    state["RMS"] = torch.zeros((), dtype=torch.float32, device=param.device)
+    if param.dim() >= 2:
+        shape = param.shape
+        state["exp_avg_sq_row"] = torch.zeros(shape[:-1], dtype=torch.float32, device=param.device)
+        state["exp_avg_sq_col"] = torch.zeros(shape[:-2] + shape[-1:], dtype=torch.float32, device=param.device)
+    else:
+        state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    if group["beta1"] is not None:
+        init_slot(state, FIRST_MOMENT, param, ctx.store.format_of(full, group), ctx.store.allocate)
+
+
+def learning_rate(group: dict, step: int, param_rms: torch.Tensor) -> torch.Tensor:
+    step_size = relative_step_size(group, step)
+    if group["scale_parameter"]:
+        return param_rms.clamp(min=group["eps"][1]) * step_size
+    return torch.as_tensor(step_size, dtype=torch.float32, device=param_rms.device)  # a float or a tensor lr
+
+
+def adafactor_update(ctx, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
+    """One Adafactor step of the local tensor ``param`` (``full``: the parameter, a DTensor when sharded: the
+    statistics are then all-reduced over its shards)."""
+    step = state["step"]
+    p32 = param.float()
+    grad = grad.float()
+    finite = finite_mask(grad)
+    if finite is not None:
+        grad = torch.where(finite, grad, torch.zeros_like(grad))  # skipped elements count as zero gradient
+    reduce = _ShardedStatistics(full) if full is not None and sharding.is_sharded(full) else _LocalStatistics()
+
+    state["RMS"] = reduce.rms(p32)
+    lr = learning_rate(group, step, state["RMS"])
+    # ``**``, not math.pow: torch.compile traces it on a symbolic step; math.pow would recompile at every step
+    beta2t = 1.0 - step ** group["decay_rate"]
+    squared = grad * grad + group["eps"][0]
+    if "exp_avg_sq_row" in state:
+        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        row.mul_(beta2t).add_(reduce.mean(squared, -1), alpha=1.0 - beta2t)
+        col.mul_(beta2t).add_(reduce.mean(squared, -2), alpha=1.0 - beta2t)
+        update = factored_inverse_sqrt(row, col, reduce.row_mean(row)) * grad
+    else:
+        sq = state["exp_avg_sq"]
+        sq.mul_(beta2t).add_(squared, alpha=1.0 - beta2t)
+        update = sq.rsqrt() * grad
+    update = update / (reduce.rms(update) / group["clip_threshold"]).clamp(min=1.0)
+    update = update * lr
+    if param.numel() == 0:  # an empty shard has joined every reduction; nothing of its own to update
+        return
+    if group["beta1"] is not None:
+        old = read_slot(state, FIRST_MOMENT, update.numel()).view_as(update)
+        exp_avg = old * group["beta1"] + update * (1.0 - group["beta1"])
+        if finite is not None:
+            exp_avg = torch.where(finite, exp_avg, old)
+        write_slot(state, FIRST_MOMENT, exp_avg.reshape(1, -1))  # reshape: a transposed param is not contiguous
+        update = exp_avg
+    _apply(ctx, param, p32, update, lr, finite, state, group)
+
+
+def _apply(ctx, param, p32, update, lr, finite, state: dict, group: dict) -> None:
+    """``p -= weight_decay * lr * p + update``, skipping non-finite gradient elements."""
+    if finite is None and p32 is param:  # an fp32 parameter with nothing to skip: the same values, in place
+        if group["weight_decay"] != 0:
+            param.add_(param * (-group["weight_decay"] * lr))
+        param.sub_(update)
+        return
+    new = p32
+    if group["weight_decay"] != 0:
+        new = new + new * (-group["weight_decay"] * lr)
+    new = new - update
+    new = new if finite is None else torch.where(finite, new, p32)
+    stream = ctx.stream(group, state, param)
+    if stream is None:
+        param.copy_(new)
+    else:
+        rounding.write_rounded(param, new, stream.ordinal, stream.key)
+
+
+def state_dims(key: str, ndim: int, state=None):
+    """Row statistics follow every dimension but the last, column statistics every one but the second to
+    last; reduced (sharded) dimensions are replicated, as the all-reduces keep them identical."""
+    if key == "exp_avg_sq_row":
+        return tuple(range(ndim - 1))
+    if key == "exp_avg_sq_col":
+        return tuple(range(ndim - 2)) + (ndim - 1,)
+    if key in ("exp_avg_sq", FIRST_MOMENT.key):
+        return tuple(range(ndim))
+    if key == FIRST_MOMENT.absmax_key:
+        return sharding.ABSMAX
+    return None
+
+
+def check_loaded(param: torch.Tensor, state: dict, where: str) -> None:
+    factored = param.dim() >= 2
+    needed = {"exp_avg_sq_row", "exp_avg_sq_col"} if factored else {"exp_avg_sq"}
+    missing = needed - set(state)
+    if missing:
+        raise StateDictError(f"{where} lacks {sorted(missing)}: the state dict was not saved by Adafactor")
+    if FIRST_MOMENT.key in state:
+        fmt = loaded_format(state, FIRST_MOMENT)
+        if fmt is None:
+            raise StateDictError(f"{where}: {FIRST_MOMENT.key} is in no state format hf_optim knows")
+        fmt.check_loaded(param, state, FIRST_MOMENT, where)
+
+
+ADAFACTOR = Algorithm(
+    name="adafactor",
+    class_name="Adafactor",
+    slots=(FIRST_MOMENT,),  # only with beta1; the factored statistics are not per-element slots
+    hyper=AdafactorHyper,
+    hyper_at=adafactor_hyper,
+    # six passes (triton_passes.py); statistics over the whole tensor: shards and empty
+    # tensors take PyTorch's path
+    triton_plan=TritonPlan(step="hf_optim.optim.adafactor.triton_passes:step", shards=False, empty=False,
+                           specs="hf_optim.optim.adafactor.triton_passes:launch_specs"),
+    trainer=TrainerMapping(
+        names=("adafactor", "adafactor_8bit"),
+        takes_over=("adafactor",),
+        fixed={"scale_parameter": False, "relative_step": False},
+        adjust=_trainer_adjust,
+    ),
+    state_bytes=adafactor_state_bytes,
+    update=OwnUpdate(tensor=adafactor_update, init_state=init_adafactor_state, state_dims=state_dims,
+                     check_loaded=check_loaded),
+)
+
 
 
 class Adafactor(HfOptimizer):
@@ -231,8 +377,8 @@ class Adafactor(HfOptimizer):
             raise ValueError(SCHEDULER_REFUSAL)
         super().__setattr__(name, value)
 
-    def _check_group(self, group: dict) -> None:
-        super()._check_group(group)
+    def validate_group(self, group: dict) -> None:
+        super().validate_group(group)
         if group["lr"] is not None:
             check_lr(group["lr"])
         eps = group["eps"]
@@ -245,139 +391,6 @@ class Adafactor(HfOptimizer):
         if group["beta1"] is not None:
             check_beta("beta1", group["beta1"])
         check_weight_decay(group["weight_decay"])
-
-    def _init_state(self, full: torch.Tensor, group: dict, state: dict) -> None:
-        param = local_tensor(full)
-        state["step"] = 0
-        state["RMS"] = torch.zeros((), dtype=torch.float32, device=param.device)
-        if param.dim() >= 2:
-            shape = param.shape
-            state["exp_avg_sq_row"] = torch.zeros(shape[:-1], dtype=torch.float32, device=param.device)
-            state["exp_avg_sq_col"] = torch.zeros(shape[:-2] + shape[-1:], dtype=torch.float32, device=param.device)
-        else:
-            state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-        if group["beta1"] is not None:
-            init_slot(state, FIRST_MOMENT, param, self._state_format(full, group), self._allocate)
-
-    def _learning_rate(self, group: dict, step: int, param_rms: torch.Tensor) -> torch.Tensor:
-        step_size = relative_step_size(group, step)
-        if group["scale_parameter"]:
-            return param_rms.clamp(min=group["eps"][1]) * step_size
-        return torch.as_tensor(step_size, dtype=torch.float32, device=param_rms.device)  # a float or a tensor lr
-
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
-        step = state["step"]
-        p32 = param.float()
-        grad = grad.float()
-        finite = finite_mask(grad)
-        if finite is not None:
-            grad = torch.where(finite, grad, torch.zeros_like(grad))  # skipped elements count as zero gradient
-        reduce = _ShardedStatistics(full) if full is not None and sharding.is_sharded(full) else _LocalStatistics()
-
-        state["RMS"] = reduce.rms(p32)
-        lr = self._learning_rate(group, step, state["RMS"])
-        # ``**``, not math.pow: torch.compile traces it on a symbolic step; math.pow would recompile at every step
-        beta2t = 1.0 - step ** group["decay_rate"]
-        squared = grad * grad + group["eps"][0]
-        if "exp_avg_sq_row" in state:
-            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-            row.mul_(beta2t).add_(reduce.mean(squared, -1), alpha=1.0 - beta2t)
-            col.mul_(beta2t).add_(reduce.mean(squared, -2), alpha=1.0 - beta2t)
-            update = factored_inverse_sqrt(row, col, reduce.row_mean(row)) * grad
-        else:
-            sq = state["exp_avg_sq"]
-            sq.mul_(beta2t).add_(squared, alpha=1.0 - beta2t)
-            update = sq.rsqrt() * grad
-        update = update / (reduce.rms(update) / group["clip_threshold"]).clamp(min=1.0)
-        update = update * lr
-        if param.numel() == 0:  # an empty shard has joined every reduction; nothing of its own to update
-            return
-
-        if group["beta1"] is not None:
-            old = read_slot(state, FIRST_MOMENT, update.numel()).view_as(update)
-            exp_avg = old * group["beta1"] + update * (1.0 - group["beta1"])
-            if finite is not None:
-                exp_avg = torch.where(finite, exp_avg, old)
-            write_slot(state, FIRST_MOMENT, exp_avg.reshape(1, -1))  # reshape: a transposed param is not contiguous
-            update = exp_avg
-        if finite is None and p32 is param:  # an fp32 parameter with nothing to skip: the same values, in place
-            if group["weight_decay"] != 0:
-                param.add_(param * (-group["weight_decay"] * lr))
-            param.sub_(update)
-            return
-        new = p32
-        if group["weight_decay"] != 0:
-            new = new + new * (-group["weight_decay"] * lr)
-        new = new - update
-        new = new if finite is None else torch.where(finite, new, p32)
-        stream = self._stream(group, state, param)
-        if stream is None:
-            param.copy_(new)
-        else:
-            rounding.write_rounded(param, new, stream.ordinal, stream.key)
-
-    def _state_dims(self, key: str, ndim: int, state=None):
-        """Row statistics follow every dimension but the last, column statistics every one but the second to
-        last; reduced (sharded) dimensions are replicated, as the all-reduces keep them identical."""
-        if key == "exp_avg_sq_row":
-            return tuple(range(ndim - 1))
-        if key == "exp_avg_sq_col":
-            return tuple(range(ndim - 2)) + (ndim - 1,)
-        if key in ("exp_avg_sq", FIRST_MOMENT.key):
-            return tuple(range(ndim))
-        if key == FIRST_MOMENT.absmax_key:
-            return sharding.ABSMAX
-        return None
-
-    def _check_loaded_state(self, param: torch.Tensor, state: dict, index) -> None:
-        factored = param.dim() >= 2
-        needed = {"exp_avg_sq_row", "exp_avg_sq_col"} if factored else {"exp_avg_sq"}
-        missing = needed - set(state)
-        if missing:
-            raise StateDictError(
-                f"state of parameter {index} (shape {tuple(param.shape)}) lacks {sorted(missing)}: "
-                "the state dict was not saved by Adafactor"
-            )
-        if FIRST_MOMENT.key in state:
-            fmt = loaded_format(state, FIRST_MOMENT)
-            where = f"state of parameter {index} (shape {tuple(param.shape)})"
-            if fmt is None:
-                raise StateDictError(f"{where}: {FIRST_MOMENT.key} is in no state format hf_optim knows")
-            fmt.check_loaded(param, state, FIRST_MOMENT, where)
-
-
-class _LocalStatistics:
-    """Means and RMS of a whole (unsharded) parameter: the exact operations of transformers' Adafactor."""
-
-    @staticmethod
-    def rms(tensor: torch.Tensor) -> torch.Tensor:
-        return rms(tensor)
-
-    @staticmethod
-    def mean(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        return tensor.mean(dim=dim)
-
-    @staticmethod
-    def row_mean(row: torch.Tensor) -> None:
-        return None  # factored_inverse_sqrt takes the mean itself
-
-
-class _ShardedStatistics:
-    """The same statistics of a sharded parameter ``full``: local sums all-reduced over the shard group and
-    divided by global sizes (a mean over dimension ``d`` of the gradient is over parameter dimension ``d``)."""
-
-    def __init__(self, full) -> None:
-        self.full = full
-
-    def rms(self, tensor: torch.Tensor) -> torch.Tensor:
-        return sharding.rms(tensor, self.full)
-
-    def mean(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        return sharding.mean(tensor, dim, self.full, dim)
-
-    def row_mean(self, row: torch.Tensor) -> torch.Tensor:
-        # row statistics drop the parameter's last dimension: their last dimension is parameter dim -2
-        return sharding.mean(row, -1, self.full, -2, keepdim=True)
 
 
 register_algorithm(ADAFACTOR, Adafactor, variants=False)

@@ -1,4 +1,4 @@
-"""Adafactor's passes in Triton: the twin of ``Adafactor._update`` in ``hf_optim/optim/adafactor/__init__.py``.
+"""Adafactor's passes in Triton: the twin of ``adafactor_update`` in ``hf_optim/optim/adafactor/__init__.py``.
 
 :func:`step` is Adafactor's Triton plan (``ADAFACTOR.triton_plan``); it takes the step's host scalars (the
 algorithm's ``AdafactorHyper``) and its first-moment slot from the description, never from the optimizer.

@@ -118,8 +118,8 @@ class AdamW(HfOptimizer):
         defaults = dict(lr=lr, betas=as_tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, **options)
 
-    def _check_group(self, group: dict) -> None:
-        super()._check_group(group)
+    def validate_group(self, group: dict) -> None:
+        super().validate_group(group)
         check_lr(group["lr"])
         check_betas(group["betas"], 2)
         check_eps(group["eps"])

@@ -160,8 +160,8 @@ class AdEMAMix(HfOptimizer):
         )
         super().__init__(params, defaults, **options)
 
-    def _check_group(self, group: dict) -> None:
-        super()._check_group(group)
+    def validate_group(self, group: dict) -> None:
+        super().validate_group(group)
         check_lr(group["lr"])
         check_betas(group["betas"], 3)
         check_real("alpha", group["alpha"], low=0.0)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from hf_optim.kernels.algorithm import Algorithm, TritonPlan, fp32_reciprocal
+from hf_optim.kernels.own_update import OwnUpdate
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.kernels.torch_path import exact_math, multi_tensor, rounding
 from hf_optim.optim import sharding
@@ -83,25 +84,6 @@ def lamb_hyper(group: dict, step: int) -> LAMBHyper:
     )
 
 
-LAMB_ALGORITHM = Algorithm(
-    name="lamb",
-    class_name="LAMB",
-    slots=(StateSpec("state1", signed=True), StateSpec("state2", signed=False)),
-    hyper=LAMBHyper,
-    hyper_at=lamb_hyper,
-    rule=lamb_rule,
-    triton_rule="hf_optim.optim.lamb.triton_rule:lamb",
-    # three passes (directions, norms, apply); the norms are of the whole tensor, so shards take the PyTorch path
-    triton_plan=TritonPlan(step="hf_optim.optim.lamb.triton_passes:step", shards=False,
-                           specs="hf_optim.optim.lamb.triton_passes:launch_specs"),
-    trainer=TrainerMapping(
-        names=("lamb", "lamb_32bit", "lamb_8bit", "paged_lamb_8bit", "paged_lamb_32bit"),
-        betas=("adam_beta1", "adam_beta2"),
-        eps=True,
-    ),
-)
-
-
 def trust_ratio(
     weight_norm: torch.Tensor,
     update_norm: torch.Tensor,
@@ -126,6 +108,96 @@ def trust_ratio(
         # free * 1.0 is free exactly: with max_unorm=1 the clip leaves an applied trust ratio bit for bit
         ratio = torch.where(valid, torch.minimum(ratio, free * max_unorm), ratio)
     return ratio
+
+
+def _norms(weight: torch.Tensor, direction: torch.Tensor, full=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norms of the whole tensor; for a sharded ``full`` parameter the squared sums of the local shards are
+    all-reduced over the shard group (one collective for both)."""
+    if full is None or not sharding.is_sharded(full):
+        return weight.float().norm(), direction.norm()
+    weight_norm, direction_norm = sharding.square_sums([weight, direction], full).sqrt().unbind()
+    return weight_norm, direction_norm
+
+
+def lamb_tensor_update(ctx, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
+    """LAMB on one tensor: the direction, the trust ratio of the whole tensor, then ``p -= lr * ratio * u``."""
+    # Pass 1 writes the direction to scratch and leaves the parameter untouched, so its norm is "before".
+    direction = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+    ctx.run_rule(param, grad, state, ctx.hyper(group, state["step"]), out=direction.view(-1))
+    weight_norm, update_norm = _norms(param, direction, full)
+    adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
+    ratio = trust_ratio(weight_norm, update_norm, adapt=adapt, max_trust_ratio=group["max_trust_ratio"],
+                        max_unorm=group["max_unorm"])
+    updated = param.float() - (group["lr"] * ratio) * direction
+    stream = ctx.stream(group, state, param)
+    if stream is None:
+        param.copy_(updated)
+    else:
+        rounding.write_rounded(param, updated, stream.ordinal, stream.key)
+
+
+def lamb_flat_update(ctx, group: dict, flat, members: list, hyper, stream: rounding.Stream | None = None) -> None:
+    """The multi-tensor path: directions of a bucket of tensors in one flat buffer (one call per chunk), the
+    norms with one ``_foreach_norm`` each, then ``p -= lr * ratio * u`` with foreach operations. Every value
+    equals :func:`lamb_tensor_update`'s bit for bit."""
+    adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
+    for run, params, grads in multi_tensor.runs_of(flat, members):
+        for bucket in multi_tensor.buckets(flat, run, FLAT_DIRECTION_NUMEL):
+            start = flat.members[bucket[0]].offset
+            length = flat.members[bucket[-1]].padded_stop - start
+            direction = ctx.scratch.buffer("lamb direction", torch.float32, flat.device, length)
+            multi_tensor.step_run(ctx.rule, flat, multi_tensor.cached_chunks(flat, bucket), params, grads, hyper,
+                                  ctx.scratch, out=direction, out_offset=start)
+            weights = [params[i] for i in bucket]
+            directions = [direction[flat.members[i].offset - start : flat.members[i].stop - start] for i in bucket]
+            weight_norms = torch._foreach_norm([w.float() for w in weights])
+            update_norms = torch._foreach_norm(directions)
+            ratios = trust_ratio(torch.stack(weight_norms), torch.stack(update_norms), adapt=adapt,
+                                 max_trust_ratio=group["max_trust_ratio"], max_unorm=group["max_unorm"])
+            torch._foreach_mul_(directions, list((ratios * group["lr"]).unbind()))
+            if weights[0].dtype == torch.float32:
+                torch._foreach_sub_(weights, directions)
+            elif stream is not None:  # bf16 stochastic rounding, each tensor with its own counters
+                for index, weight, step in zip(bucket, weights, directions):
+                    rounding.write_rounded(weight, weight.float() - step, stream.ordinals[index], stream.key)
+            else:
+                torch._foreach_copy_(weights, torch._foreach_sub([w.float() for w in weights], directions))
+
+
+def warn_zero_start(ctx, group: dict, params: list[torch.Tensor]) -> None:
+    """Warn (once per optimizer) when the trust ratio applies to tensors that are all zero at their first step:
+    LoRA's B matrices, which the ratio keeps near zero (docs/guide/optimizers.md, "LAMB and LoRA")."""
+    if not (group["weight_decay"] != 0 or group["use_nvlamb"]) or "zero start" in ctx.notes:
+        return
+    params = [param for param in params if param.numel() > 0]
+    if not params:
+        return
+    norms = torch._foreach_norm([param.float() for param in params])
+    zero = int((torch.stack([norm.to(norms[0].device) for norm in norms]) == 0).sum())  # one sync
+    if zero:
+        ctx.notes.add("zero start")
+        warnings.warn(ZERO_START_WARNING.format(name=ctx.name, count=zero), UserWarning, stacklevel=2)
+
+
+LAMB_ALGORITHM = Algorithm(
+    name="lamb",
+    class_name="LAMB",
+    slots=(StateSpec("state1", signed=True), StateSpec("state2", signed=False)),
+    hyper=LAMBHyper,
+    hyper_at=lamb_hyper,
+    rule=lamb_rule,
+    triton_rule="hf_optim.optim.lamb.triton_rule:lamb",
+    # three passes (directions, norms, apply); the norms are of the whole tensor, so shards take the PyTorch path
+    triton_plan=TritonPlan(step="hf_optim.optim.lamb.triton_passes:step", shards=False,
+                           specs="hf_optim.optim.lamb.triton_passes:launch_specs"),
+    update=OwnUpdate(tensor=lamb_tensor_update, flat=lamb_flat_update, created=warn_zero_start),
+    trainer=TrainerMapping(
+        names=("lamb", "lamb_32bit", "lamb_8bit", "paged_lamb_8bit", "paged_lamb_32bit"),
+        betas=("adam_beta1", "adam_beta2"),
+        eps=True,
+    ),
+)
+
 
 
 class LAMB(HfOptimizer):
@@ -202,8 +274,8 @@ class LAMB(HfOptimizer):
                 stacklevel=2,
             )
 
-    def _check_group(self, group: dict) -> None:
-        super()._check_group(group)
+    def validate_group(self, group: dict) -> None:
+        super().validate_group(group)
         check_lr(group["lr"])
         check_betas(group["betas"], 2)
         check_eps(group["eps"])
@@ -211,76 +283,6 @@ class LAMB(HfOptimizer):
         if group["max_trust_ratio"] is not None:
             check_real("max_trust_ratio", group["max_trust_ratio"], low=0.0, low_open=True)
         check_real("max_unorm", group["max_unorm"], low=0.0, high=math.inf, high_open=True)
-
-    def _create_states(self, group: dict, fresh: list) -> None:
-        if fresh and (group["weight_decay"] != 0 or group["use_nvlamb"]) and not self.__dict__.get("_zero_warned"):
-            self._warn_zero_start([param for _, param, _ in fresh])
-        super()._create_states(group, fresh)
-
-    def _warn_zero_start(self, params: list[torch.Tensor]) -> None:
-        """Warn (once) when the trust ratio applies to tensors that are all zero at their first step: LoRA's B
-        matrices, which the ratio keeps near zero (docs/guide/optimizers.md, "LAMB and LoRA")."""
-        params = [param for param in params if param.numel() > 0]
-        if not params:
-            return
-        norms = torch._foreach_norm([param.float() for param in params])
-        zero = int((torch.stack([norm.to(norms[0].device) for norm in norms]) == 0).sum())  # one sync
-        if zero:
-            self._zero_warned = True
-            warnings.warn(ZERO_START_WARNING.format(name=type(self).__name__, count=zero), UserWarning, stacklevel=2)
-
-    def _norms(self, weight: torch.Tensor, direction: torch.Tensor, full=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Norms of the whole tensor; for a sharded ``full`` parameter the squared sums of the local shards are
-        all-reduced over the shard group (one collective for both)."""
-        if full is None or not sharding.is_sharded(full):
-            return weight.float().norm(), direction.norm()
-        weight_norm, direction_norm = sharding.square_sums([weight, direction], full).sqrt().unbind()
-        return weight_norm, direction_norm
-
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
-        # Pass 1 writes the direction to scratch and leaves the parameter untouched, so its norm is "before".
-        direction = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-        self._run_rule(self.rule, param, grad, state, self._hyper(group, state["step"]), out=direction.view(-1))
-        weight_norm, update_norm = self._norms(param, direction, full)
-        adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
-        ratio = trust_ratio(weight_norm, update_norm, adapt=adapt, max_trust_ratio=group["max_trust_ratio"],
-                            max_unorm=group["max_unorm"])
-        updated = param.float() - (group["lr"] * ratio) * direction
-        stream = self._stream(group, state, param)
-        if stream is None:
-            param.copy_(updated)
-        else:
-            rounding.write_rounded(param, updated, stream.ordinal, stream.key)
-
-    def _step_flat(self, group: dict, flat, members: list, hyper: dict,
-                   stream: rounding.Stream | None = None) -> None:
-        """The multi-tensor path: directions of a bucket of tensors in one flat buffer (one call per chunk), the
-        norms with one ``_foreach_norm`` each, then ``p -= lr * ratio * u`` with foreach operations. Every value
-        equals the per-tensor :meth:`_update`'s bit for bit."""
-        adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
-        for run, params, grads in multi_tensor.runs_of(flat, members):
-            for bucket in multi_tensor.buckets(flat, run, FLAT_DIRECTION_NUMEL):
-                start = flat.members[bucket[0]].offset
-                length = flat.members[bucket[-1]].padded_stop - start
-                direction = self._scratch.buffer("lamb direction", torch.float32, flat.device, length)
-                multi_tensor.step_run(self.rule, flat, multi_tensor.cached_chunks(flat, bucket), params, grads, hyper,
-                                      self._scratch, out=direction, out_offset=start)
-                weights = [params[i] for i in bucket]
-                directions = [
-                    direction[flat.members[i].offset - start : flat.members[i].stop - start] for i in bucket
-                ]
-                weight_norms = torch._foreach_norm([w.float() for w in weights])
-                update_norms = torch._foreach_norm(directions)
-                ratios = trust_ratio(torch.stack(weight_norms), torch.stack(update_norms), adapt=adapt,
-                                     max_trust_ratio=group["max_trust_ratio"], max_unorm=group["max_unorm"])
-                torch._foreach_mul_(directions, list((ratios * group["lr"]).unbind()))
-                if weights[0].dtype == torch.float32:
-                    torch._foreach_sub_(weights, directions)
-                elif stream is not None:  # bf16 stochastic rounding, each tensor with its own counters
-                    for index, weight, step in zip(bucket, weights, directions):
-                        rounding.write_rounded(weight, weight.float() - step, stream.ordinals[index], stream.key)
-                else:
-                    torch._foreach_copy_(weights, torch._foreach_sub([w.float() for w in weights], directions))
 
 
 ZERO_START_WARNING = (

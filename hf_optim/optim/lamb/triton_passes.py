@@ -4,8 +4,8 @@ fused elementwise kernel with ``NORMS``): a norm pass reduces each tensor's part
 
 :func:`step` is LAMB's Triton plan (``LAMB_ALGORITHM.triton_plan`` in ``hf_optim/optim/lamb/__init__.py``).
 
-Twin of ``LAMB._update`` / ``trust_ratio`` in ``hf_optim/optim/lamb/__init__.py``. The norms are sums in another order
-than torch's ``norm()``, so ratios can differ from the PyTorch path's in the last bits of fp32; the parameter
+Twin of ``lamb_tensor_update`` / ``trust_ratio`` in ``hf_optim/optim/lamb/__init__.py``. The norms are sums in another
+order than torch's ``norm()``, so ratios can differ from the PyTorch path's in the last bits of fp32; the parameter
 update ``lr * ratio * u`` is small next to ``p``, so parameters agree to within an ulp of their dtype.
 """
 

@@ -98,13 +98,13 @@ class Lion(HfOptimizer):
         defaults = dict(lr=lr, betas=as_tuple(betas), weight_decay=weight_decay)
         super().__init__(params, defaults, **options)
 
-    def _check_group(self, group: dict) -> None:
-        super()._check_group(group)
+    def validate_group(self, group: dict) -> None:
+        super().validate_group(group)
         check_lr(group["lr"])
         check_betas(group["betas"], 2)
         check_weight_decay(group["weight_decay"])
 
-    def _to_bnb_group(self, group: dict) -> dict:
+    def to_bitsandbytes_group(self, group: dict) -> dict:
         return {**group, "eps": group.get("eps", 0.0)}  # bitsandbytes' Lion carries an unused eps
 
 

@@ -29,11 +29,13 @@ import torch
 
 from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.formats import FP32, StateFormat
-from hf_optim.kernels.state_store import StateSpec, slot_bytes, slot_layouts, slot_tensors
+from hf_optim.kernels.own_update import OwnUpdate
+from hf_optim.kernels.partition import Partition, PartRule
+from hf_optim.kernels.state_store import StateSpec, slot_bytes
 from hf_optim.kernels.torch_path import exact_math, multi_tensor, rounding
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_real, check_weight_decay
-from hf_optim.optim.adamw import ADAMW, adamw_hyper, adamw_rule
+from hf_optim.optim.adamw import ADAMW
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.muon.newton_schulz import (
     ADJUST_LR_FNS,
@@ -95,6 +97,83 @@ side (Moonshot, arXiv 2502.16982). Measured on the tiny model (``docs/muon_defau
 shared lr, and better than AdamW's best at every shared lr from 1e-3 to 1e-2. The class default stays torch's
 (None, Keller Jordan's scaling), so ``hf_optim.Muon`` and ``torch.optim.Muon`` agree."""
 
+def muon_label(p: torch.Tensor, group: dict) -> str:
+    """``"muon"`` or ``"adamw"``: the rule of parameter ``p`` in ``group`` (its ``use_muon``, else the route the
+    Trainer integration marked on it, else its shape)."""
+    if group["use_muon"] is not None:
+        return "muon" if group["use_muon"] else "adamw"
+    return "muon" if takes_muon(getattr(p, MUON_ROUTE_ATTR, None), p.ndim, bool(group["muon_lora"])) else "adamw"
+
+
+def label_for_mark(route: str | None, ndim: int, kwargs: dict) -> str:
+    """The rule of a tensor marked ``route`` (None: unmarked) with ``ndim`` dimensions in a Trainer-built Muon (one
+    group, ``use_muon=None``) with constructor ``kwargs``: what the memory estimate prices."""
+    return "muon" if takes_muon(route, ndim, bool(kwargs.get("muon_lora", False))) else "adamw"
+
+
+def mark_model(model: torch.nn.Module, kwargs: dict) -> MuonRoutes:
+    """Mark which rule each trainable parameter of ``model`` takes (:func:`route_model`), for the Trainer."""
+    return route_model(model, muon_lora=kwargs.get("muon_lora", False))
+
+
+def muon_group_update(ctx, group: dict, items: list) -> None:
+    """The Muon-ruled ``(param, grad, state, full)`` items of a group: batched by the whole matrix's shape (a
+    sharded parameter's local part is smaller), each batch through :func:`_muon_batch`."""
+    by_shape: dict[tuple[int, ...], list] = {}
+    for item in items:
+        by_shape.setdefault(tuple(item[3].shape), []).append(item)
+    for shape, same in by_shape.items():
+        for batch in multi_tensor.consecutive_pieces(same, lambda item: 4 * item[0].numel(), BATCH_BYTES):
+            _muon_batch(ctx, group, shape, batch)
+
+
+def _muon_batch(ctx, group: dict, shape: tuple[int, ...], batch: list) -> None:
+    """Momentum of each matrix through its state format, one batched Newton-Schulz of the whole matrices of
+    ``shape``, then torch's update.
+
+    A sharded (FSDP2/DTensor) matrix's momentum and update stay on its local part; only the update to
+    orthogonalize is all-gathered, every rank runs Newton-Schulz on the whole matrix (the same bits on every
+    rank), and keeps its own part of the result: one all-gather per sharded matrix per step, and the
+    Newton-Schulz work of every matrix on every rank."""
+    updates = torch.empty((len(batch), *shape), dtype=torch.float32, device=batch[0][0].device)
+    sharded = [sharding.is_sharded(full) for *_, full in batch]
+    for row, (param, grad, state, full), split in zip(updates, batch, sharded):
+        hyper = ctx.hyper(group, state["step"])
+        if split:
+            local = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            ctx.run_rule(param, grad, state, hyper, out=local.view(-1))
+            row.copy_(sharding.gathered(local, full))
+        else:
+            ctx.run_rule(param, grad, state, hyper, out=row.view(-1))
+    orthogonal = newton_schulz(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    lr = float(group["lr"])
+    step_lr = adjusted_lr(lr, group["adjust_lr_fn"], shape)
+    decay = 1 - lr * group["weight_decay"]
+    for (param, _, state, full), update, split in zip(batch, orthogonal, sharded):
+        if split:
+            update = sharding.local_part(update, full)
+        stream = ctx.stream(group, state, param)
+        if stream is None:
+            param.mul_(decay)
+            param.add_(update, alpha=-step_lr)
+        else:  # bf16 stochastic rounding of the new value, computed in fp32
+            values = param.float().mul_(decay).add_(update.float(), alpha=-step_lr)
+            rounding.write_rounded(param, values, stream.ordinal, stream.key)
+
+
+def adamw_settings(group: dict) -> dict:
+    """The AdamW hyperparameters of ``group``'s AdamW-ruled parameters, as :func:`adamw_hyper` reads them."""
+    lr = group["lr"]
+    if group["adamw_lr"] is not None:
+        initial = group.get("initial_lr")  # torch's LR schedulers keep it
+        # Without a scheduler the AdamW side keeps adamw_lr, except where the group's lr is 0: torch's
+        # get/set_optimizer_state_dict create state by a step with lr=0, which must move no weight.
+        schedule = float(lr) / float(initial) if initial else float(float(lr) != 0.0)
+        lr = group["adamw_lr"] * schedule
+    weight_decay = group["weight_decay"] if group["adamw_weight_decay"] is None else group["adamw_weight_decay"]
+    return {"lr": float(lr), "betas": group["adamw_betas"], "eps": group["adamw_eps"], "weight_decay": weight_decay}
+
+
 MUON = Algorithm(
     name="muon",
     class_name="Muon",
@@ -105,6 +184,15 @@ MUON = Algorithm(
     state_bytes=_state_bytes,
     variant_formats=None,  # every registered format that suits a signed momentum: 32-bit, 8-bit, 4-bit, fp8
     trainer=TrainerMapping(names=None, adjust=_adjust_trainer_kwargs),
+    update=OwnUpdate(group=muon_group_update),
+    partition=Partition(
+        rules=(PartRule("muon", title="Muon"), PartRule("adamw", ADAMW, settings=adamw_settings, title="AdamW")),
+        label_of=muon_label,
+        mark_attr=MUON_ROUTE_ATTR,
+        mark_model=mark_model,
+        label_for_mark=label_for_mark,
+        setting="use_muon",
+    ),
 )
 
 
@@ -177,8 +265,8 @@ class Muon(HfOptimizer):
         )
         super().__init__(params, defaults, **options)
 
-    def _check_group(self, group: dict) -> None:
-        super()._check_group(group)
+    def validate_group(self, group: dict) -> None:
+        super().validate_group(group)
         check_lr(group["lr"])
         check_weight_decay(group["weight_decay"])
         check_real("momentum", group["momentum"], low=0.0, high=1.0, label="momentum value")
@@ -214,167 +302,10 @@ class Muon(HfOptimizer):
                         "(None) to route every parameter by its shape"
                     )
 
-    _PICKLED_ATTRS = HfOptimizer._PICKLED_ATTRS + ("_routes_by_position",)
-
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        # Route marks are recorded by position too, as per-parameter overrides are: accelerate's FSDP2 preparation
-        # swaps each parameter for a new DTensor parameter at the same place in param_groups, and the mark stays
-        # behind on the old one (an embedding would then be routed by its shape, to Muon).
-        recorded = self.__dict__.setdefault("_routes_by_position", {})
-        group_index = len(self.param_groups) - 1
-        for index, p in enumerate(self.param_groups[-1]["params"]):
-            route = getattr(p, MUON_ROUTE_ATTR, None)
-            if route is not None:
-                recorded[group_index, index] = route
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("_routes_by_position", {})
-
-    def _restore_routes(self) -> None:
-        """Mark parameters that replaced marked ones (same group, same index) with the recorded route."""
-        for (group_index, index), route in self._routes_by_position.items():
-            params = self.param_groups[group_index]["params"] if group_index < len(self.param_groups) else []
-            if index < len(params) and getattr(params[index], MUON_ROUTE_ATTR, None) is None:
-                setattr(params[index], MUON_ROUTE_ATTR, route)
-
-    @classmethod
-    def route_model(cls, model: torch.nn.Module, kwargs: dict) -> MuonRoutes:
-        """Mark which rule each trainable parameter of ``model`` takes under ``use_muon=None`` (the Trainer's
-        groups): see :func:`route_model`. Called by the Trainer integration with the constructor ``kwargs``."""
-        return route_model(model, muon_lora=kwargs.get("muon_lora", False))
-
-    @staticmethod
-    def rule_for(route: str | None, ndim: int, kwargs: dict) -> str:
-        """``"muon"`` or ``"adamw"``: the rule of a parameter marked ``route`` by :meth:`route_model` (None:
-        unmarked), with ``ndim`` dimensions, in a Trainer-built optimizer (one group, ``use_muon=None``) with
-        constructor ``kwargs``: what the memory estimate prices."""
-        return "muon" if takes_muon(route, ndim, bool(kwargs.get("muon_lora", False))) else "adamw"
-
-    # ----------------------------------------------------------------------------------------------------
-    # Which rule a parameter takes, and its state
     @staticmethod
     def takes_muon(p: torch.Tensor, group: dict) -> bool:
         """Whether parameter ``p`` of ``group`` steps with Muon (else AdamW); see the class docstring."""
-        if group["use_muon"] is not None:
-            return bool(group["use_muon"])
-        return takes_muon(getattr(p, MUON_ROUTE_ATTR, None), p.ndim, bool(group["muon_lora"]))
-
-    def _slots_for(self, full: torch.Tensor, group: dict) -> tuple[StateSpec, ...]:
-        return MUON_SLOTS if self.takes_muon(full, group) else ADAMW_SLOTS
-
-    def _all_slots(self) -> tuple[StateSpec, ...]:
-        return ADAMW_SLOTS  # AdamW's slots are a superset of Muon's state1
-
-    def _slots_of_state(self, state) -> tuple[StateSpec, ...]:
-        """A Muon-ruled parameter's state holds one slot, an AdamW-ruled one's two: check the state against the set
-        it holds (any other set, another algorithm's state, still raises)."""
-        present = {k for k in state if k.startswith("state")}
-        return ADAMW_SLOTS if present == {spec.key for spec in ADAMW_SLOTS} else MUON_SLOTS
-
-    # ----------------------------------------------------------------------------------------------------
-    # The step
-    def _plan_step(self, only=None):
-        """torch's plan, after refusing (before anything changes) state whose slots are the other rule's (a group's
-        ``use_muon`` or a parameter's route changed after its first step)."""
-        self._restore_routes()
-        plan = super()._plan_step(only)
-        for _, group, entries in plan:
-            for p, _, _, overrides in entries:
-                state = self.state.get(p)  # .get: the state defaultdict would add an empty entry
-                if state:
-                    muon = self.takes_muon(p, {**group, **(overrides or {})})
-                    self._check_slots(state, MUON_SLOTS if muon else ADAMW_SLOTS, p)
-        return plan
-
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, full=None) -> None:
-        self._update_group(group, 0, [(param, grad, state, param if full is None else full)])
-
-    def _update_group(self, group: dict, group_index: int, items: list) -> None:
-        muon_items = []
-        for item in items:
-            param, grad, state, full = item
-            if self.takes_muon(full, group):
-                muon_items.append(item)
-            else:
-                self._adamw_update(param, grad, state, group)
-        by_shape: dict[tuple[int, ...], list] = {}
-        for item in muon_items:  # by the whole matrix's shape (a sharded parameter's local part is smaller)
-            by_shape.setdefault(tuple(item[3].shape), []).append(item)
-        for shape, same in by_shape.items():
-            for batch in multi_tensor.consecutive_pieces(same, lambda item: 4 * item[0].numel(), BATCH_BYTES):
-                self._muon_batch(group, shape, batch)
-
-    @staticmethod
-    def _check_slots(state: dict, specs: tuple[StateSpec, ...], p: torch.Tensor) -> None:
-        present = {k for k in state if k.startswith("state")}
-        if present != {spec.key for spec in specs}:
-            rule = "Muon" if specs is MUON_SLOTS else "AdamW"
-            raise ValueError(
-                f"a parameter of shape {tuple(p.shape)} now takes the {rule} rule but its state holds {sorted(present)}"
-                " (its group's use_muon or route changed after its state was created); keep use_muon as it was, or "
-                "start this parameter's state afresh"
-            )
-
-    def _muon_batch(self, group: dict, shape: tuple[int, ...], batch: list) -> None:
-        """Momentum of each matrix through its state format, one batched Newton-Schulz of the whole matrices of
-        ``shape``, then torch's update.
-
-        A sharded (FSDP2/DTensor) matrix's momentum and update stay on its local part; only the update to
-        orthogonalize is all-gathered, every rank runs Newton-Schulz on the whole matrix (the same bits on every
-        rank), and keeps its own part of the result: one all-gather per sharded matrix per step, and the
-        Newton-Schulz work of every matrix on every rank."""
-        updates = torch.empty((len(batch), *shape), dtype=torch.float32, device=batch[0][0].device)
-        sharded = [sharding.is_sharded(full) for *_, full in batch]
-        for row, (param, grad, state, full), split in zip(updates, batch, sharded):
-            hyper = self._hyper(group, state["step"])
-            if split:
-                local = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-                self._run_rule(self.rule, param, grad, state, hyper, out=local.view(-1))
-                row.copy_(sharding.gathered(local, full))
-            else:
-                self._run_rule(self.rule, param, grad, state, hyper, out=row.view(-1))
-        orthogonal = newton_schulz(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
-        lr = float(group["lr"])
-        step_lr = adjusted_lr(lr, group["adjust_lr_fn"], shape)
-        decay = 1 - lr * group["weight_decay"]
-        for (param, _, state, full), update, split in zip(batch, orthogonal, sharded):
-            if split:
-                update = sharding.local_part(update, full)
-            stream = self._stream(group, state, param)
-            if stream is None:
-                param.mul_(decay)
-                param.add_(update, alpha=-step_lr)
-            else:  # bf16 stochastic rounding of the new value, computed in fp32
-                values = param.float().mul_(decay).add_(update.float(), alpha=-step_lr)
-                rounding.write_rounded(param, values, stream.ordinal, stream.key)
-
-    def _adamw_update(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
-        """hf_optim.AdamW's step (its rule and scalars) on the parameter's two slots."""
-        if param.numel() == 0:
-            return
-        hyper = adamw_hyper(adamw_settings(group), state["step"])
-        flat_param = param.view(-1) if param.is_contiguous() else param.contiguous().view(-1)
-        layouts = slot_layouts(state, ADAMW_SLOTS)
-        tensors = [t for spec in ADAMW_SLOTS for t in slot_tensors(state, spec)]
-        multi_tensor.step_tensor(adamw_rule, layouts, flat_param, grad.reshape(-1), None, tensors, hyper,
-                                 stream=self._stream(group, state, param))
-        if not param.is_contiguous():
-            param.copy_(flat_param.view_as(param))
-
-
-def adamw_settings(group: dict) -> dict:
-    """The AdamW hyperparameters of ``group``'s AdamW-ruled parameters, as :func:`adamw_hyper` reads them."""
-    lr = group["lr"]
-    if group["adamw_lr"] is not None:
-        initial = group.get("initial_lr")  # torch's LR schedulers keep it
-        # Without a scheduler the AdamW side keeps adamw_lr, except where the group's lr is 0: torch's
-        # get/set_optimizer_state_dict create state by a step with lr=0, which must move no weight.
-        schedule = float(lr) / float(initial) if initial else float(float(lr) != 0.0)
-        lr = group["adamw_lr"] * schedule
-    weight_decay = group["weight_decay"] if group["adamw_weight_decay"] is None else group["adamw_weight_decay"]
-    return {"lr": float(lr), "betas": group["adamw_betas"], "eps": group["adamw_eps"], "weight_decay": weight_decay}
+        return muon_label(p, group) == "muon"
 
 
 _twins = register_algorithm(MUON, Muon)

@@ -25,6 +25,13 @@ class MuonRoutes(NamedTuple):
         return (f"Muon: {self.muon_tensors} tensors ({self.muon_elements:,} elements); AdamW: {self.adamw_tensors} "
                 f"tensors ({self.adamw_elements:,} elements)")
 
+    def warning(self) -> str | None:
+        """Why a user should look at this split, or None."""
+        if self.muon_tensors == 0 and self.adamw_tensors:
+            return ("no trainable tensor takes Muon, every one steps with its AdamW rule (LoRA adapters take AdamW by "
+                    "default, docs/muon_defaults.md); optim_args='muon_lora=true' sends adapters to Muon")
+        return None
+
 
 def route_model(model: torch.nn.Module, muon_lora: bool = False) -> MuonRoutes:
     """Mark every trainable parameter of ``model`` with the rule it takes in a ``use_muon=None`` group

@@ -112,17 +112,17 @@ class RMSprop(HfOptimizer):
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, **options)
 
-    def _check_group(self, group: dict) -> None:
-        super()._check_group(group)
+    def validate_group(self, group: dict) -> None:
+        super().validate_group(group)
         check_lr(group["lr"])
         check_beta("alpha", group["alpha"], "alpha value")
         check_eps(group["eps"])
         check_weight_decay(group["weight_decay"])
 
-    def _to_bnb_group(self, group: dict) -> dict:
+    def to_bitsandbytes_group(self, group: dict) -> dict:
         return {**group, "betas": (group["alpha"], 0.0)}  # bitsandbytes keeps alpha as betas[0]
 
-    def _from_bnb_group(self, saved: dict) -> dict:
+    def from_bitsandbytes_group(self, saved: dict) -> dict:
         if "alpha" in saved or "betas" not in saved:
             return saved
         return {**saved, "alpha": saved["betas"][0]}

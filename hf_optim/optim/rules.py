@@ -1,0 +1,159 @@
+"""The rules of an optimizer: one :class:`~hf_optim.optim.runner.Runner` per rule, and which rule each parameter
+takes.
+
+A single-rule optimizer has one rule, labelled ``""``. A hybrid one (Muon + AdamW) reads its rules from its
+description's :class:`~hf_optim.kernels.partition.Partition`: each parameter's label, each rule's slots and
+hyperparameters, the slot set a loaded state must hold. Nothing here names an algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from hf_optim.kernels.algorithm import Algorithm
+from hf_optim.kernels.formats import loaded_format
+from hf_optim.kernels.formats.base import StateDictError
+from hf_optim.kernels.state_store import StateSpec
+from hf_optim.optim import sharding
+from hf_optim.optim.runner import Runner
+from hf_optim.optim.states import StateStore
+from hf_optim.optim.step_plan import StepPlan
+
+QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
+
+
+class Rules:
+    """The runners of one optimizer (see the module).
+
+    Args:
+        name: the optimizer class's name, for messages.
+        definition: the algorithm's description.
+        rule: the class's elementwise rule (the description's, unless a subclass replaced it).
+        formats: ``formats()`` -> the formats the optimizer runs with.
+        store, plan: the optimizer's state store and step plan.
+    """
+
+    def __init__(self, name: str, definition: Algorithm, rule, formats: Callable, store: StateStore,
+                 plan: StepPlan) -> None:
+        self.name, self.definition = name, definition
+        self.partition = definition.partition
+        if self.partition is None:
+            self.runners = {"": Runner(name, "", definition, rule, formats, store, plan)}
+        else:
+            self.runners = {
+                part.label: Runner(name, part.label, part.algorithm or definition,
+                                   rule if part.algorithm is None else part.algorithm.rule, formats, store, plan,
+                                   settings=part.settings)
+                for part in self.partition.rules
+            }
+        self.main = next(iter(self.runners.values()))
+
+    def label_of(self, p: torch.Tensor, group: dict) -> str:
+        return self.partition.label_of(p, group) if self.partition is not None else ""
+
+    def runner_of(self, p: torch.Tensor, group: dict) -> Runner:
+        return self.runners[self.label_of(p, group)]
+
+    def split(self, entries: list, label_of: Callable) -> dict[str, list]:
+        """``entries`` by their label (``label_of(entry)``), labels in rule order."""
+        if self.partition is None:
+            return {"": entries}
+        by_label: dict[str, list] = {label: [] for label in self.runners}
+        for entry in entries:
+            by_label[label_of(entry)].append(entry)
+        return by_label
+
+    # Slots
+    def all_slots(self) -> tuple[StateSpec, ...]:
+        """Every slot a parameter's state may hold (their buffers are paged; their layouts are sharded)."""
+        seen: dict[str, StateSpec] = {}
+        for runner in self.runners.values():
+            for spec in runner.slots:
+                seen.setdefault(spec.key, spec)
+        return tuple(seen.values())
+
+    def slots_of_state(self, state: Mapping) -> tuple[StateSpec, ...]:
+        """The slots one parameter's loaded ``state`` must hold: those of the rule whose slot set it holds (a
+        hybrid's), else the algorithm's."""
+        present = {k for k in state if k.startswith("state")}
+        for runner in self.runners.values():
+            if present == {spec.key for spec in runner.slots}:
+                return runner.slots
+        return self.definition.slots
+
+    def check_rule_unchanged(self, p: torch.Tensor, group: dict, state: dict) -> None:
+        """Refuse, before anything changes, state whose slots are another rule's (a group's settings or a
+        parameter's route changed after its first step)."""
+        if self.partition is None or not state:
+            return
+        label = self.label_of(p, group)
+        present = {k for k in state if k.startswith("state")}
+        if present != {spec.key for spec in self.runners[label].slots}:
+            title = self.partition.rule(label).title or label
+            setting = self.partition.setting or "rule setting"
+            raise ValueError(
+                f"a parameter of shape {tuple(p.shape)} now takes the {title} rule but its state holds "
+                f"{sorted(present)} (its group's {setting} or its route changed after its state was created); keep "
+                f"{setting} as it was, or start this parameter's state afresh"
+            )
+
+    # Checkpoints
+    def state_dims(self, key: str, ndim: int, state: Mapping | None = None):
+        """How state ``key`` of an ``ndim``-dim parameter is laid out, for sharded checkpoints (see
+        :func:`hf_optim.optim.sharding.export_state`): the parameter dimension of each state dimension, a
+        ``sharding.PerShard`` for state counted on the local shard (absmax vectors, packed 4-bit codes), or None
+        for state that is the same on every rank. ``state`` (the parameter's state, nested or not) tells the
+        slot's format."""
+        own = self.definition.update.state_dims if self.definition.update is not None else None
+        if own is not None:
+            return own(key, ndim, state)
+        for spec in self.all_slots():
+            if key not in (spec.key, spec.absmax_key):
+                continue
+            flat = {**state, **state.get(QUANT_STATE_KEY, {})} if state is not None else {}
+            fmt = loaded_format(flat, spec) if flat else None
+            if key == spec.absmax_key:
+                return sharding.PerShard(fmt.num_blocks) if fmt is not None and fmt.block_size else sharding.ABSMAX
+            if fmt is not None and fmt.packed:
+                return sharding.PerShard(fmt.main_length)
+            return (None,) * (spec.rows > 1) + tuple(range(ndim))
+        return None
+
+    def check_loaded(self, param: torch.Tensor, state: dict, index, torch_keys: frozenset) -> None:
+        """Refuse state of another algorithm, shape or block size before it can corrupt training."""
+        where = f"state of parameter {index} (shape {tuple(param.shape)})"
+        own = self.definition.update.check_loaded if self.definition.update is not None else None
+        if own is not None:
+            own(param, state, where)
+            return
+        specs = self.slots_of_state(state)
+        expected = {spec.key for spec in specs}
+        present = {k for k in state if k.startswith("state")}
+        foreign = sorted(torch_keys & set(state))
+        if foreign and not present:
+            subclass = next((type(state[k]).__name__ for k in foreign if type(state[k]) is not torch.Tensor), None)
+            source = f"torchao's low-bit AdamW ({subclass} state)" if subclass else "torch.optim.AdamW (or torchao)"
+            raise StateDictError(
+                f"{where} has {foreign}: a state dict of {source}, not of hf_optim or bitsandbytes "
+                f"(slots {sorted(expected)} with their absmax and qmap). hf_optim does not convert it: torchao keeps "
+                "its 4-bit and 8-bit moments as tensor subclasses that need torchao installed to load, with its "
+                "own 8-bit map and block scales clipped at 1e-12, and torch's AdamW state is unquantized, in another "
+                "layout. Resume the model weights and start the optimizer state afresh, or finish the "
+                "run with the optimizer that saved it."
+            )
+        if present != expected:
+            raise StateDictError(
+                f"{where} has slots {sorted(present)}, but {self.name} ({self.definition.name}) keeps "
+                f"{sorted(expected)}: the state dict was saved by another algorithm"
+            )
+        for spec in specs:
+            fmt = loaded_format(state, spec)
+            if fmt is None:
+                value = state[spec.key]
+                raise StateDictError(
+                    f"{where}: {spec.key} has dtype {getattr(value, 'dtype', type(value).__name__)}, expected float32 "
+                    "or uint8 (fp32 values, or quantized codes with their absmax and qmap)"
+                )
+            fmt.check_loaded(param, state, spec, where)
