@@ -9,6 +9,8 @@ from hf_optim.integrations import transformers as _transformers_integration
 from hf_optim.integrations.names import OptimizerName, available_optimizers
 from hf_optim.kernels.algorithm import Algorithm, TritonPlan
 from hf_optim.kernels.formats import available_state_formats
+from hf_optim.kernels.own_update import OwnUpdate
+from hf_optim.kernels.partition import Partition, PartRule
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.memory import StateMemory, state_memory
 from hf_optim.optim.adafactor import Adafactor, RelativeStepSchedule
@@ -72,8 +74,8 @@ __all__ = [
     "PagedMuon4bit", "PagedMuon8bit", "PagedMuon32bit", "Adafactor", "RelativeStepSchedule",
     "HfOptimizer", "StateDictError", "OptimizerName", "available_optimizers", "StateMemory", "state_memory",
     "last_complete_checkpoint",
-    "Algorithm", "StateSpec", "TrainerMapping", "TritonPlan", "Family", "register_algorithm", "lookup_algorithm",
-    "UnknownAlgorithmError", "available_state_formats",
+    "Algorithm", "StateSpec", "TrainerMapping", "TritonPlan", "OwnUpdate", "Partition", "PartRule", "Family",
+    "register_algorithm", "lookup_algorithm", "UnknownAlgorithmError", "available_state_formats",
 ]
 # The classes of a state format registered without export lines of its own (hf_optim.AdamWFp8, ...): every
 # built-in family's classes are package attributes.

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.formats import StateFormat, formats_by_rank, with_overrides
+from hf_optim.kernels.formats import StateFormat, formats_by_rank
 from hf_optim.kernels.formats.base import StateDictError
 from hf_optim.kernels.formats.blockwise8 import one_map_note_per_load
 from hf_optim.kernels.state_store import StateSpec
@@ -34,7 +34,7 @@ from hf_optim.optim import checkpoint, pickling
 from hf_optim.optim import options as common_options
 from hf_optim.optim._validation import check_min_8bit_size, check_stochastic_round
 from hf_optim.optim.checkpoint import ALGORITHM_KEY, TORCH_ADAM_KEYS
-from hf_optim.optim.overrides import PARAM_OVERRIDES_ATTR, update_overrides
+from hf_optim.optim.overrides import PARAM_OVERRIDES_ATTR
 from hf_optim.optim.release import GradientRelease, start_release
 from hf_optim.optim.rules import QUANT_STATE_KEY, Rules
 from hf_optim.optim.sharding import local_tensor
@@ -99,7 +99,7 @@ class HfOptimizer(torch.optim.Optimizer):
         self._store = StateStore(name, self.is_paged)
         self._plan = StepPlan(name, self.validate_group, self._positions)
         self._rules = Rules(name, self.definition, type(self).rule, self._supported_formats, self._store,
-                            self._plan)
+                            self._plan)  # the runners (one per rule of a hybrid) and the step of a plan
 
     @property
     def _positions(self) -> Positions:
@@ -169,42 +169,13 @@ class HfOptimizer(torch.optim.Optimizer):
     def _planned(self, only: tuple[int, int] | None = None) -> Plan:
         """The step plan, after refusing state whose slots are another rule's (a hybrid's)."""
         plan = self._plan.plan(self.param_groups, only)
-        if self._rules.partition is not None:
-            for _, group, entries in plan:
-                for p, _, _, overrides in entries:
-                    self._rules.check_rule_unchanged(p, {**group, **(overrides or {})}, self.state.get(p))
+        self._rules.check_plan(plan, self.state)
         return plan
 
     def _run(self, plan: Plan) -> None:
-        """Step the parameters of a plan: a group's new state is created first, all at once (flat buffers hold it
-        together), then each rule's runner updates its parameters; parameters with their own hyperparameters
-        (bitsandbytes' manager) update as a group of their own."""
         if self.is_paged:
             self._store.allocate.begin_step()
-        for group_index, group, entries in plan:
-            fresh = [(p, param, overrides) for p, param, _, overrides in entries if not self.state[p]]
-            by_label = self._rules.split(fresh, lambda entry, group=group: self._rules.label_of(
-                entry[0], with_overrides(group, entry[2]) if entry[2] else group))
-            for label, members in by_label.items():
-                self._rules.runners[label].create_states(group, members, self.state)
-            if group_index == 0 or fresh:
-                self._plan.number_states(self.param_groups, self.state)
-            calls: dict[Any, tuple[dict, list]] = {(): (group, [])}
-            for p, param, grad, overrides in entries:
-                state = self.state[p]
-                state["step"] += 1
-                if p.numel() == 0:  # an empty local shard still joins its shard group's reductions
-                    continue
-                if self.is_paged:
-                    self._store.allocate.prefetch(state, param.device)  # only right after a memory shortage
-                hyper = update_overrides(overrides) if overrides else None
-                key = _override_key(hyper) if hyper else ()
-                calls.setdefault(key, ({**group, **(hyper or {})}, []))[1].append((param, grad, state, p))
-            for effective, items in calls.values():
-                by_label = self._rules.split(items, lambda item, group=effective: self._rules.label_of(item[3], group))
-                for label, members in by_label.items():
-                    if members:
-                        self._rules.runners[label].update_group(effective, group_index, members)
+        self._rules.run(plan, self.state, self.param_groups)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -320,12 +291,3 @@ class HfOptimizer(torch.optim.Optimizer):
         if self.is_paged:
             self._store.page_again(self.state, self._rules.all_slots())
 
-
-def _override_key(hyper: dict):
-    """A key that puts parameters with equal hyperparameter overrides in one update call."""
-    key = tuple(sorted(hyper.items()))
-    try:
-        hash(key)
-    except TypeError:  # an unhashable value: this parameter gets a call of its own
-        return object()
-    return key

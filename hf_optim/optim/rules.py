@@ -13,13 +13,14 @@ from collections.abc import Callable, Mapping
 import torch
 
 from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.formats import loaded_format
+from hf_optim.kernels.formats import loaded_format, with_overrides
 from hf_optim.kernels.formats.base import StateDictError
 from hf_optim.kernels.state_store import StateSpec
 from hf_optim.optim import sharding
+from hf_optim.optim.overrides import update_overrides
 from hf_optim.optim.runner import Runner
 from hf_optim.optim.states import StateStore
-from hf_optim.optim.step_plan import StepPlan
+from hf_optim.optim.step_plan import Plan, StepPlan
 
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
 
@@ -38,6 +39,7 @@ class Rules:
     def __init__(self, name: str, definition: Algorithm, rule, formats: Callable, store: StateStore,
                  plan: StepPlan) -> None:
         self.name, self.definition = name, definition
+        self.store, self.plan = store, plan
         self.partition = definition.partition
         if self.partition is None:
             self.runners = {"": Runner(name, "", definition, rule, formats, store, plan)}
@@ -64,6 +66,45 @@ class Rules:
         for entry in entries:
             by_label[label_of(entry)].append(entry)
         return by_label
+
+    # A step
+    def check_plan(self, plan: Plan, states: dict) -> None:
+        """Refuse, before anything changes, state whose slots are another rule's (see
+        :meth:`check_rule_unchanged`)."""
+        if self.partition is None:
+            return
+        for _, group, entries in plan:
+            for p, _, _, overrides in entries:
+                self.check_rule_unchanged(p, {**group, **(overrides or {})}, states.get(p))
+
+    def run(self, plan: Plan, states: dict, param_groups: list[dict]) -> None:
+        """Step the parameters of a plan: a group's new state is created first, all at once (flat buffers hold it
+        together), then each rule's runner updates its parameters; parameters with their own hyperparameters
+        (bitsandbytes' manager) update as a group of their own."""
+        for group_index, group, entries in plan:
+            fresh = [(p, param, overrides) for p, param, _, overrides in entries if not states[p]]
+            by_label = self.split(fresh, lambda entry, group=group: self.label_of(
+                entry[0], with_overrides(group, entry[2]) if entry[2] else group))
+            for label, members in by_label.items():
+                self.runners[label].create_states(group, members, states)
+            if group_index == 0 or fresh:
+                self.plan.number_states(param_groups, states)
+            calls: dict = {(): (group, [])}
+            for p, param, grad, overrides in entries:
+                state = states[p]
+                state["step"] += 1
+                if p.numel() == 0:  # an empty local shard still joins its shard group's reductions
+                    continue
+                if self.store.is_paged:
+                    self.store.allocate.prefetch(state, param.device)  # only right after a memory shortage
+                hyper = update_overrides(overrides) if overrides else None
+                key = _override_key(hyper) if hyper else ()
+                calls.setdefault(key, ({**group, **(hyper or {})}, []))[1].append((param, grad, state, p))
+            for effective, items in calls.values():
+                by_label = self.split(items, lambda item, group=effective: self.label_of(item[3], group))
+                for label, members in by_label.items():
+                    if members:
+                        self.runners[label].update_group(effective, group_index, members)
 
     # Slots
     def all_slots(self) -> tuple[StateSpec, ...]:
@@ -157,3 +198,13 @@ class Rules:
                     "or uint8 (fp32 values, or quantized codes with their absmax and qmap)"
                 )
             fmt.check_loaded(param, state, spec, where)
+
+
+def _override_key(hyper: dict):
+    """A key that puts parameters with equal hyperparameter overrides in one update call."""
+    key = tuple(sorted(hyper.items()))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable value: this parameter gets a call of its own
+        return object()
+    return key
