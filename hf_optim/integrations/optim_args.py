@@ -17,9 +17,6 @@ _BETA_KEYS = ("beta1", "beta2", "beta3")
 _FIXED_BY_NAME = ("is_paged", "optim_bits", "state_format")
 """What the ``optim=`` name itself decides (paging and state format): not an ``optim_args`` key."""
 _NOT_FROM_OPTIM_ARGS = {"self", "params", "args", *_FIXED_BY_NAME}
-_TEXT_KEYS = ("adjust_lr_fn",)
-"""Keys whose values are names, kept as text ("none": None); the class checks them (Muon's ``adjust_lr_fn``)."""
-_BOOL_OR_NONE_KEYS = ("use_muon",)
 
 
 class OptimArgsError(ValueError):
@@ -54,30 +51,41 @@ def valid_keys(entry: OptimizerName) -> list[str]:
     return sorted(keys)
 
 
+def _declared_type(entry: OptimizerName, key: str) -> tuple[str, bool]:
+    """The type a constructor argument is annotated with, as ``(base type name, whether None is allowed)``:
+    ``("bool", True)`` for ``bool | None``; ``("", False)`` when it has no annotation (a generated class)."""
+    parameter = inspect.signature(entry.cls.__init__).parameters.get(key)
+    annotation = getattr(parameter, "annotation", inspect.Parameter.empty)
+    if annotation is inspect.Parameter.empty:
+        return "", False
+    parts = [part.strip() for part in str(annotation).split("|")]
+    base = [part for part in parts if part != "None"]
+    return (base[0].partition("[")[0] if base else ""), len(base) < len(parts)
+
+
 def _convert(key: str, raw: str, default: Any, entry: OptimizerName) -> Any:
+    """``raw`` as the type of argument ``key``: its annotation (``str | None``: text; ``bool | None``: true, false or
+    none), else the type of its default."""
     def fail(expected: str) -> OptimArgsError:
         return OptimArgsError(f"optim_args {key}={raw!r} for optim={entry.name!r}: expected {expected}")
 
-    if key in _TEXT_KEYS:
-        return None if raw.lower() == "none" else raw
-    if key in _BOOL_OR_NONE_KEYS and raw.lower() == "none":
+    declared, nullable = _declared_type(entry, key)
+    if (nullable or default is None) and raw.lower() == "none":
         return None
-    if isinstance(default, bool) or key in _BOOL_OR_NONE_KEYS:
+    if declared == "str":
+        return raw  # a name: the class checks it (Muon's adjust_lr_fn)
+    if declared == "bool" or isinstance(default, bool):
         lowered = raw.lower()
         if lowered in ("true", "1", "yes"):
             return True
         if lowered in ("false", "0", "no"):
             return False
         raise fail("true or false")
-    if isinstance(default, int) or (default is None and key in ("t_alpha", "t_beta3", "max_unorm")):
+    if declared == "int" or isinstance(default, int):
         try:
             return int(raw)
         except ValueError:
-            if default is None and raw.lower() == "none":
-                return None
             raise fail("an integer") from None
-    if default is None and raw.lower() == "none":
-        return None
     if isinstance(default, tuple):
         try:
             return tuple(float(v) for v in raw.split(";"))

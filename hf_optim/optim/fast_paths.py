@@ -53,15 +53,12 @@ class FastPaths:
         """State tensors were replaced: ask again."""
         self._seen.clear()
 
-    def off(self, state: dict, on_triton: bool, device: torch.device) -> bool:
+    def off(self, state: dict, restricted: tuple[StateFormat, ...], on_triton: bool, device: torch.device) -> bool:
         """Whether ``state`` holds a slot in a restricted format that keeps it off the fast paths here: a
         whole-tensor format always, one without a Triton branch where Triton runs the rest (said once per format
         and device type). These formats recognise only their own slots (rank1_4bit: by its column scales), so
         asking them is enough. The answer is remembered per first state tensor (weakly), so a step does not ask
-        every format about every tensor again."""
-        restricted = self.restricted()
-        if not restricted:
-            return False
+        every format about every tensor again. ``restricted``: :meth:`restricted`, asked once per group."""
         first = state.get(self._slots[0].key)
         seen = self._seen.get(id(first))
         if seen is not None and seen[0]() is first:

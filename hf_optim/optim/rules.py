@@ -89,7 +89,8 @@ class Rules:
                 self.runners[label].create_states(group, members, states)
             if group_index == 0 or fresh:
                 self.plan.number_states(param_groups, states)
-            calls: dict = {(): (group, [])}
+            plain: list = []
+            calls: dict = {(): (group, plain)}
             for p, param, grad, overrides in entries:
                 state = states[p]
                 state["step"] += 1
@@ -98,8 +99,10 @@ class Rules:
                 if self.store.is_paged:
                     self.store.allocate.prefetch(state, param.device)  # only right after a memory shortage
                 hyper = update_overrides(overrides) if overrides else None
-                key = _override_key(hyper) if hyper else ()
-                calls.setdefault(key, ({**group, **(hyper or {})}, []))[1].append((param, grad, state, p))
+                if hyper:  # per-parameter hyperparameters (bitsandbytes' manager): updated with its own group
+                    calls.setdefault(_override_key(hyper), ({**group, **hyper}, []))[1].append((param, grad, state, p))
+                else:
+                    plain.append((param, grad, state, p))
             for effective, items in calls.values():
                 by_label = self.split(items, lambda item, group=effective: self.label_of(item[3], group))
                 for label, members in by_label.items():

@@ -143,26 +143,21 @@ class Runner:
             self.update.group(self, group, items)
             return
         triton_devices: dict[torch.device, bool] = {}  # the backend choice reads the environment: once per device
-        rest, on_triton, flat_items, triton = [], [], [], None
+        rest, on_triton, triton = [], [], None
+        restricted = self.fast_paths.restricted()  # empty for most optimizers: nothing to ask per tensor
         for item in items:
             param, grad, state, full = item
             device = param.device
             if device not in triton_devices:
                 triton_devices[device] = self.triton_capable and kernel_backend.uses_triton(device)
-            if self.fast_paths.off(state, triton_devices[device], device):
+            if restricted and self.fast_paths.off(state, restricted, triton_devices[device], device):
                 self.update_tensor(param, grad, state, group, full)  # a whole-tensor format, or one without Triton
                 continue
             (on_triton if triton_devices[device] else rest).append(item)
         if on_triton:
             triton = self.triton_plans.prepare(group_index, on_triton, stochastic=bool(group[SR_KEY]))
             rest.extend(triton.unsupported)
-        for param, grad, state, full in rest:
-            if self.on_multi_tensor_path(full, param):
-                flat_items.append((param, grad, state, full))
-            else:
-                self.update_tensor(param, grad, state, group, full)
-        if flat_items:
-            self.update_flat(group, flat_items)
+        self._update_on_pytorch(group, rest, self.on_multi_tensor_path)
         if triton is not None:
             hypers = {step: self.hyper(group, step) for step in triton.steps}
             skipped = triton.run(group, hypers, self.plan.ordinals if group[SR_KEY] else None)
@@ -180,9 +175,13 @@ class Runner:
         """The PyTorch path for items whose Triton kernels failed: the multi-tensor path where it applies (their
         per-tensor state, created for Triton, moves into flat buffers at the first such step), tensor by tensor
         otherwise. The same math as their Triton kernels."""
+        self._update_on_pytorch(group, items, self.multi_tensor_eligible)
+
+    def _update_on_pytorch(self, group: dict, items: list, on_flat_path) -> None:
+        """The multi-tensor path for the items ``on_flat_path(full, param)`` accepts, tensor by tensor the rest."""
         flat_items = []
         for param, grad, state, full in items:
-            if self.multi_tensor_eligible(full, param):
+            if on_flat_path(full, param):
                 flat_items.append((param, grad, state, full))
             else:
                 self.update_tensor(param, grad, state, group, full)
