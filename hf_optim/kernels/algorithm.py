@@ -10,7 +10,8 @@ to switch on algorithm names reads the description.
 This module sits in the lowest layer (``hf_optim.kernels``): the kernels read descriptions, the optimizer classes
 (``hf_optim.optim``) are built from them, and nothing here imports torch's optimizers, triton, or a higher layer.
 A Triton rule or plan may be given as the object itself or as ``"module:attribute"``, imported when a Triton step
-first needs it (so describing an algorithm never imports triton).
+first needs it (so describing an algorithm never imports triton); a relative module (``".triton_rule:adamw"``) is
+found in the package of the module that created the description (:attr:`Algorithm.package`).
 
 :func:`hf_optim.optim.registry.register_algorithm` registers a description, builds its optimizer classes and adds
 its Trainer names.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import importlib
 import math
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -54,15 +56,18 @@ def kernel_scalars(hyper: tuple) -> tuple:
     return type(hyper)(*(float(value) for value in hyper))
 
 
-def resolve(ref: Any) -> Any:
-    """``ref`` itself, or the object a ``"module:attribute"`` string names (imported now)."""
+def resolve(ref: Any, package: str | None = None) -> Any:
+    """``ref`` itself, or the object a ``"module:attribute"`` string names (imported now); a relative module
+    (``".triton_rule:adamw"``) is looked up in ``package``."""
     if not isinstance(ref, str):
         return ref
     module, sep, attribute = ref.partition(":")
     if not sep or not module or not attribute:
         raise ValueError(f"{ref!r} is not a 'module:attribute' reference"
-                         " (e.g. 'hf_optim.optim.adamw.triton_rule:adamw')")
-    return getattr(importlib.import_module(module), attribute)
+                         " (e.g. '.triton_rule:adamw', beside the description, or 'my_package.triton_rule:adamw')")
+    if module.startswith(".") and not package:
+        raise ValueError(f"{ref!r} is relative, but no package is known to resolve it in")
+    return getattr(importlib.import_module(module, package), attribute)
 
 
 @dataclass(frozen=True)
@@ -141,8 +146,14 @@ class Algorithm:
     variant_formats: tuple[str, ...] | None = BITSANDBYTES_FORMATS
     update: OwnUpdate | None = None
     partition: Partition | None = None
+    package: str | None = None
+    """Where relative references (``".triton_rule:adamw"``) are resolved; default: the package of the module that
+    created the description."""
 
     def __post_init__(self) -> None:
+        if self.package is None:  # the caller of the dataclass __init__ that called this
+            caller = sys._getframe(2).f_globals
+            object.__setattr__(self, "package", caller.get("__package__") or caller.get("__name__"))
         if not self.name or not self.name.isidentifier() or self.name != self.name.lower():
             raise ValueError(f"Algorithm name {self.name!r} must be a lower-case Python identifier, e.g. 'signum'")
         if not self.class_name.isidentifier():
@@ -156,6 +167,10 @@ class Algorithm:
             raise ValueError(f"Algorithm {self.name!r}: slot keys repeat: {[spec.key for spec in self.slots]}")
         if self.triton_plan.elementwise and self.triton_rule is not None and self.rule is None:
             raise ValueError(f"Algorithm {self.name!r}: an elementwise Triton rule needs its PyTorch rule")
+
+    def resolve(self, ref: Any) -> Any:
+        """A Triton rule or plan function of this description: ``ref`` itself, or what its reference names."""
+        return resolve(ref, self.package)
 
     @property
     def runs_on_triton(self) -> bool:

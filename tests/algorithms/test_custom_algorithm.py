@@ -225,3 +225,18 @@ def test_registry_refuses_bad_registrations(example):
         _description("Bad-Name")
     with pytest.raises(hf_optim.UnknownAlgorithmError):
         hf_optim.lookup_algorithm("throwaway_names")  # a refused registration leaves nothing behind
+
+
+def test_relative_references_resolve_in_the_package_that_made_the_description():
+    """``".triton_rule:adamw"`` names the module beside the description, whoever asks for it."""
+    pytest.importorskip("triton")
+    import importlib
+
+    from hf_optim.kernels.algorithm import resolve
+    from hf_optim.optim.adamw import ADAMW
+
+    assert ADAMW.package == "hf_optim.optim.adamw"
+    assert ADAMW.triton_rule.startswith(".")
+    assert ADAMW.resolve(ADAMW.triton_rule) is importlib.import_module("hf_optim.optim.adamw.triton_rule").adamw
+    with pytest.raises(ValueError, match=r"'\.triton_rule:adamw' is relative"):
+        resolve(".triton_rule:adamw")

@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hf_optim.kernels.algorithm import Algorithm, resolve
+from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.formats import FP32, StateFormat, format_for_bits, format_named
 from hf_optim.kernels.triton_path import quant4, quant8, rounding
 from hf_optim.kernels.triton_path.elementwise import FusedConfig, _fused_update_kernel
@@ -153,7 +153,7 @@ def fused_configs(algorithm: Algorithm, formats: Iterable[StateFormat | str | in
     without a Triton branch (``StateFormat.triton`` False: ``rank1_4bit``) has none."""
     if algorithm.triton_rule is None:
         return []
-    rule = resolve(algorithm.triton_rule)
+    rule = algorithm.resolve(algorithm.triton_rule)
     write_out = not algorithm.triton_plan.elementwise
     signed = tuple(spec.signed for spec in algorithm.slots for _ in range(spec.rows))
     configs = []
@@ -228,7 +228,7 @@ def kernel_specs(algorithms: Iterable[tuple[Algorithm, Iterable[StateFormat | st
         fused = fused_configs(algorithm, formats, include_unaligned=include_unaligned, arch=arch)
         specs.extend(fused_spec(algorithm, config) for config in fused)
         if algorithm.triton_plan.specs is not None:  # a multi-pass algorithm's own kernels (LAMB, Adafactor)
-            specs.extend(resolve(algorithm.triton_plan.specs)(algorithm, formats, fused))
+            specs.extend(algorithm.resolve(algorithm.triton_plan.specs)(algorithm, formats, fused))
     if standalone:
         specs.extend(standalone_specs())
     names = [spec.name for spec in specs]

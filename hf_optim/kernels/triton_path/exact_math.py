@@ -2,7 +2,7 @@
 :func:`hf_optim.kernels.torch_path.exact_math.lerp` that such twins use.
 
 Each algorithm's Triton rule (``hf_optim/optim/<algorithm>/triton_rule.py``, named by its description:
-``triton_rule="hf_optim.optim.adamw.triton_rule:adamw"``) is the twin of its PyTorch rule in
+``triton_rule=".triton_rule:adamw"``) is the twin of its PyTorch rule in
 ``hf_optim/optim/<algorithm>/__init__.py`` and performs the same fp32 operations in the same order, so both paths
 round identically: one IEEE rounding per PyTorch operation (``tl.div_rn`` and ``tl.sqrt_rn`` for division and square
 root; the kernels are launched with floating-point contraction off); ``lerp`` is

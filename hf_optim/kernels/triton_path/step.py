@@ -32,7 +32,7 @@ from collections import defaultdict
 
 import torch
 
-from hf_optim.kernels.algorithm import Algorithm, kernel_scalars, resolve
+from hf_optim.kernels.algorithm import Algorithm, kernel_scalars
 from hf_optim.kernels.torch_path import rounding
 from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.kernels.triton_path import multi_tensor as mt
@@ -282,7 +282,7 @@ class GroupStep:
             if algorithm.triton_plan.elementwise:
                 work = functools.partial(_launch_fused, batch, kernel_scalars(hyper), stochastic)
             else:
-                work = functools.partial(resolve(algorithm.triton_plan.step), algorithm, group, key,
+                work = functools.partial(algorithm.resolve(algorithm.triton_plan.step), algorithm, group, key,
                                          [(items[i][0], self._grads[i], items[i][2]) for i in batch.indices], step,
                                          hyper, self._plans.tables, device, stochastic)
             with _on(device):
@@ -326,9 +326,9 @@ def fused_config(algorithm: Algorithm, kinds: tuple, device: torch.device, *, st
     launch makes the partial-tile twin)."""
     param_dtype, grad_dtype, formats, aligned = kinds
     signed = mt.row_signedness(algorithm.slots)[: len(formats)]
-    return FusedConfig(algorithm.name, resolve(algorithm.triton_rule), formats, signed, param_dtype, grad_dtype,
-                       full=True, stochastic=stochastic, write_out=write_out, aligned=aligned,
-                       arch=device_arch(device))
+    rule = algorithm.resolve(algorithm.triton_rule)
+    return FusedConfig(algorithm.name, rule, formats, signed, param_dtype, grad_dtype, full=True, stochastic=stochastic,
+                       write_out=write_out, aligned=aligned, arch=device_arch(device))
 
 
 @functools.cache

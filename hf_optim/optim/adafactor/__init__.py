@@ -284,8 +284,8 @@ ADAFACTOR = Algorithm(
     hyper_at=adafactor_hyper,
     # six passes (triton_passes.py); statistics over the whole tensor: shards and empty
     # tensors take PyTorch's path
-    triton_plan=TritonPlan(step="hf_optim.optim.adafactor.triton_passes:step", shards=False, empty=False,
-                           specs="hf_optim.optim.adafactor.triton_passes:launch_specs"),
+    triton_plan=TritonPlan(step=".triton_passes:step", shards=False, empty=False,
+                           specs=".triton_passes:launch_specs"),
     trainer=TrainerMapping(
         names=("adafactor", "adafactor_8bit"),
         takes_over=("adafactor",),

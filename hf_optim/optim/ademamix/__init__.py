@@ -107,7 +107,7 @@ ADEMAMIX = Algorithm(
     hyper=AdEMAMixHyper,
     hyper_at=ademamix_hyper,
     rule=ademamix_rule,
-    triton_rule="hf_optim.optim.ademamix.triton_rule:ademamix",
+    triton_rule=".triton_rule:ademamix",
     # transformers reads optim_args beta1, beta2, beta3, alpha, eps, t_alpha, t_beta3 for its ademamix names
     variant_formats=None,  # every registered format: 4-bit and any later one get classes and names
     trainer=TrainerMapping(

@@ -186,10 +186,10 @@ LAMB_ALGORITHM = Algorithm(
     hyper=LAMBHyper,
     hyper_at=lamb_hyper,
     rule=lamb_rule,
-    triton_rule="hf_optim.optim.lamb.triton_rule:lamb",
+    triton_rule=".triton_rule:lamb",
     # three passes (directions, norms, apply); the norms are of the whole tensor, so shards take the PyTorch path
-    triton_plan=TritonPlan(step="hf_optim.optim.lamb.triton_passes:step", shards=False,
-                           specs="hf_optim.optim.lamb.triton_passes:launch_specs"),
+    triton_plan=TritonPlan(step=".triton_passes:step", shards=False,
+                           specs=".triton_passes:launch_specs"),
     update=OwnUpdate(tensor=lamb_tensor_update, flat=lamb_flat_update, created=warn_zero_start),
     trainer=TrainerMapping(
         names=("lamb", "lamb_32bit", "lamb_8bit", "paged_lamb_8bit", "paged_lamb_32bit"),

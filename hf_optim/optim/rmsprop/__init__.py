@@ -54,7 +54,7 @@ RMSPROP = Algorithm(
     hyper=RMSpropHyper,
     hyper_at=rmsprop_hyper,
     rule=rmsprop_rule,
-    triton_rule="hf_optim.optim.rmsprop.triton_rule:rmsprop",
+    triton_rule=".triton_rule:rmsprop",
     # transformers passes only lr and optim_args for its rmsprop_bnb names; so does hf_optim.
     trainer=TrainerMapping(
         names=("rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit", "rmsprop_8bit"),
