@@ -286,6 +286,9 @@ class HfOptimizer(torch.optim.Optimizer):
             self.defaults.pop("differentiable", None)
         self.__dict__.setdefault("is_paged", False)
         self.__dict__.setdefault("release_gradients", False)
+        if "_recorded" not in self.__dict__:  # pickled by hf_optim before the parts: its records by position
+            self._positions.overrides.update(self.__dict__.pop("_overrides_by_position", {}) or {})
+            self._positions.marks.update(self.__dict__.pop("_routes_by_position", {}) or {})
         self._build_parts()  # unpickled state is standalone: the multi-tensor path moves it in at the next step
         self._release = start_release(self) if self.release_gradients else None
         if self.is_paged:
