@@ -122,8 +122,8 @@ class Algorithm:
             (:class:`hf_optim.optim.trainer_mapping.TrainerMapping`; None: the default mapping).
         state_bytes: ``state_bytes(shape, quantized, fmt) -> int`` for state that is not per-element slots
             (Adafactor's factored statistics): ``fmt`` is the optimizer's :class:`StateFormat`, ``quantized``
-            whether this tensor's state is in it (else fp32); None: the slots' bytes. A hybrid algorithm's hook also
-            takes ``rule=`` (the rule the optimizer gives the tensor, e.g. Muon's ``"muon"`` or ``"adamw"``).
+            whether this tensor's state is in it (else fp32); None: the slots' bytes (a hybrid's: those of the rule
+            its partition gives the tensor).
         update: how the algorithm updates on the PyTorch path when it is not elementwise (LAMB, Adafactor, Muon):
             :class:`hf_optim.kernels.own_update.OwnUpdate`; None: the elementwise ``rule`` on every path.
         partition: for a hybrid algorithm (Muon), the labelled rules its parameters are split into
@@ -192,9 +192,13 @@ class Algorithm:
                          rule: str | None = None) -> int:
         """Bytes of state for one tensor of ``shape`` in an optimizer of format ``fmt`` (``quantized``: this tensor's
         slots are in ``fmt``, not fp32: it has at least ``min_8bit_size`` elements; ``rule``: the rule a hybrid
-        optimizer gives it, None where only the shape decides)."""
+        optimizer gives it, None where only the shape decides: a hybrid's partition then labels the unmarked
+        tensor)."""
         if self.state_bytes is not None:
-            return self.state_bytes(shape, quantized, fmt) if rule is None else self.state_bytes(
-                shape, quantized, fmt, rule=rule)
+            return self.state_bytes(shape, quantized, fmt)
+        slots = self.slots
+        if self.partition is not None:
+            label = rule if rule is not None else self.partition.label_for_mark(None, len(shape), {})
+            slots = (self.partition.rule(label).algorithm or self).slots
         numel = math.prod(shape)
-        return sum(slot_bytes(spec, numel, fmt if quantized else FP32, shape) for spec in self.slots)
+        return sum(slot_bytes(spec, numel, fmt if quantized else FP32, shape) for spec in slots)

@@ -21,17 +21,16 @@ enter Newton-Schulz as 0, so one NaN does not turn the whole matrix into NaN (to
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
 
 from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.formats import FP32, StateFormat
+from hf_optim.kernels.formats import StateFormat
 from hf_optim.kernels.own_update import OwnUpdate
 from hf_optim.kernels.partition import Partition, PartRule
-from hf_optim.kernels.state_store import StateSpec, slot_bytes
+from hf_optim.kernels.state_store import StateSpec
 from hf_optim.kernels.torch_path import exact_math, multi_tensor, rounding
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_real, check_weight_decay
@@ -53,7 +52,6 @@ BATCH_BYTES = 256 << 20
 """Most bytes of fp32 updates orthogonalized in one batched matmul (a larger matrix is a batch alone)."""
 
 MUON_SLOTS = (StateSpec("state1", signed=True),)
-ADAMW_SLOTS = ADAMW.slots
 
 
 class MuonHyper(NamedTuple):
@@ -74,14 +72,6 @@ def muon_momentum_rule(param, grad, states, h: MuonHyper):
 def muon_hyper(group: dict, step: int) -> MuonHyper:
     momentum = group["momentum"]
     return MuonHyper(one_minus_momentum=1.0 - momentum, update_weight=momentum if group["nesterov"] else 1.0)
-
-
-def _state_bytes(shape: tuple[int, ...], quantized: bool, fmt: StateFormat, rule: str | None = None) -> int:
-    """Bytes of one tensor's state: Muon's momentum under ``rule="muon"``, AdamW's two moments under ``"adamw"``;
-    without a rule (an estimate from shapes alone) a matrix counts as Muon's, anything else as AdamW's."""
-    stored = fmt if quantized else FP32
-    muon = rule == "muon" if rule is not None else len(shape) == 2
-    return sum(slot_bytes(spec, math.prod(shape), stored, shape) for spec in (MUON_SLOTS if muon else ADAMW_SLOTS))
 
 
 def _adjust_trainer_kwargs(kwargs: dict, args: Any, betas: list, optim_args: dict, state_format: StateFormat) -> None:
@@ -181,7 +171,6 @@ MUON = Algorithm(
     hyper=MuonHyper,
     hyper_at=muon_hyper,
     rule=muon_momentum_rule,
-    state_bytes=_state_bytes,
     variant_formats=None,  # every registered format that suits a signed momentum: 32-bit, 8-bit, 4-bit, fp8
     trainer=TrainerMapping(names=None, adjust=_adjust_trainer_kwargs),
     update=OwnUpdate(group=muon_group_update),
