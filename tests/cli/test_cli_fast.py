@@ -150,7 +150,8 @@ def registered_by_tests() -> set[str]:
 
 
 def test_the_static_name_table_is_the_registry():
-    assert list(HF_OPTIM_OPTIMIZER_NAMES) == sorted(set(OPTIMIZER_NAMES) - registered_by_tests())
+    assert list(HF_OPTIM_OPTIMIZER_NAMES) == sorted(set(OPTIMIZER_NAMES) - registered_by_tests()), \
+        "hf_optim/integrations/name_table.py is out of date: run python tools/readme_tables.py --write"
 
 
 def test_sections_and_keys_are_the_schemas():
