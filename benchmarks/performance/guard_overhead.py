@@ -34,7 +34,7 @@ def main() -> None:
     import triton
 
     import hf_optim
-    from hf_optim.kernels.algorithm import kernel_scalars, resolve
+    from hf_optim.kernels.algorithm import kernel_scalars
     from hf_optim.kernels.triton_path import elementwise as te
 
     algorithm = hf_optim.AdamW.definition
@@ -43,7 +43,7 @@ def main() -> None:
     tiles = torch.zeros(2, dtype=torch.int32, device=device)
     hyper = kernel_scalars(algorithm.hyper(*[0.1] * len(algorithm.hyper._fields)))
     launch_args = (meta, tiles, meta, meta, hyper, meta, meta)
-    constants = dict(RULE=resolve(algorithm.triton_rule), ROWS=2, SIGNED0=True, SIGNED1=False, SIGNED2=True,
+    constants = dict(RULE=algorithm.resolve(algorithm.triton_rule), ROWS=2, SIGNED0=True, SIGNED1=False, SIGNED2=True,
                      WRITE_OUT=False, NORMS=False, BLOCKS=te.TILE_BLOCKS, COLS=16, ALIGNED=True, SR=False)
     kernel = te._fused_update_kernel
     print(f"Triton {triton.__version__}, torch {torch.__version__}, {args.repeats} calls each")

@@ -273,7 +273,7 @@ def test_rules_read_their_hyper_fields():
     """Each Triton rule and its PyTorch twin read only fields of the algorithm's ``hyper`` class, and every field is
     read by one of them (a field neither reads would be a scalar the description computes for nothing). The host
     function returns that class, and the kernel receives it as floats (an int would recompile per value)."""
-    from hf_optim.kernels.algorithm import kernel_scalars, resolve
+    from hf_optim.kernels.algorithm import kernel_scalars
     from hf_optim.optim import registry
 
     with_triton = [f for f in registry.families() if f.algorithm.triton_rule is not None]
@@ -283,7 +283,7 @@ def test_rules_read_their_hyper_fields():
         algorithm = family.algorithm
         fields = set(algorithm.hyper._fields)
         torch_reads = _fields_read(algorithm.rule, "h")
-        triton_reads = _fields_read(resolve(algorithm.triton_rule), "h")
+        triton_reads = _fields_read(algorithm.resolve(algorithm.triton_rule), "h")
         assert torch_reads <= fields and triton_reads <= fields, algorithm.name
         assert torch_reads | triton_reads == fields, (algorithm.name, fields - torch_reads - triton_reads)
         group = family.base([torch.zeros(1)]).param_groups[0]
