@@ -52,6 +52,7 @@ class StateSpec:
 
 QUANT_KEYS = ("state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2", "unorm_vec", "gnorm_vec")
 """Keys bitsandbytes nests under ``__bnb_optimizer_quant_state__`` in ``state_dict()``."""
+QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
 
 
 def slot_shape(spec: StateSpec, param: torch.Tensor) -> tuple[int, ...]:

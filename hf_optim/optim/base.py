@@ -25,18 +25,19 @@ from typing import Any, ClassVar
 
 import torch
 
+from hf_optim.kernels import backend as kernel_backend
 from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.formats import StateFormat, formats_by_rank
 from hf_optim.kernels.formats.base import StateDictError
 from hf_optim.kernels.formats.blockwise8 import one_map_note_per_load
-from hf_optim.kernels.state_store import StateSpec
+from hf_optim.kernels.state_store import QUANT_STATE_KEY, StateSpec
 from hf_optim.optim import checkpoint, pickling
 from hf_optim.optim import options as common_options
 from hf_optim.optim._validation import check_min_8bit_size, check_stochastic_round
 from hf_optim.optim.checkpoint import ALGORITHM_KEY, TORCH_ADAM_KEYS
 from hf_optim.optim.overrides import PARAM_OVERRIDES_ATTR
 from hf_optim.optim.release import GradientRelease, start_release
-from hf_optim.optim.rules import QUANT_STATE_KEY, Rules
+from hf_optim.optim.rules import Rules
 from hf_optim.optim.sharding import local_tensor
 from hf_optim.optim.states import StateStore
 from hf_optim.optim.step_plan import SR_KEY, SR_SEED_KEY, Plan, Positions, StepPlan
@@ -191,8 +192,6 @@ class HfOptimizer(torch.optim.Optimizer):
         """The kernels that update this optimizer's parameters: ``triton``, ``torch-compile`` (the multi-tensor path
         compiled by inductor, CPU and CUDA) or ``torch`` (eager), per device type when they differ (see
         ``hf_optim.kernels.backend``)."""
-        from hf_optim.kernels import backend as kernel_backend
-
         devices = {local_tensor(p).device for group in self.param_groups for p in group["params"]}
         return kernel_backend.describe(devices)
 

@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 
-from hf_optim.kernels.formats import FORMATS, format_for_bits
+from hf_optim.kernels.formats import FORMATS, format_for_bits, loaded_format
 from hf_optim.kernels.formats.base import StateDictError
-from hf_optim.kernels.state_store import QUANT_KEYS
+from hf_optim.kernels.state_store import QUANT_KEYS, QUANT_STATE_KEY
 from hf_optim.optim import sharding
-from hf_optim.optim.rules import QUANT_STATE_KEY
 from hf_optim.optim.sharding import local_tensor
 from hf_optim.paging import on_host
 
@@ -116,7 +115,7 @@ def loaded_states(opt, state_dict: Mapping) -> dict:
         flat = sharding.import_state(dict(param_state), p, local,
                                      functools.partial(opt._rules.state_dims, state=param_state))
         flat.update(flat.pop(QUANT_STATE_KEY, {}))
-        opt._rules.check_loaded(local, flat, saved_id, TORCH_ADAM_KEYS)
+        check_loaded(opt, local, flat, saved_id)
         # Copy: the loaded optimizer must never share (and mutate) the caller's tensors.
         new_state[p] = {
             k: (opt._store.allocate.copy_of(v, local.device, local.numel()) if k in slots
@@ -148,3 +147,42 @@ def loaded_groups(opt, state_dict: Mapping) -> list[dict]:
         opt.validate_group(merged)
         new_groups.append(merged)
     return new_groups
+
+
+def check_loaded(opt, param: torch.Tensor, state: dict, index) -> None:
+    """Refuse state of another algorithm, shape or block size before it can corrupt training."""
+    where = f"state of parameter {index} (shape {tuple(param.shape)})"
+    definition = opt.definition
+    own = definition.update.check_loaded if definition.update is not None else None
+    if own is not None:
+        own(param, state, where)
+        return
+    specs = opt._rules.slots_of_state(state)
+    expected = {spec.key for spec in specs}
+    present = {k for k in state if k.startswith("state")}
+    foreign = sorted(TORCH_ADAM_KEYS & set(state))
+    if foreign and not present:
+        subclass = next((type(state[k]).__name__ for k in foreign if type(state[k]) is not torch.Tensor), None)
+        source = f"torchao's low-bit AdamW ({subclass} state)" if subclass else "torch.optim.AdamW (or torchao)"
+        raise StateDictError(
+            f"{where} has {foreign}: a state dict of {source}, not of hf_optim or bitsandbytes "
+            f"(slots {sorted(expected)} with their absmax and qmap). hf_optim does not convert it: torchao keeps "
+            "its 4-bit and 8-bit moments as tensor subclasses that need torchao installed to load, with its "
+            "own 8-bit map and block scales clipped at 1e-12, and torch's AdamW state is unquantized, in another "
+            "layout. Resume the model weights and start the optimizer state afresh, or finish the "
+            "run with the optimizer that saved it."
+        )
+    if present != expected:
+        raise StateDictError(
+            f"{where} has slots {sorted(present)}, but {type(opt).__name__} ({definition.name}) keeps "
+            f"{sorted(expected)}: the state dict was saved by another algorithm"
+        )
+    for spec in specs:
+        fmt = loaded_format(state, spec)
+        if fmt is None:
+            value = state[spec.key]
+            raise StateDictError(
+                f"{where}: {spec.key} has dtype {getattr(value, 'dtype', type(value).__name__)}, expected float32 "
+                "or uint8 (fp32 values, or quantized codes with their absmax and qmap)"
+            )
+        fmt.check_loaded(param, state, spec, where)

@@ -14,15 +14,12 @@ import torch
 
 from hf_optim.kernels.algorithm import Algorithm
 from hf_optim.kernels.formats import loaded_format, with_overrides
-from hf_optim.kernels.formats.base import StateDictError
-from hf_optim.kernels.state_store import StateSpec
+from hf_optim.kernels.state_store import QUANT_STATE_KEY, StateSpec
 from hf_optim.optim import sharding
 from hf_optim.optim.overrides import update_overrides
 from hf_optim.optim.runner import Runner
 from hf_optim.optim.states import StateStore
 from hf_optim.optim.step_plan import Plan, StepPlan
-
-QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
 
 
 class Rules:
@@ -54,9 +51,6 @@ class Rules:
 
     def label_of(self, p: torch.Tensor, group: dict) -> str:
         return self.partition.label_of(p, group) if self.partition is not None else ""
-
-    def runner_of(self, p: torch.Tensor, group: dict) -> Runner:
-        return self.runners[self.label_of(p, group)]
 
     def split(self, entries: list, label_of: Callable) -> dict[str, list]:
         """``entries`` by their label (``label_of(entry)``), labels in rule order."""
@@ -164,43 +158,6 @@ class Rules:
                 return sharding.PerShard(fmt.main_length)
             return (None,) * (spec.rows > 1) + tuple(range(ndim))
         return None
-
-    def check_loaded(self, param: torch.Tensor, state: dict, index, torch_keys: frozenset) -> None:
-        """Refuse state of another algorithm, shape or block size before it can corrupt training."""
-        where = f"state of parameter {index} (shape {tuple(param.shape)})"
-        own = self.definition.update.check_loaded if self.definition.update is not None else None
-        if own is not None:
-            own(param, state, where)
-            return
-        specs = self.slots_of_state(state)
-        expected = {spec.key for spec in specs}
-        present = {k for k in state if k.startswith("state")}
-        foreign = sorted(torch_keys & set(state))
-        if foreign and not present:
-            subclass = next((type(state[k]).__name__ for k in foreign if type(state[k]) is not torch.Tensor), None)
-            source = f"torchao's low-bit AdamW ({subclass} state)" if subclass else "torch.optim.AdamW (or torchao)"
-            raise StateDictError(
-                f"{where} has {foreign}: a state dict of {source}, not of hf_optim or bitsandbytes "
-                f"(slots {sorted(expected)} with their absmax and qmap). hf_optim does not convert it: torchao keeps "
-                "its 4-bit and 8-bit moments as tensor subclasses that need torchao installed to load, with its "
-                "own 8-bit map and block scales clipped at 1e-12, and torch's AdamW state is unquantized, in another "
-                "layout. Resume the model weights and start the optimizer state afresh, or finish the "
-                "run with the optimizer that saved it."
-            )
-        if present != expected:
-            raise StateDictError(
-                f"{where} has slots {sorted(present)}, but {self.name} ({self.definition.name}) keeps "
-                f"{sorted(expected)}: the state dict was saved by another algorithm"
-            )
-        for spec in specs:
-            fmt = loaded_format(state, spec)
-            if fmt is None:
-                value = state[spec.key]
-                raise StateDictError(
-                    f"{where}: {spec.key} has dtype {getattr(value, 'dtype', type(value).__name__)}, expected float32 "
-                    "or uint8 (fp32 values, or quantized codes with their absmax and qmap)"
-                )
-            fmt.check_loaded(param, state, spec, where)
 
 
 def _override_key(hyper: dict):
