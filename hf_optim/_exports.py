@@ -5,13 +5,13 @@ imports it once its checks that need no torch have passed (:mod:`hf_optim._start
 
 from hf_optim import notices as _notices
 from hf_optim.checkpoints import last_complete_checkpoint
+from hf_optim.core.algorithm import Algorithm, TritonPlan
+from hf_optim.core.own_update import OwnUpdate
+from hf_optim.core.partition import Partition, PartRule
+from hf_optim.core.state_store import StateSpec
+from hf_optim.formats import available_state_formats
 from hf_optim.integrations import transformers as _transformers_integration
 from hf_optim.integrations.names import OptimizerName, available_optimizers
-from hf_optim.kernels.algorithm import Algorithm, TritonPlan
-from hf_optim.kernels.formats import available_state_formats
-from hf_optim.kernels.own_update import OwnUpdate
-from hf_optim.kernels.partition import Partition, PartRule
-from hf_optim.kernels.state_store import StateSpec
 from hf_optim.memory import StateMemory, state_memory
 from hf_optim.optim.adafactor import Adafactor, RelativeStepSchedule
 from hf_optim.optim.adamw import (

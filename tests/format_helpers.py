@@ -8,11 +8,11 @@ import warnings
 import torch
 
 import hf_optim
-from hf_optim.kernels.formats import StateFormat
-from hf_optim.kernels.formats import quant8 as blockwise
-from hf_optim.kernels.formats.dynamic_map import dynamic_map
-from hf_optim.kernels.formats.rank1_quant4 import matrix_shape
-from hf_optim.kernels.state_store import StateSpec
+from hf_optim.core.state_store import StateSpec
+from hf_optim.formats import StateFormat
+from hf_optim.formats import quant8 as blockwise
+from hf_optim.formats.dynamic_map import dynamic_map
+from hf_optim.formats.rank1_quant4 import matrix_shape
 
 
 def round_trip_bound(state: dict, spec: StateSpec, fmt: StateFormat) -> float:

@@ -1,6 +1,6 @@
 """The package's import structure as a Mermaid diagram, read from the source: one box per part, one arrow per import.
 
-A part is a sub-package (``hf_optim.kernels.formats``, ``hf_optim.optim``, ...) or a top-level module grouped with
+A part is a sub-package (``hf_optim.formats``, ``hf_optim.optim``, ...) or a top-level module grouped with
 its kind (the command line, the start-up hooks). An arrow ``a --> b`` means some module of ``a`` imports one of ``b``,
 at module level or inside a function (a lazy import is a dependency all the same). ``docs/architecture.md`` holds the
 output. ``tests/architecture/test_import_layers.py`` reads the package's imports through :func:`imports` too (its
@@ -18,10 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_optim"
 
 PARTS = {
-    "formats": ("kernels/formats: state formats", ["hf_optim.kernels.formats"]),
+    "numerics": ("numerics: exact math, stochastic rounding", ["hf_optim.numerics"]),
+    "formats": ("formats: state formats", ["hf_optim.formats"]),
+    "core": ("core: algorithm descriptions, partitions, slots", ["hf_optim.core"]),
     "torch_path": ("kernels/torch_path: PyTorch and inductor path", ["hf_optim.kernels.torch_path"]),
     "triton_path": ("kernels/triton_path: Triton kernels", ["hf_optim.kernels.triton_path"]),
-    "kernels": ("kernels: algorithm description, slots, backend choice", ["hf_optim.kernels"]),
+    "kernels": ("kernels: backend choice", ["hf_optim.kernels"]),
     "paging": ("paging: CUDA managed memory", ["hf_optim.paging"]),
     "optim": ("optim: optimizer classes, algorithms, registry", ["hf_optim.optim"]),
     "integrations": ("integrations: Trainer and TRL names", ["hf_optim.integrations"]),

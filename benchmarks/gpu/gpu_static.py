@@ -176,7 +176,7 @@ class Stream:
 
     Args:
         param_bytes: bytes of one parameter (and gradient) element.
-        state_format: the state rows' format (a ``hf_optim.kernels.formats`` format), or None: no state.
+        state_format: the state rows' format (a ``hf_optim.formats`` format), or None: no state.
         state_rows: state rows read and written.
         param_read / grad_read / param_write (default True): whether the pass streams them.
         out_read / out_write (default 0): bytes per element of an fp32 side output (LAMB's direction).
@@ -924,7 +924,7 @@ def predict(rows: list[dict], configs: dict[str, LaunchConfig], numels: Sequence
         configs: the configurations by name.
         numels: the tensor set's element counts.
     """
-    from hf_optim.kernels.formats import FP32  # noqa: PLC0415
+    from hf_optim.formats import FP32  # noqa: PLC0415
 
     small = min_8bit_size()
     by_key = {(row["config"], row["arch"]): row for row in rows}

@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from hf_optim.kernels.formats import codebook8, quant8
-from hf_optim.kernels.formats.dynamic_map import ZERO_CODE_SIGNED, dynamic_map, encoder_table
+from hf_optim.formats import codebook8, quant8
+from hf_optim.formats.dynamic_map import ZERO_CODE_SIGNED, dynamic_map, encoder_table
 from hf_optim.kernels.torch_path.cpu_compile import INDUCTOR_OPTIONS
 
 

@@ -34,7 +34,7 @@ def main() -> None:
     import triton
 
     import hf_optim
-    from hf_optim.kernels.algorithm import kernel_scalars
+    from hf_optim.core.algorithm import kernel_scalars
     from hf_optim.kernels.triton_path import elementwise as te
 
     algorithm = hf_optim.AdamW.definition

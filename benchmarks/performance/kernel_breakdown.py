@@ -29,8 +29,8 @@ VARIANTS = {
 def patch(variant: set[str]) -> None:
     import torch
 
-    from hf_optim.kernels.formats import quant8 as blockwise
-    from hf_optim.kernels.formats.dynamic_map import KEY_SHIFT, LOW_MASK, encoder_keys
+    from hf_optim.formats import quant8 as blockwise
+    from hf_optim.formats.dynamic_map import KEY_SHIFT, LOW_MASK, encoder_keys
 
     if "nodq" in variant:
         blockwise.dequantize = lambda codes, absmax, qmap: codes.float() * absmax.unsqueeze(-1)
@@ -50,9 +50,9 @@ def patch(variant: set[str]) -> None:
 def measure(numel: int) -> float:
     import torch
 
-    from hf_optim.kernels.formats import BLOCKWISE8, SlotLayout
-    from hf_optim.kernels.formats.blockwise8 import shared_map
-    from hf_optim.kernels.formats.dynamic_map import encoder_table
+    from hf_optim.formats import BLOCKWISE8, SlotLayout
+    from hf_optim.formats.blockwise8 import shared_map
+    from hf_optim.formats.dynamic_map import encoder_table
     from hf_optim.kernels.torch_path import multi_tensor
     from hf_optim.optim.adamw import ADAMW
 

@@ -1,5 +1,5 @@
 """Exhaustive check of the Triton 4-bit encoders (``hf_optim.kernels.triton_path.quant4.encode4``) against the
-PyTorch path's threshold count (``hf_optim.kernels.formats.quant4.encode``), on every fp32 value in [-1, 1] and the
+PyTorch path's threshold count (``hf_optim.formats.quant4.encode``), on every fp32 value in [-1, 1] and the
 special values.
 
     python benchmarks/proofs/encoder4_proof.py            # every fp32 in [-1, 1] (2 x 1.07e9 values), about 10 min
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hf_optim.kernels.formats import quant4 as blockwise4  # noqa: E402
+from hf_optim.formats import quant4 as blockwise4  # noqa: E402
 from hf_optim.kernels.triton_path.quant4 import ONE_BITS, T7, ZERO_CODE, signed_keys  # noqa: E402
 
 KEYS = torch.tensor(signed_keys(), dtype=torch.int64)

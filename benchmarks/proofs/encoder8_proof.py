@@ -2,7 +2,7 @@
 
 The reference is ``dynamic_map._nearest_codes`` (round to nearest against the map's fp32 midpoints, exact ties to
 the code nearer zero) with bitsandbytes' sign fix. The encoder's arithmetic is modelled operation by operation by
-the PyTorch twin ``hf_optim.kernels.formats.encode8`` (the interpreter tests tie the Triton code to the twin).
+the PyTorch twin ``hf_optim.formats.encode8`` (the interpreter tests tie the Triton code to the twin).
 
 1. ``encode8``, exhaustively: every fp32 bit pattern in [-1, 1] (2 x 1,065,353,217 values per map, -0.0
    included), both maps, against the reference; on the way, the guessed pair is checked to be monotone in the
@@ -22,7 +22,7 @@ the PyTorch twin ``hf_optim.kernels.formats.encode8`` (the interpreter tests tie
    up to 64 ulps either way; and on a sample the sign of the settling fma result is compared with the exact
    rational sign.
 
-0. The table-free arithmetic of ``hf_optim.kernels.formats.codebook8`` (``table_free``): its decode of all 256
+0. The table-free arithmetic of ``hf_optim.formats.codebook8`` (``table_free``): its decode of all 256
    codes against the map, its midpoint of every pair against the reference's, and its encode of every fp32 in
    [-1, 1] (both signs, -0.0 included) against the reference, for both maps.
 
@@ -46,10 +46,10 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from hf_optim.kernels.formats import codebook8 as cb
-from hf_optim.kernels.formats import encode8 as e8
-from hf_optim.kernels.formats import quant8 as blockwise
-from hf_optim.kernels.formats.dynamic_map import (
+from hf_optim.formats import codebook8 as cb
+from hf_optim.formats import encode8 as e8
+from hf_optim.formats import quant8 as blockwise
+from hf_optim.formats.dynamic_map import (
     ZERO_CODE_SIGNED,
     _nearest_codes,
     create_dynamic_map,

@@ -77,7 +77,7 @@ def e4m3_levels() -> torch.Tensor:
 
 def levels_of(kind: str) -> tuple[torch.Tensor, float]:
     """(sorted levels, the value a block's absmax maps to)."""
-    from hf_optim.kernels.formats import dynamic_map, quant4
+    from hf_optim.formats import dynamic_map, quant4
 
     if kind == "b4":
         return torch.sort(quant4.qmap4(True)).values, 1.0

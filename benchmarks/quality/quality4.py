@@ -43,9 +43,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hf_optim  # noqa: E402
-from hf_optim.kernels.formats import FORMATS, rank1_quant4  # noqa: E402
-from hf_optim.kernels.formats import fp8 as fp8_format  # noqa: E402
-from hf_optim.kernels.formats import quant4 as blockwise4  # noqa: E402
+from hf_optim.formats import FORMATS, rank1_quant4  # noqa: E402
+from hf_optim.formats import fp8 as fp8_format  # noqa: E402
+from hf_optim.formats import quant4 as blockwise4  # noqa: E402
 
 LR = {"mlp": 1e-3, "llama": 3e-3}
 WEIGHT_DECAY = 1e-2
@@ -89,7 +89,7 @@ def blockwise(qmap: torch.Tensor, block: int = 128, dither: bool = False) -> Cal
 
 
 def rank1(qmap: torch.Tensor, root: bool = False) -> Callable:
-    """Rank-1 normalization (:mod:`hf_optim.kernels.formats.rank1_quant4`'s math); ``root``: store ``sqrt(v)``."""
+    """Rank-1 normalization (:mod:`hf_optim.formats.rank1_quant4`'s math); ``root``: store ``sqrt(v)``."""
     def qdq(x: torch.Tensor) -> torch.Tensor:
         rows, cols = rank1_quant4.matrix_shape(x.shape)
         values = (x.sqrt() if root else x).reshape(1, -1)

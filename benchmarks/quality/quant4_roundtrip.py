@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from hf_optim.kernels.formats import quant4 as blockwise4
-from hf_optim.kernels.formats import quant8 as blockwise
-from hf_optim.kernels.formats.dynamic_map import dynamic_map, encoder_table
+from hf_optim.formats import quant4 as blockwise4
+from hf_optim.formats import quant8 as blockwise
+from hf_optim.formats.dynamic_map import dynamic_map, encoder_table
 
 
 def ours4(signed: bool, values: torch.Tensor) -> Callable[[], None]:

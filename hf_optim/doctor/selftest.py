@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from hf_optim.formats import FP32, StateFormat, format_named, loaded_format
 from hf_optim.kernels import backend as kernel_backend
-from hf_optim.kernels.formats import FP32, StateFormat, format_named, loaded_format
 from hf_optim.kernels.torch_path import compile_guard, cpu_compile
 from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.optim import registry

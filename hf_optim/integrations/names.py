@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from hf_optim.core.algorithm import Algorithm
 from hf_optim.errors import suggest  # noqa: F401  (re-exported: the did-you-mean of every name here)
-from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.formats import StateFormat
+from hf_optim.formats import StateFormat
 from hf_optim.optim import adafactor, adamw, ademamix, lamb, lion, registry, rmsprop  # noqa: F401  (importing registers; muon via hf_optim/__init__.py)
 from hf_optim.optim.trainer_mapping import mapping, parse_name
 

@@ -9,7 +9,7 @@ named parts that each have one job.
 - :mod:`~hf_optim.optim.checkpoint` and :mod:`~hf_optim.optim.pickling`: state dicts in bitsandbytes' format,
   pickling.
 
-An algorithm is a description (``definition``: :class:`hf_optim.kernels.algorithm.Algorithm`): its slots, its
+An algorithm is a description (``definition``: :class:`hf_optim.core.algorithm.Algorithm`): its slots, its
 elementwise ``rule`` and scalars, its own update when it is not elementwise, its partition when it is a hybrid. The
 documented extension hooks of a class are three: :meth:`HfOptimizer.validate_group`, ``rule`` (a subclass may replace
 the algorithm's; it then never takes the Triton kernels), and :meth:`HfOptimizer.to_bitsandbytes_group` /
@@ -25,12 +25,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from hf_optim.core.algorithm import Algorithm
+from hf_optim.core.state_store import QUANT_STATE_KEY, StateSpec
+from hf_optim.formats import StateFormat, formats_by_rank
+from hf_optim.formats.base import StateDictError
+from hf_optim.formats.blockwise8 import one_map_note_per_load
 from hf_optim.kernels import backend as kernel_backend
-from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.formats import StateFormat, formats_by_rank
-from hf_optim.kernels.formats.base import StateDictError
-from hf_optim.kernels.formats.blockwise8 import one_map_note_per_load
-from hf_optim.kernels.state_store import QUANT_STATE_KEY, StateSpec
 from hf_optim.optim import checkpoint, pickling
 from hf_optim.optim import options as common_options
 from hf_optim.optim._validation import check_min_8bit_size, check_stochastic_round
@@ -64,7 +64,7 @@ class HfOptimizer(torch.optim.Optimizer):
     state_specs: ClassVar[tuple[StateSpec, ...]] = ()
     supported_formats: ClassVar[tuple[str, ...] | None] = None
     """The names of the state formats the algorithm runs with; None (elementwise algorithms): every registered
-    format that suits its slots (``hf_optim.kernels.formats``), so a new format needs no change to any algorithm."""
+    format that suits its slots (``hf_optim.formats``), so a new format needs no change to any algorithm."""
     pages: ClassVar[bool] = True
     """Whether the class takes ``is_paged`` (and has ``Paged*`` twins)."""
     bitsandbytes_order: ClassVar[tuple[str, ...]] = ("optim_bits", "min_8bit_size", "is_paged")

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from hf_optim.kernels.formats import FORMATS, format_for_bits, loaded_format
-from hf_optim.kernels.formats.base import StateDictError
-from hf_optim.kernels.state_store import QUANT_KEYS, QUANT_STATE_KEY
+from hf_optim.core.state_store import QUANT_KEYS, QUANT_STATE_KEY
+from hf_optim.formats import FORMATS, format_for_bits, loaded_format
+from hf_optim.formats.base import StateDictError
 from hf_optim.optim import sharding
 from hf_optim.optim.sharding import local_tensor
 from hf_optim.paging import on_host

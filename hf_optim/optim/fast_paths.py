@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_optim.kernels.formats import FORMATS, StateFormat
+from hf_optim.formats import FORMATS, StateFormat
 from hf_optim.kernels.torch_path import multi_tensor
 
 logger = logging.getLogger("hf_optim")

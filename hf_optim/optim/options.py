@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hf_optim.kernels.formats import FORMATS, StateFormat, format_for_bits, format_named, settings_format
+from hf_optim.formats import FORMATS, StateFormat, format_for_bits, format_named, settings_format
 from hf_optim.optim._validation import check_min_8bit_size, check_optim_bits, check_stochastic_round
 from hf_optim.optim.release import check_release_gradients
 
@@ -142,7 +142,7 @@ def resolve(cls: type, given: Mapping[str, Any], supported: tuple[StateFormat, .
 
 
 def check_group_format(group: Mapping[str, Any], supported: tuple[StateFormat, ...], who: str) -> StateFormat:
-    """The format a param group asks for (:func:`~hf_optim.kernels.formats.settings_format`), checked to be one
+    """The format a param group asks for (:func:`~hf_optim.formats.settings_format`), checked to be one
     ``who`` runs with; a bad ``optim_bits`` is named as such."""
     named = FORMATS.get(group.get("state_format"))
     if named is None or group.get("optim_bits") != named.group_bits:  # optim_bits set apart: it decides

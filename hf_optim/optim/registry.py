@@ -1,4 +1,4 @@
-"""The algorithm registry: one call turns an :class:`~hf_optim.kernels.algorithm.Algorithm` into optimizer classes
+"""The algorithm registry: one call turns an :class:`~hf_optim.core.algorithm.Algorithm` into optimizer classes
 and ``optim=`` names.
 
 :func:`register_algorithm` records the description, builds (or takes) its base optimizer class and derives the
@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.formats import StateFormat, formats_by_rank
+from hf_optim.core.algorithm import Algorithm
+from hf_optim.formats import StateFormat, formats_by_rank
 from hf_optim.optim import options as common_options
 from hf_optim.optim._validation import as_tuple, check_lr
 from hf_optim.optim.base import HfOptimizer

@@ -2,7 +2,7 @@
 takes.
 
 A single-rule optimizer has one rule, labelled ``""``. A hybrid one (Muon + AdamW) reads its rules from its
-description's :class:`~hf_optim.kernels.partition.Partition`: each parameter's label, each rule's slots and
+description's :class:`~hf_optim.core.partition.Partition`: each parameter's label, each rule's slots and
 hyperparameters, the slot set a loaded state must hold. Nothing here names an algorithm.
 """
 
@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.formats import loaded_format, with_overrides
-from hf_optim.kernels.state_store import QUANT_STATE_KEY, StateSpec
+from hf_optim.core.algorithm import Algorithm
+from hf_optim.core.state_store import QUANT_STATE_KEY, StateSpec
+from hf_optim.formats import loaded_format, with_overrides
 from hf_optim.optim import sharding
 from hf_optim.optim.overrides import update_overrides
 from hf_optim.optim.runner import Runner

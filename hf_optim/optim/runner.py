@@ -5,9 +5,9 @@ assigns to Triton (:mod:`hf_optim.kernels.triton_path.step`), the multi-tensor P
 (:mod:`hf_optim.kernels.torch_path.multi_tensor`) for whole contiguous tensors, and the PyTorch path tensor by tensor
 for the rest; the PyTorch paths also run the tensors whose Triton kernels failed on this machine. An algorithm that
 is not elementwise plugs its own PyTorch path in through its description
-(:class:`hf_optim.kernels.own_update.OwnUpdate`), which receives the runner as its context.
+(:class:`hf_optim.core.own_update.OwnUpdate`), which receives the runner as its context.
 
-A single-rule optimizer has one runner; a hybrid one (a :class:`hf_optim.kernels.partition.Partition`) one per rule.
+A single-rule optimizer has one runner; a hybrid one (a :class:`hf_optim.core.partition.Partition`) one per rule.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import functools
 
 import torch
 
+from hf_optim.core.algorithm import Algorithm
+from hf_optim.core.state_store import StateSpec, slot_layouts, slot_tensors
 from hf_optim.kernels import backend as kernel_backend
-from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.state_store import StateSpec, slot_layouts, slot_tensors
-from hf_optim.kernels.torch_path import multi_tensor, rounding
+from hf_optim.kernels.torch_path import multi_tensor
 from hf_optim.kernels.torch_path.flat_state import FlatState
+from hf_optim.numerics import rounding
 from hf_optim.optim import fast_paths
 from hf_optim.optim.states import StateStore
 from hf_optim.optim.step_plan import SR_KEY, StepPlan

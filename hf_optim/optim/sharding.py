@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_optim.kernels.formats.quant8 import num_blocks
+from hf_optim.formats.quant8 import num_blocks
 
 
 def _dtensor_types():

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from hf_optim.kernels.formats import FP32, SlotLayout, StateFormat, settings_format, with_overrides
-from hf_optim.kernels.state_store import StateSpec, init_slot
+from hf_optim.core.state_store import StateSpec, init_slot
+from hf_optim.formats import FP32, SlotLayout, StateFormat, settings_format, with_overrides
 from hf_optim.kernels.torch_path.flat_state import FlatStates
 from hf_optim.optim.sharding import local_tensor
 from hf_optim.paging import paging_unavailable_reason, state_allocator

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from hf_optim.formats import with_overrides
 from hf_optim.kernels import backend as kernel_backend
-from hf_optim.kernels.formats import with_overrides
-from hf_optim.kernels.torch_path import cpu_compile, rounding
+from hf_optim.kernels.torch_path import cpu_compile
+from hf_optim.numerics import rounding
 from hf_optim.optim.overrides import (
     PARAM_OVERRIDES_ATTR,
     bitsandbytes_config,
@@ -121,7 +122,7 @@ class StepPlan:
         managed = bitsandbytes_config(manager, by_module, p, (group_index, index))
         return {**overrides, **managed} if overrides and managed else managed or overrides
 
-    # bf16 stochastic rounding (hf_optim.kernels.torch_path.rounding)
+    # bf16 stochastic rounding (hf_optim.numerics.rounding)
     def number_states(self, param_groups: list[dict], states: dict) -> None:
         """Number every parameter's state by the parameter's place in torch's state-dict order (the ordinal in
         the counters of its random bits), when some group rounds stochastically."""

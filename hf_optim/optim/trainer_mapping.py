@@ -2,7 +2,7 @@
 ``TrainingArguments`` become constructor keyword arguments.
 
 The grammar is transformers' own, generalised to the format registry: a ``paged_`` prefix means paged state, a name
-ending in ``_<suffix>`` for a format's :attr:`~hf_optim.kernels.formats.StateFormat.optim_suffix` means that format
+ending in ``_<suffix>`` for a format's :attr:`~hf_optim.formats.StateFormat.optim_suffix` means that format
 (``adamw_8bit``, ``paged_lion_4bit``, ``adamw_bnb_8bit``), anything else fp32 (``ademamix``, ``rmsprop_bnb``).
 An algorithm's names are the ones its :class:`TrainerMapping` lists (transformers' spellings) plus
 ``<name>_<suffix>`` and ``paged_<name>_<suffix>`` for every format it has classes of that no listed name covers,
@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.formats import FORMATS, FP32, StateFormat
+from hf_optim.core.algorithm import Algorithm
+from hf_optim.formats import FORMATS, FP32, StateFormat
 
 TrainerAdjust = Callable[[dict, Any, list, dict, StateFormat], None]
 """``adjust(kwargs, args, betas, optim_args, state_format)``: a last change to the constructor kwargs (in place);

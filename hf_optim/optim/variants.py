@@ -11,8 +11,8 @@ from __future__ import annotations
 import difflib
 import inspect
 
-from hf_optim.kernels.formats import StateFormat, format_named
-from hf_optim.kernels.formats.base import BITSANDBYTES_FORMATS
+from hf_optim.formats import StateFormat, format_named
+from hf_optim.formats.base import BITSANDBYTES_FORMATS
 
 BNB_COMPAT_BITS = 32
 """The ``optim_bits`` default bitsandbytes' AdamW twins take (and ignore): accepted by every twin that keeps it."""

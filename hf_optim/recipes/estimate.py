@@ -58,7 +58,7 @@ def known_architecture(model_id: str) -> dict | None:
 class TensorCount:
     """One trainable tensor: elements, bytes per element, whether it is an ``nn.Embedding`` weight, and the mark
     each hybrid algorithm's partition put on it (by algorithm name; see
-    :attr:`hf_optim.kernels.partition.Partition.mark_model`)."""
+    :attr:`hf_optim.core.partition.Partition.mark_model`)."""
 
     numel: int
     element_size: int

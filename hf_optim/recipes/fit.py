@@ -22,9 +22,9 @@ import re
 from dataclasses import dataclass, field
 
 from hf_optim.errors import UserValueError
+from hf_optim.formats import StateFormat
+from hf_optim.formats.base import TORCH_STATE_RANK
 from hf_optim.integrations.names import OPTIMIZER_NAMES
-from hf_optim.kernels.formats import StateFormat
-from hf_optim.kernels.formats.base import TORCH_STATE_RANK
 from hf_optim.recipes.activations import DecoderShape, backward_peak_bytes
 from hf_optim.recipes.estimate import TORCH_STATE_COUNT, MemoryEstimate, estimate, state_bytes
 from hf_optim.recipes.schema import Recipe

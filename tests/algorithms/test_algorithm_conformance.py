@@ -21,10 +21,10 @@ from format_helpers import build, element_scale, round_trip_bound
 from helpers import assert_bit_identical, make_params, set_grads
 
 import hf_optim
+from hf_optim.core.state_store import slot_format
+from hf_optim.formats import FP32
 from hf_optim.integrations.names import OPTIMIZER_NAMES
 from hf_optim.integrations.transformers import optimizer_cls_and_kwargs
-from hf_optim.kernels.formats import FP32
-from hf_optim.kernels.state_store import slot_format
 from hf_optim.optim import registry
 from hf_optim.optim.trainer_mapping import parse_name
 from hf_optim.recipes.estimate import MIN_8BIT_SIZE, TensorCount, state_bytes

@@ -19,7 +19,7 @@ from format_helpers import reference_codes
 from helpers import make_params, set_grads
 
 import hf_optim
-from hf_optim.kernels.formats.dynamic_map import dynamic_map
+from hf_optim.formats.dynamic_map import dynamic_map
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "custom_algorithm.py"
@@ -232,7 +232,7 @@ def test_relative_references_resolve_in_the_package_that_made_the_description():
     pytest.importorskip("triton")
     import importlib
 
-    from hf_optim.kernels.algorithm import resolve
+    from hf_optim.core.algorithm import resolve
     from hf_optim.optim.adamw import ADAMW
 
     assert ADAMW.package == "hf_optim.optim.adamw"

@@ -21,8 +21,8 @@ from helpers import make_params, set_grads
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 import hf_optim
+from hf_optim.formats.base import StateDictError
 from hf_optim.integrations.transformers import optimizer_cls_and_kwargs
-from hf_optim.kernels.formats.base import StateDictError
 from hf_optim.optim.muon import (
     MUON_ROUTE_ATTR,
     NS_COEFFICIENTS,

@@ -5,8 +5,10 @@ Read statically from the source (``ast`` over ``hf_optim/**/*.py``, imports insi
 import closes a cycle all the same, it only hides it until that function runs). Without cycles, any module can be
 imported first in a fresh interpreter; a subprocess test checks that for the modules that used to form one.
 
-The kernels layer is split by kind (``hf_optim/kernels/__init__.py``): ``formats/`` and ``torch_path/`` never
-import ``triton`` or ``triton_path/``, even lazily (they are the path of machines without Triton); outside
+Below the optimizers the floors are strict, each importing only those beneath it: ``numerics/`` (exact math),
+``formats/`` (state formats), ``core/`` (descriptions and slots), then ``kernels/`` (the two compute paths and the
+choice between them) beside ``paging/``. ``formats/`` and ``kernels/torch_path/`` never import ``triton`` or
+``triton_path/``, even lazily (they are the path of machines without Triton); outside
 ``triton_path/`` and the algorithms' ``triton_rule`` modules nothing imports them at module level, and importing
 the package loads none of them (a subprocess test).
 """
@@ -23,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 from import_graph import MODULES, import_nodes, imports  # noqa: E402  (tools/ is a folder of scripts)
 
-LOWER = ("hf_optim.kernels", "hf_optim.paging")
+FLOORS = (("hf_optim.numerics",), ("hf_optim.formats",), ("hf_optim.core",), ("hf_optim.kernels", "hf_optim.paging"))
+"""The floors below the optimizers, lowest first: a module imports only its own floor and those beneath it."""
+LOWER = tuple(part for floor in FLOORS for part in floor)
 HIGHER = ("hf_optim.optim", "hf_optim.integrations", "hf_optim.recipes", "hf_optim.monitor")
 
 
@@ -44,7 +48,7 @@ def in_layer(name: str, layers: tuple[str, ...]) -> bool:
 def test_the_walk_sees_the_package():
     assert len(MODULES) > 50 and "hf_optim.kernels.triton_path.step" in MODULES
     targets = {target for target, _ in imports("hf_optim.optim.adamw")}
-    assert {"hf_optim.kernels.algorithm", "hf_optim.kernels.torch_path.exact_math", "hf_optim.optim.base"} <= targets
+    assert {"hf_optim.core.algorithm", "hf_optim.numerics.exact_math", "hf_optim.optim.base"} <= targets
     # lazy (function-level) imports count: the runner imports triton_step inside triton_plans
     assert "hf_optim.kernels.triton_path.step" in {target for target, _ in imports("hf_optim.optim.runner")}
 
@@ -56,12 +60,12 @@ def test_lower_layers_never_import_higher_ones():
         for target, line in imports(name)
         if in_layer(target, HIGHER) or target == "hf_optim"  # the package's __init__ imports every layer
     ]
-    assert not bad, "hf_optim/kernels and hf_optim/paging must not import optim/, integrations/, recipes/, " \
-        "monitor/ (pass what they need instead):\n" + "\n".join(bad)
+    assert not bad, "numerics/, formats/, core/, kernels/, paging/ must not import optim/, integrations/, " \
+        "recipes/, monitor/ (pass what they need instead):\n" + "\n".join(bad)
 
 
 TRITON_PATH = "hf_optim.kernels.triton_path"
-NO_TRITON = ("hf_optim.kernels.formats", "hf_optim.kernels.torch_path")
+NO_TRITON = ("hf_optim.formats", "hf_optim.kernels.torch_path")
 GUARD = f"{TRITON_PATH}.guard"
 """The one module of triton_path/ that does not import triton: the compile-before-launch fallback, whose record of
 failed configurations the doctor and the backend's name read on machines without Triton too."""
@@ -73,16 +77,34 @@ def is_triton_code(name: str) -> bool:
     return (in_layer(name, (TRITON_PATH,)) and name != GUARD) or name.endswith((".triton_rule", ".triton_passes"))
 
 
+def floor_of(name: str) -> int | None:
+    return next((i for i, floor in enumerate(FLOORS) if in_layer(name, floor)), None)
+
+
+def test_each_lower_floor_imports_only_the_floors_beneath_it():
+    bad = [f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}"
+           for name in MODULES if floor_of(name) is not None
+           for target, line in imports(name)
+           if target.startswith("hf_optim.") and (floor_of(target) is None or floor_of(target) > floor_of(name))]
+    assert not bad, "the floors are numerics/ < formats/ < core/ < kernels/, paging/: move the shared piece down " \
+        "a floor rather than importing up:\n" + "\n".join(bad)
+
+
+def test_the_floors_catch_an_import_upwards():
+    assert floor_of("hf_optim.formats.fp8") == 1 and floor_of("hf_optim.core.algorithm") == 2
+    assert floor_of("hf_optim.kernels.torch_path.multi_tensor") > floor_of("hf_optim.formats.fp8")
+    assert floor_of("hf_optim.optim.base") is None
+
+
 def test_the_kernels_folders_are_what_their_names_say():
     folders = {name.rpartition(".")[0] for name in MODULES if name.startswith("hf_optim.kernels.")
                and MODULES[name].name != "__init__.py"}
-    assert folders == {"hf_optim.kernels", "hf_optim.kernels.formats", "hf_optim.kernels.torch_path", TRITON_PATH}
+    assert folders == {"hf_optim.kernels", "hf_optim.kernels.torch_path", TRITON_PATH}
     top = {name for name in MODULES if name.rpartition(".")[0] == "hf_optim.kernels"
            and MODULES[name].name != "__init__.py"}
-    description = {"hf_optim.kernels.algorithm", "hf_optim.kernels.own_update", "hf_optim.kernels.partition"}
-    assert top == description | {"hf_optim.kernels.backend", "hf_optim.kernels.state_store"}, \
-        "hf_optim/kernels/ keeps only the algorithm description (with its own update and partition), the state " \
-        "bookkeeping and the backend choice at its top; put a new module in formats/, torch_path/ or triton_path/"
+    assert top == {"hf_optim.kernels.backend"}, \
+        "hf_optim/kernels/ holds the two compute paths and, at its top, only the backend choice: put a " \
+        "description in core/, a format in formats/, shared exact math in numerics/"
     # every module of triton_path/ but the guard imports triton when imported
     without = {name for name in MODULES if in_layer(name, (TRITON_PATH,)) and MODULES[name].name != "__init__.py"
                and not imports_triton(name, module_level=True)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import hf_optim
-from hf_optim.kernels.formats import quant8 as blockwise
-from hf_optim.kernels.formats.dynamic_map import dynamic_map
+from hf_optim.formats import quant8 as blockwise
+from hf_optim.formats.dynamic_map import dynamic_map
 
 # (hf_optim class, bitsandbytes class, kwargs both accept)
 PAIRS = [

@@ -1,4 +1,4 @@
-"""The 4-bit state math (hf_optim.kernels.formats.quant4 and its Triton twin) against references written here.
+"""The 4-bit state math (hf_optim.formats.quant4 and its Triton twin) against references written here.
 
 The reference quantizer is the paper's, written the slow obvious way: per 128-element block divide by the
 block's absmax, pick the map value nearest in float64 by brute force over all 16 (exact ties to the upper code,
@@ -16,9 +16,9 @@ import platform
 import pytest
 import torch
 
-from hf_optim.kernels.formats import dynamic_map
-from hf_optim.kernels.formats import quant4 as b4
-from hf_optim.kernels.formats.blockwise8 import MAP_ULP_TOLERANCE
+from hf_optim.formats import dynamic_map
+from hf_optim.formats import quant4 as b4
+from hf_optim.formats.blockwise8 import MAP_ULP_TOLERANCE
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="GPU machine: cuda cases run")),

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 import hf_optim
-from hf_optim.kernels.formats.base import StateDictError
-from hf_optim.kernels.formats.blockwise8 import MAP_ULP_TOLERANCE
-from hf_optim.kernels.formats.dynamic_map import (
+from hf_optim.formats.base import StateDictError
+from hf_optim.formats.blockwise8 import MAP_ULP_TOLERANCE
+from hf_optim.formats.dynamic_map import (
     SIGNED_MAP_BITS,
     UNSIGNED_MAP_BITS,
     create_dynamic_map,

@@ -16,9 +16,9 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from hf_optim.kernels.formats import codebook8, encode8  # noqa: E402
-from hf_optim.kernels.formats import quant8 as blockwise  # noqa: E402
-from hf_optim.kernels.formats.dynamic_map import (  # noqa: E402
+from hf_optim.formats import codebook8, encode8  # noqa: E402
+from hf_optim.formats import quant8 as blockwise  # noqa: E402
+from hf_optim.formats.dynamic_map import (  # noqa: E402
     _nearest_codes,
     create_dynamic_map,
     dynamic_map,

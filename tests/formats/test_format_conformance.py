@@ -1,4 +1,4 @@
-"""One conformance suite over every registered state format (:func:`hf_optim.kernels.formats.formats_by_rank`).
+"""One conformance suite over every registered state format (:func:`hf_optim.formats.formats_by_rank`).
 
 Per format and slot kind (signed / unsigned map, one row / AdEMAMix's two stacked rows): quantize then dequantize
 stays within the bound derived from the format's own map (fp32: exact); a slot survives ``torch.save`` /
@@ -19,9 +19,9 @@ import pytest
 import torch
 from format_helpers import element_scale, round_trip_bound
 
-from hf_optim.kernels.formats import FORMATS, StateFormat, formats_by_rank, loaded_format
-from hf_optim.kernels.formats.base import StateDictError
-from hf_optim.kernels.state_store import StateSpec
+from hf_optim.core.state_store import StateSpec
+from hf_optim.formats import FORMATS, StateFormat, formats_by_rank, loaded_format
+from hf_optim.formats.base import StateDictError
 from hf_optim.kernels.triton_path.configs import fused_configs
 from hf_optim.optim import fast_paths, registry
 from hf_optim.paging import is_paged_tensor, state_allocator

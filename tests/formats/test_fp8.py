@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hf_optim
-from hf_optim.kernels.formats import FP8, format_named
-from hf_optim.kernels.formats import fp8 as fp8_format
+from hf_optim.formats import FP8, format_named
+from hf_optim.formats import fp8 as fp8_format
 from hf_optim.kernels.torch_path import cpu_compile, multi_tensor
 
 

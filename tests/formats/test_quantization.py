@@ -6,8 +6,8 @@ import pytest
 import torch
 from format_helpers import reference_codes
 
-from hf_optim.kernels.formats import quant8 as blockwise
-from hf_optim.kernels.formats.dynamic_map import dynamic_map, encoder_table
+from hf_optim.formats import quant8 as blockwise
+from hf_optim.formats.dynamic_map import dynamic_map, encoder_table
 
 
 def test_dynamic_map_landmarks():

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import hf_optim
-from hf_optim.kernels.formats import BLOCKWISE4, FORMATS, format_for_bits, format_named, rank1_quant4
-from hf_optim.kernels.formats.base import StateDictError, zeroed_buffer
-from hf_optim.kernels.formats.quant4 import encoder_thresholds, qmap4
-from hf_optim.kernels.formats.rank1_4bit import RANK1_4BIT
-from hf_optim.kernels.state_store import slot_format
+from hf_optim.core.state_store import slot_format
+from hf_optim.formats import BLOCKWISE4, FORMATS, format_for_bits, format_named, rank1_quant4
+from hf_optim.formats.base import StateDictError, zeroed_buffer
+from hf_optim.formats.quant4 import encoder_thresholds, qmap4
+from hf_optim.formats.rank1_4bit import RANK1_4BIT
 from hf_optim.optim.overrides import PARAM_OVERRIDES_ATTR
 from hf_optim.optim.runner import Runner
 
@@ -57,7 +57,7 @@ def test_roundtrip_is_the_nearest_map_value_under_the_rank1_scale():
 
 def test_rank1_scale_beats_blockwise_on_rows_and_columns_of_different_magnitude():
     """The reason for the format: relative error of the values far smaller than their 128-block's maximum."""
-    from hf_optim.kernels.formats import quant4 as blockwise4
+    from hf_optim.formats import quant4 as blockwise4
 
     v = second_moment_like(128, 128, seed=1)
     rank1 = roundtrip(v, 128, 128)

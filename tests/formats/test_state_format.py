@@ -10,10 +10,10 @@ from format_helpers import build
 from helpers import ALL_CLASSES, make_params, run_steps
 
 import hf_optim
+from hf_optim.formats import FORMATS, StateFormat, format_for_bits, loaded_format, register_format
+from hf_optim.formats.blockwise8 import Blockwise8
 from hf_optim.integrations.names import OPTIMIZER_NAMES
 from hf_optim.integrations.optim_args import OptimArgsError, typed_optim_args
-from hf_optim.kernels.formats import FORMATS, StateFormat, format_for_bits, loaded_format, register_format
-from hf_optim.kernels.formats.blockwise8 import Blockwise8
 from hf_optim.optim import options, registry
 from hf_optim.optim.base import PARAM_OVERRIDES_ATTR
 from hf_optim.optim.trainer_mapping import parse_name, trainer_names

@@ -11,7 +11,8 @@ from helpers import make_params, set_grads
 
 import hf_optim
 from hf_optim.integrations.transformers import optimizer_cls_and_kwargs
-from hf_optim.kernels.torch_path import multi_tensor, rounding
+from hf_optim.kernels.torch_path import multi_tensor
+from hf_optim.numerics import rounding
 from hf_optim.optim.runner import Runner
 
 BF16_ULP_AT_ONE = 2.0**-7

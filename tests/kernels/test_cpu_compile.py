@@ -20,7 +20,7 @@ import torch
 from helpers import make_params, set_grads
 
 import hf_optim
-from hf_optim.kernels import formats
+from hf_optim import formats
 from hf_optim.kernels.torch_path import (
     compile_queue,
     compiled_artifact,
@@ -717,7 +717,7 @@ def test_a_kernel_a_background_process_compiled_before_is_compiled_at_the_first_
 def test_warm_marker_names_the_same_kernel_alike_in_every_process(tmp_path):
     """The marker's name must not depend on the process (hash randomization, what a format object cached): the
     background process writes it, a later run looks it up."""
-    script = ("import torch, hf_optim\nfrom hf_optim.kernels import formats\n"
+    script = ("import torch, hf_optim\nfrom hf_optim import formats\n"
               "from hf_optim.kernels.torch_path import cpu_compile\n"
               "from hf_optim.optim.lamb import lamb_rule\n"
               "layouts = (formats.SlotLayout(formats.format_named('blockwise8'), True),"

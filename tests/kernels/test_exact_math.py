@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from hf_optim.kernels.torch_path import exact_math
+from hf_optim.numerics import exact_math
 
 
 def all_mantissas(exponent: int) -> torch.Tensor:

@@ -220,8 +220,8 @@ def test_no_recompilation_across_steps_with_changing_lr(monkeypatch):
 
 
 def test_chunk_plan_updates_large_tensors_in_place_and_gathers_the_rest(monkeypatch):
-    from hf_optim.kernels.formats import BLOCKWISE8, SlotLayout
-    from hf_optim.kernels.state_store import StateSpec
+    from hf_optim.core.state_store import StateSpec
+    from hf_optim.formats import BLOCKWISE8, SlotLayout
     from hf_optim.kernels.torch_path.flat_state import FlatState
 
     shapes = [(300,), (5000,), (100,), (9000,), (10,)]

@@ -17,7 +17,7 @@ import torch
 from helpers import ALL_CLASSES
 
 import hf_optim
-from hf_optim.kernels.formats import dynamic_map as dynamic_maps
+from hf_optim.formats import dynamic_map as dynamic_maps
 from hf_optim.optim.base import ALGORITHM_KEY, QUANT_STATE_KEY
 from hf_optim.optim.runner import Runner
 

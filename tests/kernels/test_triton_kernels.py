@@ -17,9 +17,9 @@ triton = pytest.importorskip("triton")
 ON_GPU = torch.cuda.is_available()
 from helpers import assert_bit_identical, assert_params_close, ulp_distance  # noqa: E402
 
+from hf_optim.formats import quant8 as blockwise  # noqa: E402
+from hf_optim.formats.dynamic_map import dynamic_map, encoder_table  # noqa: E402
 from hf_optim.kernels import backend  # noqa: E402
-from hf_optim.kernels.formats import quant8 as blockwise  # noqa: E402
-from hf_optim.kernels.formats.dynamic_map import dynamic_map, encoder_table  # noqa: E402
 from hf_optim.kernels.triton_path import quant8 as triton_blockwise  # noqa: E402
 
 DEVICES = [
@@ -273,7 +273,7 @@ def test_rules_read_their_hyper_fields():
     """Each Triton rule and its PyTorch twin read only fields of the algorithm's ``hyper`` class, and every field is
     read by one of them (a field neither reads would be a scalar the description computes for nothing). The host
     function returns that class, and the kernel receives it as floats (an int would recompile per value)."""
-    from hf_optim.kernels.algorithm import kernel_scalars
+    from hf_optim.core.algorithm import kernel_scalars
     from hf_optim.optim import registry
 
     with_triton = [f for f in registry.families() if f.algorithm.triton_rule is not None]
@@ -294,7 +294,7 @@ def test_rules_read_their_hyper_fields():
 
 
 def test_reciprocal_hyper_is_the_fp32_division():
-    from hf_optim.kernels.algorithm import fp32_reciprocal
+    from hf_optim.core.algorithm import fp32_reciprocal
 
     for value in (0.1, 1 - 0.999**3, 0.7, 3.0):
         expected = (torch.tensor(1.0) / torch.tensor(value, dtype=torch.float32)).item()

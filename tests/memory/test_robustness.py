@@ -7,7 +7,7 @@ import torch
 from helpers import ALL_CLASSES, EIGHT_BIT, make_params, run_steps, set_grads
 
 import hf_optim
-from hf_optim.kernels.formats.quant8 import num_blocks
+from hf_optim.formats.quant8 import num_blocks
 
 ELEMENTWISE_8BIT = [hf_optim.AdamW8bit, hf_optim.AdEMAMix8bit, hf_optim.Lion8bit, hf_optim.RMSprop8bit,
                     hf_optim.LAMB8bit]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hf_optim import cli
-from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8
+from hf_optim.formats import BLOCKWISE4, BLOCKWISE8
 from hf_optim.recipes import load_recipe
 from hf_optim.recipes.fit import CUDA_CONTEXT_BYTES, FRAGMENTATION_SHARE, parse_memory, plan
 from hf_optim.tiny import TINY_CHAT_SHAPE

@@ -27,7 +27,7 @@ waits for the marker, running eagerly meanwhile. A compile error reaches each re
 eagerly).
 
 Why switching in mid-run changes no result: eager and compiled updates compute the same bits (the rules use
-single-rounding operations only, see :mod:`hf_optim.kernels.torch_path.exact_math`; inductor compiles without
+single-rounding operations only, see :mod:`hf_optim.numerics.exact_math`; inductor compiles without
 contraction; every reduction is within one 256-element block), and ``tests/kernels/test_multi_tensor.py`` compares
 them bit for bit, a run that switches after its first steps included. So the step at which a run switches depends on the
 machine's speed, the optimizer's results do not, and neither do the model's.
@@ -88,9 +88,9 @@ from pathlib import Path
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from hf_optim.kernels.formats import SlotLayout
-from hf_optim.kernels.formats.base import zeroed_buffer
-from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
+from hf_optim.formats import SlotLayout
+from hf_optim.formats.base import zeroed_buffer
+from hf_optim.formats.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.torch_path import compile_queue, compiled_artifact, cpu_threads, elementwise
 
 logger = logging.getLogger("hf_optim")

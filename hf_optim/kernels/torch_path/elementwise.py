@@ -5,7 +5,7 @@ An algorithm supplies a *rule*: a pure function on fp32 tensors
     rule(param, grad, states, hyper) -> (output, new_states)
 
 where ``param``/``grad`` are ``(1, n)``, each state is ``(rows, n)`` and ``hyper`` is the algorithm's named
-tuple of scalars (``hf_optim.kernels.algorithm.Algorithm.hyper``). The output is either the new parameter or, for
+tuple of scalars (``hf_optim.core.algorithm.Algorithm.hyper``). The output is either the new parameter or, for
 two-pass algorithms such as LAMB, an update direction written to a scratch buffer. This module loads the states
 (dequantizing 8-bit ones), runs the rule, masks non-finite gradients and stores everything back (re-quantizing),
 so each algorithm is written once for every precision.
@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hf_optim.kernels.formats import SlotLayout
-from hf_optim.kernels.torch_path import rounding
+from hf_optim.formats import SlotLayout
+from hf_optim.numerics import rounding
 
 Rule = Callable[
     [torch.Tensor, torch.Tensor, list[torch.Tensor], tuple], tuple[torch.Tensor, list[torch.Tensor]]
@@ -53,7 +53,7 @@ def update(
     ``layouts`` holds, per slot, its format and map signedness (``state_store.slot_layouts``). If ``out`` is
     given the rule's output goes there (fp32, masked to 0 where the gradient is not finite), else into ``param``.
     ``stochastic`` (bf16 ``param`` only): ``(per-block counter bases, key words)`` of
-    :mod:`hf_optim.kernels.torch_path.rounding`, which then rounds the new parameter into bf16 stochastically instead of
+    :mod:`hf_optim.numerics.rounding`, which then rounds the new parameter into bf16 stochastically instead of
     to nearest.
     """
     # Scalars enter the rule as fp32 0-d tensors on every path, so any scalar arithmetic inside a rule rounds

@@ -2,7 +2,7 @@
 
 The multi-tensor PyTorch path (:mod:`hf_optim.kernels.torch_path.multi_tensor`) updates a whole group of tensors with
 one compiled call per chunk of this buffer instead of a chain of small operations per tensor. Each parameter's state
-is still the bitsandbytes layout of :mod:`hf_optim.kernels.state_store`, so ``state_dict()`` is unchanged: its
+is still the bitsandbytes layout of :mod:`hf_optim.core.state_store`, so ``state_dict()`` is unchanged: its
 ``state1``/``absmax1``/... entries are views of the flat buffers.
 
 Layout: members follow each other, each starting on a 256-element boundary (a multiple of every format's
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_optim.kernels.formats import SlotLayout
-from hf_optim.kernels.formats.base import zeroed_buffer
-from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
-from hf_optim.kernels.formats.quant8 import num_blocks
-from hf_optim.kernels.state_store import StateSpec, slot_shape
+from hf_optim.core.state_store import StateSpec, slot_shape
+from hf_optim.formats import SlotLayout
+from hf_optim.formats.base import zeroed_buffer
+from hf_optim.formats.dynamic_map import BLOCK_SIZE
+from hf_optim.formats.quant8 import num_blocks
 from hf_optim.kernels.torch_path.cpu_compile import canonical
 
 
@@ -52,7 +52,7 @@ class Member:
 class FlatState:
     """Flat buffers for the slots ``specs`` of ``shapes`` tensors, each slot in the format its layout names.
 
-    ``layouts`` holds, per slot, its :class:`~hf_optim.kernels.formats.SlotLayout` (format and map signedness).
+    ``layouts`` holds, per slot, its :class:`~hf_optim.formats.SlotLayout` (format and map signedness).
     ``allocate(shape, dtype=, device=)`` makes the buffers (paged memory can be plugged in).
     """
 

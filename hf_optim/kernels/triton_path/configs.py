@@ -25,8 +25,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.formats import FP32, StateFormat, format_for_bits, format_named
+from hf_optim.core.algorithm import Algorithm
+from hf_optim.formats import FP32, StateFormat, format_for_bits, format_named
 from hf_optim.kernels.triton_path import quant4, quant8, rounding
 from hf_optim.kernels.triton_path.elementwise import FusedConfig, _fused_update_kernel
 from hf_optim.kernels.triton_path.tile import DTYPE_NAMES, launch_options
@@ -123,7 +123,7 @@ def fused_spec(algorithm: Algorithm, config: FusedConfig, launched_by: str = "")
 
 
 def _formats() -> list[StateFormat]:
-    from hf_optim.kernels.formats import FORMATS
+    from hf_optim.formats import FORMATS
 
     return list(FORMATS.values())
 

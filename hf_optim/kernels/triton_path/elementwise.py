@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8, FORMATS, FP8, FP32
-from hf_optim.kernels.formats.blockwise4 import shared_map as shared_map4
-from hf_optim.kernels.formats.blockwise8 import shared_map as shared_map8
-from hf_optim.kernels.formats.encode8 import encoder8_tables
+from hf_optim.formats import BLOCKWISE4, BLOCKWISE8, FORMATS, FP8, FP32
+from hf_optim.formats.blockwise4 import shared_map as shared_map4
+from hf_optim.formats.blockwise8 import shared_map as shared_map8
+from hf_optim.formats.encode8 import encoder8_tables
 from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.kernels.triton_path import multi_tensor as mt
 from hf_optim.kernels.triton_path.quant8 import (
@@ -143,7 +143,7 @@ class FusedConfig:
     Args:
         algorithm: the algorithm's name (for labels).
         rule: its ``@triton.jit`` rule.
-        formats: each state row's format code (``hf_optim.kernels.formats``), one per row the rule reads.
+        formats: each state row's format code (``hf_optim.formats``), one per row the rule reads.
         signed: each state row's map signedness.
         param_dtype, grad_dtype: dtype codes (:data:`tile.DTYPE_CODES`).
         full: whole tiles (no masks) or each tensor's last, partial tile.
@@ -296,7 +296,7 @@ def format_label(code: int) -> str:
 
 def row_formats(state: dict, specs) -> tuple[int, ...]:
     """Each state row's format code (a stacked slot gives one per row)."""
-    from hf_optim.kernels.state_store import slot_format
+    from hf_optim.core.state_store import slot_format
 
     return tuple(slot_format(state, spec).code for spec in specs for _ in range(spec.rows))
 

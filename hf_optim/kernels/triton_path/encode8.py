@@ -1,8 +1,8 @@
 """Exact 8-bit blockwise quantization helpers for Triton kernels: no 48 KiB table, no per-element division.
 
-Same codes as :mod:`hf_optim.kernels.formats.dynamic_map`'s reference encoder (the nearest map value of ``rn(s /
+Same codes as :mod:`hf_optim.formats.dynamic_map`'s reference encoder (the nearest map value of ``rn(s /
 absmax)``, exact ties to the code nearer zero, bitsandbytes' sign fix) for every finite input; the method is described
-in :mod:`hf_optim.kernels.formats.encode8` (which also holds the table and the PyTorch twin) and proved by
+in :mod:`hf_optim.formats.encode8` (which also holds the table and the PyTorch twin) and proved by
 ``benchmarks/proofs/encoder8_proof.py``. Per element: two gathers from one 10 KiB table (16 bytes: a pair of lines keyed
 by the value's sign and exponent; 8 bytes: the guessed code pair's midpoint), two multiplies, four fmas and a few
 integer operations; per block: about 8 instructions, one of them ``MUFU.RSQ`` (``benchmarks/proofs/encoder8_sass.py``
@@ -42,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.formats import encode8 as e8
+from hf_optim.formats import encode8 as e8
 from hf_optim.kernels.triton_path.tile import INTERPRETED
 
 LINE_BYTES: tl.constexpr = tl.constexpr(e8.LINE_BYTES)

@@ -1,4 +1,4 @@
-"""The fp8 state format in Triton: the twin of :mod:`hf_optim.kernels.formats.fp8` (same bytes, same absmax).
+"""The fp8 state format in Triton: the twin of :mod:`hf_optim.formats.fp8` (same bytes, same absmax).
 
 A row is one e4m3 byte per element and one fp32 absmax per 256-element block (the tile's block). If the format
 stores square roots of non-negative rows (``Fp8.stores_root``; the registered format does not), decoded values of
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.formats import fp8 as fp8_format
-from hf_optim.kernels.formats.fp8 import FP8
+from hf_optim.formats import fp8 as fp8_format
+from hf_optim.formats.fp8 import FP8
 from hf_optim.kernels.triton_path.rounding import mix32
 from hf_optim.kernels.triton_path.tile import block_max, launch_options, masked_load, zero_outside
 

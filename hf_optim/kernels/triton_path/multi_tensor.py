@@ -22,15 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
-from hf_optim.kernels.formats.quant8 import num_blocks
-from hf_optim.kernels.state_store import StateSpec, slot_format
+from hf_optim.core.state_store import StateSpec, slot_format
+from hf_optim.formats.dynamic_map import BLOCK_SIZE
+from hf_optim.formats.quant8 import num_blocks
 from hf_optim.kernels.triton_path.tile import dtype_code
 
 PARAM, GRAD, OUT, NUMEL, PARAM_DTYPE, GRAD_DTYPE = range(6)
 VALUES = 6  # 6, 7, 8: state rows (fp32 values or uint8 codes)
 ABSMAX = 9  # 9, 10, 11: absmax rows of 8-bit state rows
-FORMAT = 12  # 12, 13, 14: format codes of the state rows (hf_optim.kernels.formats)
+FORMAT = 12  # 12, 13, 14: format codes of the state rows (hf_optim.formats)
 FIRST_TILE = 15
 META_COLS = 16
 MAX_ROWS = 3

@@ -1,4 +1,4 @@
-"""Blockwise 4-bit quantization in Triton: the twin of :mod:`hf_optim.kernels.formats.quant4`, same codes, same nibble
+"""Blockwise 4-bit quantization in Triton: the twin of :mod:`hf_optim.formats.quant4`, same codes, same nibble
 order and same scales.
 
 :func:`load_state4` / :func:`store_state4` read and write one 4-bit state row for a :mod:`tile` tile
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.formats import quant4
+from hf_optim.formats import quant4
 from hf_optim.kernels.triton_path.tile import (
     INTERPRETED,
     half_max,

@@ -1,10 +1,10 @@
-"""Blockwise 8-bit quantization in Triton: the twin of :mod:`hf_optim.kernels.formats.quant8`, same codes and absmax;
+"""Blockwise 8-bit quantization in Triton: the twin of :mod:`hf_optim.formats.quant8`, same codes and absmax;
 and :func:`load_state` / :func:`store_state`, through which every fused kernel reads and writes one state row.
 
-A state row's format (fp32, 8-bit, 4-bit or fp8: ``hf_optim.kernels.formats`` codes) is a compile-time constant, so a
+A state row's format (fp32, 8-bit, 4-bit or fp8: ``hf_optim.formats`` codes) is a compile-time constant, so a
 kernel holds only the path of its own formats. 8-bit rows dequantize as ``qmap[code] * absmax[block]`` and
 re-quantize against the new per-block absmax with :mod:`encode8`'s encoder: the codes of
-:mod:`hf_optim.kernels.formats.dynamic_map`'s nearest-code encoder (same tie and sign rules) from a 10 KiB table,
+:mod:`hf_optim.formats.dynamic_map`'s nearest-code encoder (same tie and sign rules) from a 10 KiB table,
 without dividing by the absmax (``formats.encode8`` has the method and its proof). 4-bit rows are :mod:`quant4`'s,
 fp8 rows :mod:`fp8`'s. Tiles are :mod:`tile`'s ``(BLOCKS, 2, ROWS, W)`` offsets; whole tiles pass ``mask=None``.
 
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.formats import BLOCKWISE4, BLOCKWISE8, FP8
-from hf_optim.kernels.formats.encode8 import encoder8_tables
-from hf_optim.kernels.formats.quant8 import num_blocks
+from hf_optim.formats import BLOCKWISE4, BLOCKWISE8, FP8
+from hf_optim.formats.encode8 import encoder8_tables
+from hf_optim.formats.quant8 import num_blocks
 from hf_optim.kernels.triton_path.encode8 import dequantize8, quantize8_params
 from hf_optim.kernels.triton_path.encode8 import quantize8 as quantize8_codes
 from hf_optim.kernels.triton_path.fp8 import load_state_fp8, quantize_fp8

@@ -1,4 +1,4 @@
-"""bf16 stochastic rounding in Triton: the twin of :mod:`hf_optim.kernels.torch_path.rounding`, the same bits for every
+"""bf16 stochastic rounding in Triton: the twin of :mod:`hf_optim.numerics.rounding`, the same bits for every
 element.
 
 Same counter-based hash, same counters ``(ordinal << 32) + index in the parameter``, same key words (read from a
@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.torch_path import rounding
 from hf_optim.kernels.triton_path.tile import BF16, launch_options, pointer, store_values
+from hf_optim.numerics import rounding
 
 MULTIPLIER_1: tl.constexpr = tl.constexpr(rounding.MULTIPLIER_1)
 MULTIPLIER_2: tl.constexpr = tl.constexpr(rounding.MULTIPLIER_2)

@@ -3,10 +3,10 @@
 Each runner of an optimizer (``hf_optim.optim.runner``) owns a :class:`TritonPlans`, the cache of its launch plans,
 and steps a call's tensors with ``plans.prepare(...)`` then ``.run(group, hypers, ordinals)``: everything the kernels
 need comes in as arguments, nothing here calls the optimizer. Everything algorithm-specific comes from its
-description (an :class:`~hf_optim.kernels.algorithm.Algorithm`): its Triton rule, its scalars (computed on the host
+description (an :class:`~hf_optim.core.algorithm.Algorithm`): its Triton rule, its scalars (computed on the host
 by the optimizer as in the PyTorch path, passed as kernel arguments in the field order of its ``hyper`` class:
 nothing here reads a device value, so a step never waits for the GPU, and changing scalars never recompiles) and its
-:class:`~hf_optim.kernels.algorithm.TritonPlan`: one launch of the fused elementwise kernel, or the algorithm's own
+:class:`~hf_optim.core.algorithm.TritonPlan`: one launch of the fused elementwise kernel, or the algorithm's own
 passes (LAMB's and Adafactor's ``triton_passes.step``, beside their algorithms). Tensors whose step counters differ
 (a parameter that had no gradient for a while) go in separate launches, one per distinct step; so do tensors whose
 kernels are specialized differently (parameter or gradient dtype, state formats: :func:`kernel_group`), since each
@@ -32,13 +32,13 @@ from collections import defaultdict
 
 import torch
 
-from hf_optim.kernels.algorithm import Algorithm, kernel_scalars
-from hf_optim.kernels.torch_path import rounding
+from hf_optim.core.algorithm import Algorithm, kernel_scalars
 from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.kernels.triton_path import multi_tensor as mt
 from hf_optim.kernels.triton_path.elementwise import FusedConfig, format_label
 from hf_optim.kernels.triton_path.elementwise import launch as launch_fused
 from hf_optim.kernels.triton_path.tile import BF16, DTYPE_NAMES, dtype_code
+from hf_optim.numerics import rounding
 
 MAX_NUMEL = (1 << 31) - 1
 """Largest tensor the kernels index (32-bit element offsets); larger ones take the PyTorch path."""

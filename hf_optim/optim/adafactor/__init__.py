@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import torch
 
-from hf_optim.kernels.algorithm import Algorithm, TritonPlan, fp32_reciprocal
-from hf_optim.kernels.formats import FP32, StateFormat, loaded_format
-from hf_optim.kernels.own_update import OwnUpdate
-from hf_optim.kernels.state_store import StateSpec, init_slot, read_slot, slot_bytes, write_slot
-from hf_optim.kernels.torch_path import rounding
+from hf_optim.core.algorithm import Algorithm, TritonPlan, fp32_reciprocal
+from hf_optim.core.own_update import OwnUpdate
+from hf_optim.core.state_store import StateSpec, init_slot, read_slot, slot_bytes, write_slot
+from hf_optim.formats import FP32, StateFormat, loaded_format
+from hf_optim.numerics import rounding
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import as_tuple, check_beta, check_eps, check_lr, check_real, check_weight_decay
 from hf_optim.optim.base import HfOptimizer, StateDictError, local_tensor

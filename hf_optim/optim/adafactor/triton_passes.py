@@ -37,12 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.algorithm import Algorithm, kernel_scalars
-from hf_optim.kernels.formats import BLOCKWISE8, StateFormat, formats_by_rank
-from hf_optim.kernels.formats.blockwise8 import shared_map as shared_map8
-from hf_optim.kernels.formats.encode8 import encoder8_tables
-from hf_optim.kernels.formats.quant8 import num_blocks
-from hf_optim.kernels.state_store import slot_format
+from hf_optim.core.algorithm import Algorithm, kernel_scalars
+from hf_optim.core.state_store import slot_format
+from hf_optim.formats import BLOCKWISE8, StateFormat, formats_by_rank
+from hf_optim.formats.blockwise8 import shared_map as shared_map8
+from hf_optim.formats.encode8 import encoder8_tables
+from hf_optim.formats.quant8 import num_blocks
 from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.kernels.triton_path import multi_tensor as mt
 from hf_optim.kernels.triton_path.configs import BF16 as BF16_CODE

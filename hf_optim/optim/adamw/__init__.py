@@ -10,9 +10,9 @@ import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from hf_optim.kernels.algorithm import Algorithm, fp32_reciprocal
-from hf_optim.kernels.state_store import StateSpec
-from hf_optim.kernels.torch_path import exact_math
+from hf_optim.core.algorithm import Algorithm, fp32_reciprocal
+from hf_optim.core.state_store import StateSpec
+from hf_optim.numerics import exact_math
 from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.registry import register_algorithm

@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import torch
 
-from hf_optim.kernels.algorithm import Algorithm, fp32_reciprocal
-from hf_optim.kernels.state_store import StateSpec
-from hf_optim.kernels.torch_path import exact_math
+from hf_optim.core.algorithm import Algorithm, fp32_reciprocal
+from hf_optim.core.state_store import StateSpec
+from hf_optim.numerics import exact_math
 from hf_optim.optim._validation import (
     as_tuple,
     check_betas,

@@ -17,10 +17,11 @@ from typing import NamedTuple
 
 import torch
 
-from hf_optim.kernels.algorithm import Algorithm, TritonPlan, fp32_reciprocal
-from hf_optim.kernels.own_update import OwnUpdate
-from hf_optim.kernels.state_store import StateSpec
-from hf_optim.kernels.torch_path import exact_math, multi_tensor, rounding
+from hf_optim.core.algorithm import Algorithm, TritonPlan, fp32_reciprocal
+from hf_optim.core.own_update import OwnUpdate
+from hf_optim.core.state_store import StateSpec
+from hf_optim.kernels.torch_path import multi_tensor
+from hf_optim.numerics import exact_math, rounding
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import (
     as_tuple,

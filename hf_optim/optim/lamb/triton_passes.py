@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.kernels.algorithm import Algorithm, kernel_scalars
-from hf_optim.kernels.formats import StateFormat
-from hf_optim.kernels.formats.quant8 import num_blocks
+from hf_optim.core.algorithm import Algorithm, kernel_scalars
+from hf_optim.formats import StateFormat
+from hf_optim.formats.quant8 import num_blocks
 from hf_optim.kernels.torch_path.multi_tensor import consecutive_pieces
 from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.kernels.triton_path import multi_tensor as mt

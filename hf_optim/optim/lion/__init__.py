@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.state_store import StateSpec
+from hf_optim.core.algorithm import Algorithm
+from hf_optim.core.state_store import StateSpec
 from hf_optim.optim._validation import as_tuple, check_betas, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.registry import register_algorithm

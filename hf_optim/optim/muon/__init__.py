@@ -26,12 +26,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.formats import StateFormat
-from hf_optim.kernels.own_update import OwnUpdate
-from hf_optim.kernels.partition import Partition, PartRule
-from hf_optim.kernels.state_store import StateSpec
-from hf_optim.kernels.torch_path import exact_math, multi_tensor, rounding
+from hf_optim.core.algorithm import Algorithm
+from hf_optim.core.own_update import OwnUpdate
+from hf_optim.core.partition import Partition, PartRule
+from hf_optim.core.state_store import StateSpec
+from hf_optim.formats import StateFormat
+from hf_optim.kernels.torch_path import multi_tensor
+from hf_optim.numerics import exact_math, rounding
 from hf_optim.optim import sharding
 from hf_optim.optim._validation import as_tuple, check_betas, check_eps, check_lr, check_real, check_weight_decay
 from hf_optim.optim.adamw import ADAMW

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from hf_optim.kernels.algorithm import Algorithm
-from hf_optim.kernels.state_store import StateSpec
-from hf_optim.kernels.torch_path import exact_math
+from hf_optim.core.algorithm import Algorithm
+from hf_optim.core.state_store import StateSpec
+from hf_optim.numerics import exact_math
 from hf_optim.optim._validation import check_beta, check_eps, check_lr, check_unsupported, check_weight_decay
 from hf_optim.optim.base import HfOptimizer
 from hf_optim.optim.registry import register_algorithm

@@ -2,7 +2,7 @@
 tests run).
 
 The encoder (:mod:`hf_optim.kernels.triton_path.encode8`) returns the codes of the reference encoder of
-:mod:`hf_optim.kernels.formats.dynamic_map` (round to nearest against the map's fp32 midpoints, exact ties to the code
+:mod:`hf_optim.formats.dynamic_map` (round to nearest against the map's fp32 midpoints, exact ties to the code
 nearer zero, bitsandbytes' sign fix) without its 48 KiB table and without dividing by the block's absmax: it guesses
 a pair of neighbouring codes from a piecewise-linear position function, then settles the pair with one exact
 comparison. Everything below is built from the map itself; ``benchmarks/proofs/encoder8_proof.py`` proves the result.
@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE, ZERO_CODE_SIGNED, create_dynamic_map
+from hf_optim.formats.dynamic_map import BLOCK_SIZE, ZERO_CODE_SIGNED, create_dynamic_map
 
 MAGIC = 2.0**20
 """In every line's intercept: positions 0..256 share the binade ``[2**20, 2**21)``, whose ulp is 1/8."""

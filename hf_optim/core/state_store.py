@@ -1,6 +1,6 @@
 """Optimizer state slots: every algorithm reads and writes fp32 state through this module.
 
-A state slot is stored in one of the formats of :mod:`hf_optim.kernels.formats`: fp32 (32-bit optimizers, and
+A state slot is stored in one of the formats of :mod:`hf_optim.formats`: fp32 (32-bit optimizers, and
 tensors below ``min_8bit_size``), bitsandbytes' 8-bit blockwise format, or 4-bit blockwise. The slot names and
 layout follow bitsandbytes exactly:
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_optim.kernels.formats import SlotLayout, StateFormat, loaded_format
-from hf_optim.kernels.formats.base import StateDictError, zeroed_buffer
+from hf_optim.formats import SlotLayout, StateFormat, loaded_format
+from hf_optim.formats.base import StateDictError, zeroed_buffer
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def init_slot(state: dict, spec: StateSpec, param: torch.Tensor, fmt: StateForma
               allocate=zeroed_buffer) -> None:
     """Create one zeroed slot in ``state`` for ``param`` (its local tensor, for sharded parameters) in format
     ``fmt``. ``allocate(shape, *, dtype, device, elements)`` makes the big buffers, so paged memory can be plugged
-    in (:meth:`hf_optim.kernels.formats.StateFormat.init_slot`)."""
+    in (:meth:`hf_optim.formats.StateFormat.init_slot`)."""
     fmt.init_slot(state, spec, param, allocate)
 
 

@@ -41,9 +41,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from hf_optim.kernels.formats.base import StateDictError, StateFormat, in_blocks, register_format
-from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
-from hf_optim.kernels.torch_path import exact_math, rounding
+from hf_optim.formats.base import StateDictError, StateFormat, in_blocks, register_format
+from hf_optim.formats.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
+from hf_optim.numerics import exact_math, rounding
 
 BLOCK_SIZE = 256
 """Elements per scale block: the multi-tensor chunks' block, so block form needs no reshaping (128 measured no

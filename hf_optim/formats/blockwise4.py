@@ -3,7 +3,7 @@
 A slot ``stateK`` holds the codes packed two per byte, ``(rows, ceil(n / 2))`` uint8 (a 1-row slot drops the
 leading dimension: ``(ceil(n / 2),)``); ``absmaxK`` one fp32 absmax per 128 elements (per row); ``qmapK`` the
 16-entry map (signed tree map for moments that can be negative, linear without zero for second moments). The
-math is in :mod:`hf_optim.kernels.formats.quant4`; kernels take a slot as ``[codes as int8, absmax, qmap, encoder
+math is in :mod:`hf_optim.formats.quant4`; kernels take a slot as ``[codes as int8, absmax, qmap, encoder
 thresholds]``.
 
 In the multi-tensor kernels' block form, a chunk of ``B`` 256-element blocks is ``2B`` quantization blocks of
@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hf_optim.kernels.formats import quant4
-from hf_optim.kernels.formats.base import StateDictError, StateFormat, in_blocks, register_format
-from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
-from hf_optim.kernels.formats.quant4 import BLOCK_SIZE, encoder_thresholds, packed_length, qmap4
+from hf_optim.formats import quant4
+from hf_optim.formats.base import StateDictError, StateFormat, in_blocks, register_format
+from hf_optim.formats.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
+from hf_optim.formats.quant4 import BLOCK_SIZE, encoder_thresholds, packed_length, qmap4
 
 
 @functools.cache

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_optim.kernels.formats import codebook8
-from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE, KEY_SHIFT, LOW_MASK, encoder_keys
+from hf_optim.formats import codebook8
+from hf_optim.formats.dynamic_map import BLOCK_SIZE, KEY_SHIFT, LOW_MASK, encoder_keys
 
 
 def num_blocks(numel: int) -> int:

@@ -2,7 +2,7 @@
 
 A slot ``stateK`` holds uint8 codes in the slot's shape, ``absmaxK`` one fp32 absmax per 256 elements (per row)
 and ``qmapK`` the 256-entry dynamic map (signed for moments that can be negative). The math is in
-:mod:`hf_optim.kernels.formats.quant8`; the kernels take a slot as ``[codes as int8, absmax, qmap, encoder table]``
+:mod:`hf_optim.formats.quant8`; the kernels take a slot as ``[codes as int8, absmax, qmap, encoder table]``
 (int8: see ``quant8.quantize_into``).
 """
 
@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from hf_optim.kernels.formats import quant8
-from hf_optim.kernels.formats.base import StateDictError, StateFormat, in_blocks, register_format
-from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE, ZERO_CODE_SIGNED, dynamic_map, encoder_table
-from hf_optim.kernels.formats.quant8 import num_blocks
+from hf_optim.formats import quant8
+from hf_optim.formats.base import StateDictError, StateFormat, in_blocks, register_format
+from hf_optim.formats.dynamic_map import BLOCK_SIZE, ZERO_CODE_SIGNED, dynamic_map, encoder_table
+from hf_optim.formats.quant8 import num_blocks
 
 OLD_BLOCK_SIZE = 2048
 """bitsandbytes <= 0.43's optimizer block size, refused with an explanation."""

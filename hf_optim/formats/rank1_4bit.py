@@ -1,10 +1,10 @@
 """4-bit state with a rank-1 normalized second moment (Li et al. 2023's best setting, "B128/DE + Rank-1/Linear").
 
-- Signed slots (first moments) are stored exactly as :mod:`hf_optim.kernels.formats.blockwise4` stores them:
+- Signed slots (first moments) are stored exactly as :mod:`hf_optim.formats.blockwise4` stores them:
   packed codes of the signed tree map, one fp32 absmax per 128 elements (torchao's ``AdamW4bit``).
-- Unsigned slots (second moments) are rank-1 normalized (:mod:`hf_optim.kernels.formats.rank1_quant4`): packed codes of
+- Unsigned slots (second moments) are rank-1 normalized (:mod:`hf_optim.formats.rank1_quant4`): packed codes of
   the linear map without zero, and per slot row an fp32 maximum per matrix row (``absmaxK``) and per matrix
-  column (``absmaxK_col``) of the parameter seen as :func:`~hf_optim.kernels.formats.rank1_quant4.matrix_shape`.
+  column (``absmaxK_col``) of the parameter seen as :func:`~hf_optim.formats.rank1_quant4.matrix_shape`.
 
 Measured (``benchmarks/quality/quality4.py``, docs/performance.md#quality-of-quantized-state): on a 3-layer MLP
 regression where the torchao-compatible format ends 5-8% off 32-bit AdamW's final loss, this one ends within 1.3%; on
@@ -32,11 +32,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hf_optim.kernels.formats import rank1_quant4
-from hf_optim.kernels.formats.base import StateDictError, StateFormat, register_format
-from hf_optim.kernels.formats.blockwise4 import BLOCKWISE4
-from hf_optim.kernels.formats.quant4 import BLOCK_SIZE, encoder_thresholds, packed_length, qmap4
-from hf_optim.kernels.formats.rank1_quant4 import matrix_shape
+from hf_optim.formats import rank1_quant4
+from hf_optim.formats.base import StateDictError, StateFormat, register_format
+from hf_optim.formats.blockwise4 import BLOCKWISE4
+from hf_optim.formats.quant4 import BLOCK_SIZE, encoder_thresholds, packed_length, qmap4
+from hf_optim.formats.rank1_quant4 import matrix_shape
 
 NO_FLAT_FORM = ("the rank1_4bit state format has no flat-buffer (multi-tensor) form: its column scales span the "
                 "whole matrix; step such parameters on the per-tensor path")

@@ -10,7 +10,7 @@ time: bitsandbytes builds them with ``torch.linspace`` in fp32, whose last bit d
 were compiled. The constants are what bitsandbytes' ``create_dynamic_map`` gives with torch's FMA kernels (AVX2 and
 AVX-512, where ``start + step * i`` rounds once); torch's kernels without FMA (``ATEN_CPU_CAPABILITY=default``)
 round 42 signed and 31 unsigned entries 1 ulp differently. A checkpoint holding such a map still loads
-(:meth:`hf_optim.kernels.formats.blockwise8.Blockwise8.check_loaded`) and continues on these constants.
+(:meth:`hf_optim.formats.blockwise8.Blockwise8.check_loaded`) and continues on these constants.
 
 Encoding (value -> nearest code) uses one lookup table keyed by the top bits of the fp32 pattern of the normalized
 value: sign, exponent and ``MANTISSA_BITS`` mantissa bits. Each key covers a range of relative width
@@ -30,9 +30,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-BLOCK_SIZE = 256
-"""Elements per quantization block (bitsandbytes >= 0.44)."""
 
 MANTISSA_BITS = 8
 """Mantissa bits in the lookup key; 2**-8 = 0.39% is finer than the closest relative midpoint spacing (0.7%)."""

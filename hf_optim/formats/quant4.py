@@ -29,7 +29,7 @@ below 1e-12 (a second moment of gradients near 1e-7) lose their resolution; here
 as in the 8-bit format. Non-finite input makes its block's scale non-finite; the elementwise layer masks
 non-finite gradients before states are quantized, so this never happens in an optimizer step.
 
-Shapes follow :mod:`hf_optim.kernels.formats.quant8`: ``(rows, n)`` views (AdEMAMix stacks two rows, each with its own
+Shapes follow :mod:`hf_optim.formats.quant8`: ``(rows, n)`` views (AdEMAMix stacks two rows, each with its own
 scale row) or the multi-tensor kernels' block-aligned ``(rows, blocks, 128)``, whose codes are
 ``(rows, blocks, 64)``.
 """
@@ -56,7 +56,7 @@ def tree_map(signed: bool, exponent_bits: int, total_bits: int) -> torch.Tensor:
     ``10**(i - exponent_bits + 1)``, with both signs when signed, where ``k`` is ``2**(i + total_bits - 1 -
     exponent_bits)``, doubled for unsigned maps; fraction bits left over add one more linear group at the top
     decade's scale; then 0 and 1. The fp32 steps are bitsandbytes', so the values match it (and torchao, which
-    copies it) bit for bit. With ``(7, 8)`` this is the 8-bit map of :mod:`hf_optim.kernels.formats.dynamic_map`.
+    copies it) bit for bit. With ``(7, 8)`` this is the 8-bit map of :mod:`hf_optim.formats.dynamic_map`.
     """
     if not 1 <= exponent_bits < total_bits:
         raise ValueError(

@@ -5,8 +5,8 @@ The second moment ``v`` of a parameter seen as a matrix ``(R, C)`` (see :func:`m
 
 - ``row[i] = max_j |v[i, j]|`` and ``col[j] = max_i |v[i, j]|``, fp32 (the rank-1 statistics);
 - for each element the 4-bit index of the value of the linear map without zero (``k / 16``, ``k = 1..16``,
-  :func:`hf_optim.kernels.formats.quant4.qmap4` ``(False)``) nearest to ``v[i, j] / min(row[i], col[j])``, two per
-  byte in :mod:`~hf_optim.kernels.formats.quant4`'s order (element ``2i`` in the high nibble);
+  :func:`hf_optim.formats.quant4.qmap4` ``(False)``) nearest to ``v[i, j] / min(row[i], col[j])``, two per
+  byte in :mod:`~hf_optim.formats.quant4`'s order (element ``2i`` in the high nibble);
 - dequantization is ``qmap[code] * min(row[i], col[j])``.
 
 Why: block-wise scaling (one absmax per 128 consecutive elements) gives every element of a block the same scale,
@@ -16,7 +16,7 @@ magnitude, so most elements are divided by a scale near their own size (``|v| <=
 the ratio stays in ``[0, 1]``). The paper reports this as its best second-moment setting; torchao does not
 implement it. The scales cost ``4 * (R + C)`` bytes per slot row: 2 KiB for a 256 x 256 weight.
 
-Exactness: nearest code by the exact thresholds of :mod:`~hf_optim.kernels.formats.quant4` (ties go up); a zero
+Exactness: nearest code by the exact thresholds of :mod:`~hf_optim.formats.quant4` (ties go up); a zero
 row/column scale encodes its elements as code 0 and decodes them to exactly 0 (``qmap[0] * 0``).
 """
 
@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hf_optim.kernels.formats.quant4 import encode_eager, pack, packed_length, unpack
+from hf_optim.formats.quant4 import encode_eager, pack, packed_length, unpack
 
 LINE = 128
 """Row length of the matrix a 1-D tensor is seen as (:func:`matrix_shape`)."""
@@ -69,7 +69,7 @@ def quantize(values: torch.Tensor, rows: int, cols: int, thresholds: torch.Tenso
     """(packed uint8 codes ``(slots, ceil(n / 2))``, row scales ``(slots, rows)``, column scales
     ``(slots, cols)``) of non-negative fp32 ``values`` ``(slots, n)``, ``n <= rows * cols``.
 
-    ``thresholds``: the map's encoder thresholds (:func:`hf_optim.kernels.formats.quant4.encoder_thresholds` of the
+    ``thresholds``: the map's encoder thresholds (:func:`hf_optim.formats.quant4.encoder_thresholds` of the
     unsigned map)."""
     if values.dim() != 2:
         raise ValueError(f"rank-1 4-bit values must be (slots, n), got shape {tuple(values.shape)}")

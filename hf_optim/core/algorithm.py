@@ -27,11 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from hf_optim.kernels.formats import FP32, StateFormat
-from hf_optim.kernels.formats.base import BITSANDBYTES_FORMATS
-from hf_optim.kernels.own_update import OwnUpdate
-from hf_optim.kernels.partition import Partition
-from hf_optim.kernels.state_store import StateSpec, slot_bytes
+from hf_optim.core.own_update import OwnUpdate
+from hf_optim.core.partition import Partition
+from hf_optim.core.state_store import StateSpec, slot_bytes
+from hf_optim.formats import FP32, StateFormat
+from hf_optim.formats.base import BITSANDBYTES_FORMATS
 
 ELEMENTWISE = "elementwise"
 """The Triton plan of an elementwise algorithm: its Triton rule runs in the shared fused multi-tensor kernel."""
@@ -125,9 +125,9 @@ class Algorithm:
             whether this tensor's state is in it (else fp32); None: the slots' bytes (a hybrid's: those of the rule
             its partition gives the tensor).
         update: how the algorithm updates on the PyTorch path when it is not elementwise (LAMB, Adafactor, Muon):
-            :class:`hf_optim.kernels.own_update.OwnUpdate`; None: the elementwise ``rule`` on every path.
+            :class:`hf_optim.core.own_update.OwnUpdate`; None: the elementwise ``rule`` on every path.
         partition: for a hybrid algorithm (Muon), the labelled rules its parameters are split into
-            (:class:`hf_optim.kernels.partition.Partition`); None: one rule for every parameter.
+            (:class:`hf_optim.core.partition.Partition`); None: one rule for every parameter.
         variant_formats: the names of the formats with named classes (``<class_name><suffix>`` and their paged
             twins); default bitsandbytes' family (fp32, blockwise8); None: every registered format (a format
             registered later included). Any class runs with every format it supports through ``state_format``.

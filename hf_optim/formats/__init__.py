@@ -22,12 +22,12 @@ folder holds the PyTorch math of their codes: :mod:`dynamic_map` (bitsandbytes' 
 :mod:`quant8` (8-bit blockwise quantization), :mod:`encode8` (the arithmetic 8-bit encoder's table and PyTorch
 twin), :mod:`quant4` (4-bit blockwise quantization) and :mod:`rank1_quant4` (rank-1 normalized 4-bit); fp8's
 conversion is in its format module. The Triton twins of this math are in ``hf_optim.kernels.triton_path``. Modules
-here import torch, each other and two leaf helpers of the PyTorch path, ``torch_path.exact_math`` (correctly rounded
-division and ``lerp``) and ``torch_path.rounding`` (the stochastic-rounding bits, which fp8's second moments use);
+here import torch, each other and two modules of ``hf_optim.numerics`` below them, ``exact_math`` (correctly rounded
+division and ``lerp``) and ``rounding`` (the stochastic-rounding bits, which fp8's second moments use);
 never ``triton``, ``triton_path`` or a higher layer (``tests/architecture/test_import_layers.py``).
 """
 
-from hf_optim.kernels.formats.base import (
+from hf_optim.formats.base import (
     FORMATS,
     SlotLayout,
     StateFormat,
@@ -40,11 +40,11 @@ from hf_optim.kernels.formats.base import (
     settings_format,
     with_overrides,
 )
-from hf_optim.kernels.formats.blockwise4 import BLOCKWISE4
-from hf_optim.kernels.formats.blockwise8 import BLOCKWISE8
-from hf_optim.kernels.formats.fp8 import FP8
-from hf_optim.kernels.formats.fp32 import FP32
-from hf_optim.kernels.formats.rank1_4bit import RANK1_4BIT
+from hf_optim.formats.blockwise4 import BLOCKWISE4
+from hf_optim.formats.blockwise8 import BLOCKWISE8
+from hf_optim.formats.fp8 import FP8
+from hf_optim.formats.fp32 import FP32
+from hf_optim.formats.rank1_4bit import RANK1_4BIT
 
 __all__ = [
     "BLOCKWISE4",

@@ -7,7 +7,7 @@ vector operations per element against a lookup's eight scalar loads, while the f
 measurable), and a Triton twin raised the 8-bit AdamW kernel from 98 to 312 instructions per element
 (docs/benchmarks.md).
 
-The maps of :mod:`hf_optim.kernels.formats.dynamic_map` hold, per decade ``e`` (0..6), the fp32 midpoints of
+The maps of :mod:`hf_optim.formats.dynamic_map` hold, per decade ``e`` (0..6), the fp32 midpoints of
 ``linspace(0.1, 1, n + 1)`` (``n = 2**e`` signed, ``2**(e + 1)`` unsigned) times ``10**(e - 6)``. Their values are
 reproduced bit for bit by fp32 arithmetic from a handful of constants (``tests/formats/test_encoder8.py`` checks all 256
 codes of each map, ``benchmarks/proofs/encoder8_proof.py`` prints the check):
@@ -49,7 +49,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_optim.kernels.formats.dynamic_map import ZERO_CODE_SIGNED
+from hf_optim.formats.dynamic_map import ZERO_CODE_SIGNED
 
 DECADES = 7
 ONE_BITS = 0x3F800000

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_optim.kernels.formats.dynamic_map import BLOCK_SIZE
+from hf_optim.numerics import BLOCK_SIZE
 
 MASK32 = 0xFFFFFFFF
 MULTIPLIER_1 = 0x21F0AAAD

@@ -30,7 +30,7 @@ class PartRule:
 
     Args:
         label: the rule's name, e.g. ``"muon"`` or ``"adamw"``; :attr:`Partition.label_of` returns it.
-        algorithm: the rule's description (an :class:`hf_optim.kernels.algorithm.Algorithm`: its slots,
+        algorithm: the rule's description (an :class:`hf_optim.core.algorithm.Algorithm`: its slots,
             elementwise rule, scalars, Triton twin, own update); None: the partitioned algorithm's own.
         settings: ``settings(group) -> dict``: the hyperparameters this rule reads, from its param group (Muon's
             AdamW side reads ``adamw_betas`` as ``betas``); None: the group as it is.
