@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from hf_optim.formats import codebook8, quant8
+from hf_optim.formats import quant8
 from hf_optim.formats.dynamic_map import ZERO_CODE_SIGNED, dynamic_map, encoder_table
 from hf_optim.kernels.torch_path.cpu_compile import INDUCTOR_OPTIONS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "proofs"))
+import codebook8  # noqa: E402  (research beside its proof, not part of the library)
 
 
 def exponent_by_compares(j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ the PyTorch twin ``hf_optim.formats.encode8`` (the interpreter tests tie the Tri
    up to 64 ulps either way; and on a sample the sign of the settling fma result is compared with the exact
    rational sign.
 
-0. The table-free arithmetic of ``hf_optim.formats.codebook8`` (``table_free``): its decode of all 256
+0. The table-free arithmetic of ``benchmarks/proofs/codebook8.py`` (``table_free``): its decode of all 256
    codes against the map, its midpoint of every pair against the reference's, and its encode of every fp32 in
    [-1, 1] (both signs, -0.0 included) against the reference, for both maps.
 
@@ -43,10 +43,10 @@ import argparse
 import time
 from fractions import Fraction
 
+import codebook8 as cb  # beside this script (research, not part of the library)
 import numpy as np
 import torch
 
-from hf_optim.formats import codebook8 as cb
 from hf_optim.formats import encode8 as e8
 from hf_optim.formats import quant8 as blockwise
 from hf_optim.formats.dynamic_map import (

@@ -4,13 +4,10 @@ Format (bitsandbytes' blockwise optimizer state): a flat state of ``n`` values i
 ``absmax[b]`` is the largest magnitude in block ``b`` and element ``i`` stores the code of the map value nearest
 to ``value / absmax[i // 256]``. Dequantization is ``qmap[code] * absmax[block]``.
 
-Two implementations with the same results: :func:`dequantize` and :func:`quantize` / :func:`quantize_into` read the
-map and the packed encoder table of :mod:`dynamic_map` (the format's definition, and the reference the tests compare
-with bitsandbytes, and what the optimizers' PyTorch path runs); :func:`decode_blocks` and :func:`store_codes` compute
-the same values and codes from :mod:`codebook8`'s arithmetic, with no table (inductor's CPU code then has no
-gathers). The optimizers do not run them: compiled by inductor on an AVX2 machine the arithmetic decode took 1.4x
-the map lookup's time and the arithmetic encode 3.5x the table's (``benchmarks/performance/cpu_codec.py``). They are
-the PyTorch twin the tests compile and the proof runs.
+:func:`dequantize` and :func:`quantize` / :func:`quantize_into` read the map and the packed encoder table of
+:mod:`dynamic_map` (the format's definition, the reference the tests compare with bitsandbytes, and what the
+optimizers' PyTorch path runs). A table-free arithmetic of the same codes was measured slower on the CPU and on the
+GPU; it lives with its proof in ``benchmarks/proofs/codebook8.py``.
 
 The functions work on 2-D views ``(rows, n)`` so that AdEMAMix's stacked ``(2, ...)`` state, whose rows have
 separate absmax rows, goes through the same code as every other state.
@@ -21,7 +18,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_optim.formats import codebook8
 from hf_optim.formats.dynamic_map import KEY_SHIFT, LOW_MASK, encoder_keys
 from hf_optim.numerics import BLOCK_SIZE
 
@@ -51,21 +47,6 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) ->
     values = torch.ops.aten._unsafe_index(qmap, [codes.int() & 255])
     scaled = _blocked(values) * absmax.unsqueeze(-1)
     return scaled if codes.dim() == 3 else scaled.flatten(1)[:, :n]
-
-
-def decode_blocks(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
-    """:func:`dequantize` by arithmetic (:func:`codebook8.decode`): the same fp32 values, no map read."""
-    n = codes.shape[-1]
-    scaled = _blocked(codebook8.decode(codes, signed)) * absmax.unsqueeze(-1)
-    return scaled if codes.dim() == 3 else scaled.flatten(1)[:, :n]
-
-
-def store_codes(values: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: torch.Tensor) -> None:
-    """:func:`quantize_into` by arithmetic (:func:`codebook8.encode`): the same codes and absmax, no table."""
-    normalized, new_absmax = _normalized_blocks(values)
-    encoded = codebook8.encode(normalized, signed).to(torch.int8)  # codes 0..255 wrap to their int8 bit patterns
-    codes.view(torch.int8).copy_(encoded if codes.dim() == 3 else encoded.flatten(1)[:, : values.shape[-1]])
-    absmax.copy_(new_absmax)
 
 
 def encode_int8(normalized: torch.Tensor, table: torch.Tensor, signed: bool) -> torch.Tensor:

@@ -16,10 +16,9 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from hf_optim.formats import codebook8, encode8  # noqa: E402
+from hf_optim.formats import encode8  # noqa: E402
 from hf_optim.formats import quant8 as blockwise  # noqa: E402
 from hf_optim.formats.dynamic_map import (  # noqa: E402
-    _nearest_codes,
     create_dynamic_map,
     dynamic_map,
     encoder_table,
@@ -353,75 +352,3 @@ def test_dequantize8_matches_the_reference(device, signed):
     _dequantize_kernel[(2,)](codes.to(device), absmax.to(device), qmap, out, n, BLOCKS=4)
     expected = blockwise.dequantize(codes.view(1, -1), absmax.view(1, -1), dynamic_map(signed))
     assert torch.equal(out.cpu(), expected.flatten())
-
-
-# ------------------------------------------------------------------------------------------------------------
-# The table-free arithmetic (codebook8): the CPU path's decode and encode
-def nearest_codes(x: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The reference itself: ``dynamic_map._nearest_codes`` (nearest midpoint, ties toward zero) and the sign fix."""
-    codes = _nearest_codes(x, dynamic_map(signed))
-    negative = x.view(torch.int32) < 0
-    if signed:
-        return torch.where(negative & (codes == 127), 126, codes)
-    return torch.where(negative, 0, codes)
-
-
-def adversarial(signed: bool) -> torch.Tensor:
-    """Every map value, every reference midpoint and its fp32 neighbours up to 2 ulps (both signs), +-0, subnormals,
-    the smallest normal, +-1, and the fp32 neighbours of +-1 inside [-1, 1]."""
-    qmap = dynamic_map(signed)
-    mids = (qmap[1:] + qmap[:-1]) * 0.5
-    near = torch.cat([mids] + [encode8.nudge(mids, steps) for steps in (-2, -1, 1, 2)] + [qmap])
-    special = torch.tensor([0.0, 1e-45, 2e-45, 1e-40, 1.1754942e-38, 1.1754943508222875e-38, 1e-30, 1.0,
-                            1.0 - 2.0**-24, 1.0 - 2.0**-23])
-    values = torch.cat([near, special]).clamp(-1.0, 1.0)
-    return torch.cat([values, -values])
-
-
-@pytest.mark.parametrize("signed", SIGNS)
-def test_codebook8_decode_is_the_map(signed):
-    """All 256 codes, bit for bit, from uint8 and from the int8 view the kernels pass."""
-    codes = torch.arange(256)
-    expected = dynamic_map(signed).view(torch.int32)
-    assert torch.equal(codebook8.decode(codes, signed).view(torch.int32), expected)
-    assert torch.equal(codebook8.decode(codes.to(torch.uint8).view(torch.int8), signed).view(torch.int32), expected)
-
-
-@pytest.mark.parametrize("signed", SIGNS)
-def test_codebook8_midpoints_are_the_references(signed):
-    qmap = dynamic_map(signed)
-    zero = 127 if signed else 0
-    pairs = torch.arange(codebook8.TOP_PAIR[signed] + 1, dtype=torch.int32)
-    expected = ((qmap[1:] + qmap[:-1]) * 0.5)[zero:]
-    assert torch.equal(codebook8.midpoint(pairs, signed).view(torch.int32), expected.view(torch.int32))
-
-
-@pytest.mark.parametrize("signed", SIGNS)
-def test_codebook8_encodes_adversarial_and_random_values_as_the_reference(signed):
-    values = torch.cat([adversarial(signed), random_patterns(200_000, seed=11)])
-    codes = codebook8.encode(values, signed)
-    assert codes.dtype == torch.int32
-    assert torch.equal(codes, nearest_codes(values, signed))
-
-
-@pytest.mark.parametrize("signed", SIGNS)
-def test_codebook8_outside_the_unit_interval(signed):
-    """A NaN block's absmax divides by 1, so finite values beyond +-1 reach the encoder: the reference's end codes.
-    NaN (unspecified by the reference) takes the end code of its sign bit, as the table encoder did."""
-    big = torch.tensor([1.0 + 2.0**-23, 5.0, 3e38, float("inf")])
-    values = torch.cat([big, -big])
-    assert torch.equal(codebook8.encode(values, signed), nearest_codes(values, signed))
-    nan = torch.tensor([float("nan")])
-    assert codebook8.encode(torch.cat([nan, -nan]), signed).tolist() == [255, 0]
-
-
-@pytest.mark.parametrize("signed", SIGNS)
-def test_adversarial_set_catches_a_one_ulp_error_in_a_midpoint(signed):
-    """The adversarial set is sharp: a midpoint one ulp off changes some code."""
-    qmap = dynamic_map(signed)
-    zero = 127 if signed else 0
-    mids = ((qmap[1:] + qmap[:-1]) * 0.5)[zero:].clone()
-    mids[60] = torch.nextafter(mids[60], torch.tensor(2.0))
-    values = adversarial(signed)
-    wrong = codebook8.encode_with(values, signed, lambda pair, _signed: mids[pair.long()])
-    assert not torch.equal(wrong, nearest_codes(values, signed))

@@ -1,16 +1,16 @@
 """The 8-bit dynamic maps as arithmetic: decode and encode without a table (the PyTorch reference of that arithmetic).
 
-Status: proven, not on the optimizers' paths. The CPU path and the Triton kernels decode and encode through the map
-and the encoder table, which measured faster: compiled by inductor for an AVX2 CPU, this decode took 1.4x the map
-lookup's time and this encode 3.5x the table's (``benchmarks/performance/cpu_codec.py``; the arithmetic is 25-60
-vector operations per element against a lookup's eight scalar loads, while the fp32/int32 reinterpretations cost nothing
-measurable), and a Triton twin raised the 8-bit AdamW kernel from 98 to 312 instructions per element
-(docs/benchmarks.md).
+Research, not part of the library: proven, and on no optimizer's path. The CPU path and the Triton kernels decode
+and encode through the map and the encoder table, which measured faster: compiled by inductor for an AVX2 CPU, this
+decode took 1.4x the map lookup's time and this encode 3.5x the table's (``benchmarks/performance/cpu_codec.py``;
+the arithmetic is 25-60 vector operations per element against a lookup's eight scalar loads, while the fp32/int32
+reinterpretations cost nothing measurable), and a Triton twin raised the 8-bit AdamW kernel from 98 to 312
+instructions per element (docs/benchmarks.md).
 
-The maps of :mod:`hf_optim.formats.dynamic_map` hold, per decade ``e`` (0..6), the fp32 midpoints of
-``linspace(0.1, 1, n + 1)`` (``n = 2**e`` signed, ``2**(e + 1)`` unsigned) times ``10**(e - 6)``. Their values are
-reproduced bit for bit by fp32 arithmetic from a handful of constants (``tests/formats/test_encoder8.py`` checks all 256
-codes of each map, ``benchmarks/proofs/encoder8_proof.py`` prints the check):
+The maps of :mod:`hf_optim.formats.dynamic_map` hold, per decade ``e`` (0..6), the fp32 midpoints of ``linspace(0.1,
+1, n + 1)`` (``n = 2**e`` signed, ``2**(e + 1)`` unsigned) times ``10**(e - 6)``. Their values are reproduced bit
+for bit by fp32 arithmetic from a handful of constants (``benchmarks/proofs/test_codebook8.py`` checks all 256 codes
+of each map, ``benchmarks/proofs/encoder8_proof.py`` prints the check):
 
 **Magnitude codes.** A signed code ``c`` has magnitude code ``a = |c - 127|`` (0..128; 128 is the code of 1.0, which
 only positive values have) and the sign of ``c - 127``; an unsigned code is its own magnitude code. Let ``j = a``
