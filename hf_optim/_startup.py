@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 _state = {"deferred": None}
@@ -42,6 +43,19 @@ def deferred() -> bool:
 def is_submodule(name: str) -> bool:
     """Whether ``hf_optim.<name>`` is a module or package (found, not imported)."""
     return (Path(__file__).parent / f"{name}.py").is_file() or (Path(__file__).parent / name / "__init__.py").is_file()
+
+
+def deferred_getattr(module: str, names: list[str]) -> Callable[[str], object]:
+    """A package's ``__getattr__`` while its imports are deferred: the first of ``names`` asked for finishes the
+    start-up (:func:`finish`), which binds them all."""
+
+    def __getattr__(name: str) -> object:
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        finish()
+        return sys.modules[module].__dict__[name]
+
+    return __getattr__
 
 
 def finish() -> None:

@@ -181,6 +181,31 @@ class StateFormat:
             hint = " (a stacked AdEMAMix state: the state dict was saved by AdEMAMix)"
         raise StateDictError(f"{where}: {spec.key} has shape {tuple(values.shape)}, expected {tuple(shape)}{hint}")
 
+    @staticmethod
+    def check_shapes(state: dict, spec, expected: dict[str, tuple], where: str, what: str) -> None:
+        """Refuse a loaded slot missing one of the ``expected`` tensors (key: shape) or holding one of another shape;
+        ``what`` names the format in the message."""
+        for key, shape in expected.items():
+            found = state.get(key)
+            if found is None:
+                raise StateDictError(f"{where}: {what} {spec.key} has no {key}")
+            if tuple(found.shape) != shape:
+                raise StateDictError(f"{where}: {what} {key} has shape {tuple(found.shape)}, expected {shape}")
+
+    @staticmethod
+    def coded_raw(state: dict, spec, encoder: Callable[[bool, torch.device], torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`raw` of a slot of codes with a map: the codes as the int8 view the kernels take, the absmax, the
+        map, and ``encoder(signed, device)``'s table, one row per stacked row."""
+        codes = state[spec.key].view(spec.rows, -1)
+        absmax = state[spec.absmax_key].view(spec.rows, -1)
+        return [codes.view(torch.int8), absmax, state[spec.qmap_key], encoder(spec.signed, codes.device)]
+
+    @staticmethod
+    def zero_absmax(spec, blocks: int, device: torch.device) -> torch.Tensor:
+        """A slot's fp32 absmax, one per block (per row and block for a stacked slot), zeroed."""
+        shape = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+
     def __repr__(self) -> str:
         return f"<state format {self.name}>"
 

@@ -52,14 +52,10 @@ class Blockwise4(StateFormat):
             codes.fill_(zero_byte(True))
         state[spec.key] = codes
         state[spec.qmap_key] = qmap4(spec.signed, param.device)
-        blocks = self.num_blocks(n)
-        absmax_shape = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
-        state[spec.absmax_key] = torch.zeros(absmax_shape, dtype=torch.float32, device=param.device)
+        state[spec.absmax_key] = self.zero_absmax(spec, self.num_blocks(n), param.device)
 
     def raw(self, state: dict, spec) -> list[torch.Tensor]:
-        codes = state[spec.key].view(spec.rows, -1)
-        absmax = state[spec.absmax_key].view(spec.rows, -1)
-        return [codes.view(torch.int8), absmax, state[spec.qmap_key], encoder_thresholds(spec.signed, codes.device)]
+        return self.coded_raw(state, spec, encoder_thresholds)
 
     def slice_raw(self, raw, start, stop, block_form):
         codes, absmax, qmap, thresholds = raw
@@ -132,12 +128,7 @@ class Blockwise4(StateFormat):
             spec.key: (packed_length(n),) if spec.rows == 1 else (spec.rows, packed_length(n)),
             spec.absmax_key: (self.num_blocks(n),) if spec.rows == 1 else (spec.rows, self.num_blocks(n)),
         }
-        for key, shape in expected.items():
-            found = state.get(key)
-            if found is None:
-                raise StateDictError(f"{where}: 4-bit {spec.key} has no {key}")
-            if tuple(found.shape) != shape:
-                raise StateDictError(f"{where}: 4-bit {key} has shape {tuple(found.shape)}, expected {shape}")
+        self.check_shapes(state, spec, expected, where, "4-bit")
         if not torch.equal(state[spec.qmap_key].detach().cpu().float(), qmap4(spec.signed)):
             kind = "signed tree" if spec.signed else "unsigned linear"
             raise StateDictError(f"{where}: {spec.qmap_key} is not the 4-bit {kind} map this algorithm uses")

@@ -56,13 +56,10 @@ class Blockwise8(StateFormat):
         blocks = num_blocks(param.numel())
         state[spec.key] = allocate(shape, dtype=torch.uint8, device=param.device, elements=param.numel())
         state[spec.qmap_key] = dynamic_map(spec.signed, param.device)
-        absmax_shape = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
-        state[spec.absmax_key] = torch.zeros(absmax_shape, dtype=torch.float32, device=param.device)
+        state[spec.absmax_key] = self.zero_absmax(spec, blocks, param.device)
 
     def raw(self, state: dict, spec) -> list[torch.Tensor]:
-        main = state[spec.key].view(spec.rows, -1)
-        absmax = state[spec.absmax_key].view(spec.rows, -1)
-        return [main.view(torch.int8), absmax, state[spec.qmap_key], encoder_table(spec.signed, main.device)]
+        return self.coded_raw(state, spec, encoder_table)
 
     def slice_raw(self, raw, start, stop, block_form):
         codes, absmax, qmap, table = raw

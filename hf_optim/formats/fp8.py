@@ -132,8 +132,7 @@ class Fp8(StateFormat):
         state[spec.key] = allocate(shape, dtype=self.dtype(spec.signed), device=param.device,
                                    elements=param.numel())
         blocks = self.num_blocks(param.numel())
-        absmax_shape = (blocks,) if spec.rows == 1 else (spec.rows, blocks)
-        state[spec.absmax_key] = torch.zeros(absmax_shape, dtype=torch.float32, device=param.device)
+        state[spec.absmax_key] = self.zero_absmax(spec, blocks, param.device)
 
     def raw(self, state: dict, spec) -> list[torch.Tensor]:
         return [state[spec.key].view(spec.rows, -1), state[spec.absmax_key].view(spec.rows, -1)]

@@ -162,12 +162,7 @@ class Rank1Blockwise4(StateFormat):
         lead = () if spec.rows == 1 else (spec.rows,)
         expected = {spec.key: (*lead, packed_length(param.numel())), spec.absmax_key: (*lead, rows),
                     col_key(spec): (*lead, cols)}
-        for key, shape in expected.items():
-            found = state.get(key)
-            if found is None:
-                raise StateDictError(f"{where}: rank-1 4-bit {spec.key} has no {key}")
-            if tuple(found.shape) != shape:
-                raise StateDictError(f"{where}: rank-1 4-bit {key} has shape {tuple(found.shape)}, expected {shape}")
+        self.check_shapes(state, spec, expected, where, "rank-1 4-bit")
         if not torch.equal(state[spec.qmap_key].detach().cpu().float(), qmap4(False)):
             raise StateDictError(f"{where}: {spec.qmap_key} is not the 4-bit unsigned linear map this format uses")
 

@@ -30,10 +30,6 @@ def _load() -> None:
 
 
 if _startup.deferred():
-    def __getattr__(name: str):
-        if name not in __all__:
-            raise AttributeError(f"module 'hf_optim.monitor' has no attribute {name!r}")
-        _startup.finish()
-        return globals()[name]
+    __getattr__ = _startup.deferred_getattr(__name__, __all__)
 else:
     _load()

@@ -43,6 +43,12 @@ class Family:
             known = ", ".join(self.classes)
             raise KeyError(f"{self.algorithm.name} has no class {class_name!r}; it has {known}") from None
 
+    def take(self, *class_names: str) -> tuple[type, ...]:
+        """The classes named, in that order: a module binds its static names in one statement
+        (``AdamW8bit, PagedAdamW8bit = family.take("AdamW8bit", "PagedAdamW8bit")``). Classes left unnamed (those of
+        a format registered later) are still package attributes (``hf_optim._exports``)."""
+        return tuple(self[name] for name in class_names)
+
     @property
     def pages(self) -> bool:
         """Whether the classes take ``is_paged`` (paged variants exist)."""

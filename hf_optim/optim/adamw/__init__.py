@@ -126,11 +126,6 @@ class AdamW(HfOptimizer):
         check_weight_decay(group["weight_decay"])
 
 
-_twins = register_algorithm(ADAMW, AdamW)
-AdamW4bit = _twins["AdamW4bit"]
-AdamW8bit = _twins["AdamW8bit"]
-AdamW32bit = _twins["AdamW32bit"]
-PagedAdamW = _twins["PagedAdamW"]
-PagedAdamW4bit = _twins["PagedAdamW4bit"]
-PagedAdamW8bit = _twins["PagedAdamW8bit"]
-PagedAdamW32bit = _twins["PagedAdamW32bit"]
+_family = register_algorithm(ADAMW, AdamW)
+AdamW4bit, AdamW8bit, AdamW32bit, PagedAdamW, PagedAdamW4bit, PagedAdamW8bit, PagedAdamW32bit = _family.take(
+    "AdamW4bit", "AdamW8bit", "AdamW32bit", "PagedAdamW", "PagedAdamW4bit", "PagedAdamW8bit", "PagedAdamW32bit")

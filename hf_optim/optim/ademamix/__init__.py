@@ -173,11 +173,8 @@ class AdEMAMix(HfOptimizer):
             raise ValueError("t_beta3 needs beta1 > 0 and beta3 > 0 (the warm-up works on their logarithms)")
 
 
-_twins = register_algorithm(ADEMAMIX, AdEMAMix)
-AdEMAMix4bit = _twins["AdEMAMix4bit"]
-AdEMAMix8bit = _twins["AdEMAMix8bit"]
-AdEMAMix32bit = _twins["AdEMAMix32bit"]
-PagedAdEMAMix = _twins["PagedAdEMAMix"]
-PagedAdEMAMix4bit = _twins["PagedAdEMAMix4bit"]
-PagedAdEMAMix8bit = _twins["PagedAdEMAMix8bit"]
-PagedAdEMAMix32bit = _twins["PagedAdEMAMix32bit"]
+_family = register_algorithm(ADEMAMIX, AdEMAMix)
+(AdEMAMix4bit, AdEMAMix8bit, AdEMAMix32bit, PagedAdEMAMix,
+ PagedAdEMAMix4bit, PagedAdEMAMix8bit, PagedAdEMAMix32bit) = _family.take(
+    "AdEMAMix4bit", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix",
+    "PagedAdEMAMix4bit", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit")

@@ -297,9 +297,6 @@ ZERO_START_WARNING = (
 FLAT_DIRECTION_NUMEL = 1 << 22
 """Most LAMB directions the multi-tensor path holds at once (16 MiB of fp32); a larger tensor is a bucket alone."""
 
-_twins = register_algorithm(LAMB_ALGORITHM, LAMB)
-LAMB8bit = _twins["LAMB8bit"]
-LAMB32bit = _twins["LAMB32bit"]
-PagedLAMB = _twins["PagedLAMB"]
-PagedLAMB8bit = _twins["PagedLAMB8bit"]
-PagedLAMB32bit = _twins["PagedLAMB32bit"]
+_family = register_algorithm(LAMB_ALGORITHM, LAMB)
+LAMB8bit, LAMB32bit, PagedLAMB, PagedLAMB8bit, PagedLAMB32bit = _family.take(
+    "LAMB8bit", "LAMB32bit", "PagedLAMB", "PagedLAMB8bit", "PagedLAMB32bit")

@@ -108,11 +108,6 @@ class Lion(HfOptimizer):
         return {**group, "eps": group.get("eps", 0.0)}  # bitsandbytes' Lion carries an unused eps
 
 
-_twins = register_algorithm(LION, Lion)
-Lion4bit = _twins["Lion4bit"]
-Lion8bit = _twins["Lion8bit"]
-Lion32bit = _twins["Lion32bit"]
-PagedLion = _twins["PagedLion"]
-PagedLion4bit = _twins["PagedLion4bit"]
-PagedLion8bit = _twins["PagedLion8bit"]
-PagedLion32bit = _twins["PagedLion32bit"]
+_family = register_algorithm(LION, Lion)
+Lion4bit, Lion8bit, Lion32bit, PagedLion, PagedLion4bit, PagedLion8bit, PagedLion32bit = _family.take(
+    "Lion4bit", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion4bit", "PagedLion8bit", "PagedLion32bit")

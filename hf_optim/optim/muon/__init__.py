@@ -298,11 +298,6 @@ class Muon(HfOptimizer):
         return muon_label(p, group) == "muon"
 
 
-_twins = register_algorithm(MUON, Muon)
-Muon4bit = _twins["Muon4bit"]
-Muon8bit = _twins["Muon8bit"]
-Muon32bit = _twins["Muon32bit"]
-PagedMuon = _twins["PagedMuon"]
-PagedMuon4bit = _twins["PagedMuon4bit"]
-PagedMuon8bit = _twins["PagedMuon8bit"]
-PagedMuon32bit = _twins["PagedMuon32bit"]
+_family = register_algorithm(MUON, Muon)
+Muon4bit, Muon8bit, Muon32bit, PagedMuon, PagedMuon4bit, PagedMuon8bit, PagedMuon32bit = _family.take(
+    "Muon4bit", "Muon8bit", "Muon32bit", "PagedMuon", "PagedMuon4bit", "PagedMuon8bit", "PagedMuon32bit")

@@ -128,6 +128,5 @@ class RMSprop(HfOptimizer):
         return {**saved, "alpha": saved["betas"][0]}
 
 
-_twins = register_algorithm(RMSPROP, RMSprop)  # no paged twins: bitsandbytes' RMSprop takes no is_paged
-RMSprop8bit = _twins["RMSprop8bit"]
-RMSprop32bit = _twins["RMSprop32bit"]
+_family = register_algorithm(RMSPROP, RMSprop)  # no paged twins: bitsandbytes' RMSprop takes no is_paged
+RMSprop8bit, RMSprop32bit = _family.take("RMSprop8bit", "RMSprop32bit")
