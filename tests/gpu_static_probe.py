@@ -1,4 +1,4 @@
-"""Kernels with known answers for test_gpu_static.py: benchmarks/gpu/gpu_static.py's measurements on them, as JSON.
+"""Kernels with known answers for test_gpu_static.py: hf_optim.gpu_static's measurements on them, as JSON.
 
 Run in a fresh process without TRITON_INTERPRET (kernels defined under the interpreter cannot be compiled):
 ``python tests/gpu_static_probe.py OUT.json``. Three kernels:
@@ -15,11 +15,11 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "gpu"))
+from hf_optim import gpu_static  # before triton: it refuses the interpreter
 
-import gpu_static  # noqa: E402  (before triton: it refuses the interpreter)
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+# isort: split
+import triton
+import triton.language as tl
 
 
 @triton.jit

@@ -20,7 +20,7 @@ Triton's ahead-of-time compiler and checks the properties the bit-compatibility 
 
 The CI set (the default) is every whole-tile fused configuration of AdamW (each dtype and state format, with and
 without stochastic rounding) and, for the other algorithms and the other kernels, one configuration each of every
-kernel; ``--all`` compiles all of them (``benchmarks/gpu/gpu_static.py`` measures them).
+kernel; ``--all`` compiles all of them (``python -m hf_optim.gpu_static`` measures them).
 """
 
 import argparse

@@ -31,6 +31,7 @@ PARTS = {
                                                            "hf_optim.checkpoints"]),
     "monitor": ("monitor: memory and loss logs, plots", ["hf_optim.monitor"]),
     "doctor": ("doctor: hf-optim doctor", ["hf_optim.doctor"]),
+    "gpu_static": ("gpu_static: ahead-of-time compile table (no GPU)", ["hf_optim.gpu_static"]),
     "entry": ("entry points: import hf_optim, the CLI, notebooks", ["hf_optim"]),
     "shared": ("shared leaves: errors, notices, memory units", ["hf_optim.errors", "hf_optim.notices",
                                                                 "hf_optim.memory"]),

@@ -10,7 +10,8 @@ Below the optimizers the floors are strict, each importing only those beneath it
 choice between them) beside ``paging/``. ``formats/`` and ``kernels/torch_path/`` never import ``triton`` or
 ``triton_path/``, even lazily (they are the path of machines without Triton); outside
 ``triton_path/`` and the algorithms' ``triton_rule`` modules nothing imports them at module level, and importing
-the package loads none of them (a subprocess test).
+the package loads none of them (a subprocess test). ``gpu_static/`` (the ahead-of-time compile table) is a tool on the
+top floor: it imports triton when imported, so no module of the package imports it.
 """
 
 from __future__ import annotations
@@ -123,22 +124,43 @@ def test_formats_and_the_torch_path_never_import_triton():
         "a function):\n" + "\n".join(bad)
 
 
+AOT_TOOL = "hf_optim.gpu_static"
+"""The ahead-of-time compile table (``python -m hf_optim.gpu_static``): a tool on the top floor that compiles the
+kernels without a GPU, so it imports triton when imported."""
+AOT_TOOL_READS = (*LOWER, "hf_optim.optim")
+"""What the tool may import: the floors and the optimizers (their registry and options), nothing beside it."""
+
+
 def test_triton_code_is_imported_only_when_a_triton_step_runs():
     """Outside triton_path/ and the Triton rules, no module imports them, or triton, at module level: they are
-    imported by the step that needs them (``hf_optim.optim.runner``) or named as ``"module:attribute"``."""
+    imported by the step that needs them (``hf_optim.optim.runner``) or named as ``"module:attribute"``. The
+    ahead-of-time tool (:data:`AOT_TOOL`) imports triton itself, and nothing imports the tool."""
     bad = [f"{MODULES[name].relative_to(ROOT)}:{line} imports {target} at module level"
            for name in MODULES if not is_triton_code(name)
            for target, line in imports(name, module_level=True) if is_triton_code(target)]
     bad += [f"{MODULES[name].relative_to(ROOT)}:{line} imports triton at module level"
-            for name in MODULES if not is_triton_code(name) for line in imports_triton(name, module_level=True)]
+            for name in MODULES if not is_triton_code(name) and not in_layer(name, (AOT_TOOL,))
+            for line in imports_triton(name, module_level=True)]
     assert not bad, "\n".join(bad)
+
+
+def test_nothing_imports_the_ahead_of_time_tool_and_it_reads_only_below_it():
+    bad = [f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}"
+           for name in MODULES if not in_layer(name, (AOT_TOOL,))
+           for target, line in imports(name) if in_layer(target, (AOT_TOOL,))]
+    assert not bad, f"{AOT_TOOL} imports triton when imported: nothing in the package imports it\n" + "\n".join(bad)
+    names = [name for name in MODULES if in_layer(name, (AOT_TOOL,))]
+    assert f"{AOT_TOOL}.cli" in names and f"{AOT_TOOL}.__main__" in names
+    bad = [f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}" for name in names
+           for target, line in imports(name) if not in_layer(target, (AOT_TOOL, *AOT_TOOL_READS))]
+    assert not bad, f"{AOT_TOOL} reads only {', '.join(AOT_TOOL_READS)}:\n" + "\n".join(bad)
 
 
 def test_importing_the_package_loads_no_triton_code():
     code = ("import sys, hf_optim, hf_optim.optim.registry\n"
             "for family in hf_optim.optim.registry.families():\n"
             "    family.base(__import__('torch').nn.Linear(2, 2).parameters())\n"
-            "print(sorted(m for m in sys.modules if m.startswith('hf_optim.kernels.triton_path')"
+            f"print(sorted(m for m in sys.modules if m.startswith(('{TRITON_PATH}', '{AOT_TOOL}'))"
             " or m.endswith(('.triton_rule', '.triton_passes'))))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -1,6 +1,6 @@
 """Every Triton kernel configuration the optimizers launch compiles ahead of time for an H100 (sm_90) and a T4
-(sm_75) with no spills and no local memory, without a GPU (benchmarks/gpu/gpu_static.py; the other arches and the
-timings are the benchmark's); and the kernels' machine code keeps the properties the bit-compatibility claims rest
+(sm_75) with no spills and no local memory, without a GPU (``python -m hf_optim.gpu_static``; the other arches and
+the timings are the tool's); and the kernels' machine code keeps the properties the bit-compatibility claims rest
 on (tests/triton_compile_check.py). Not a timing: compile seconds are printed, never asserted.
 
 Compilation runs in a fresh process without TRITON_INTERPRET (conftest sets it on machines without a GPU, and
@@ -46,13 +46,12 @@ def aot_cache(tmp_path_factory) -> Path:
 def table(tmp_path_factory, aot_cache) -> dict:
     tmp = tmp_path_factory.mktemp("gpu_static")
     out = tmp / "table.json"
-    # gpu_static.py compiles cold whatever the cache holds (Triton's always_compile) and writes every binary to it
+    # hf_optim.gpu_static compiles cold whatever the cache holds (Triton's always_compile) and writes every binary to it
     cache = aot_cache
     # the cores this worker may take: all of them in a serial run, its share when pytest-xdist runs workers beside it
     jobs = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    done = _run(["benchmarks/gpu/gpu_static.py", "--arch", ",".join(ARCHES), "--jobs", str(jobs), "--json", str(out)],
-    tmp,
-                cache)
+    done = _run(["-m", "hf_optim.gpu_static", "--arch", ",".join(ARCHES), "--jobs", str(jobs), "--json", str(out)],
+                tmp, cache)
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -86,11 +85,9 @@ def test_every_configuration_compiles_for_sm90_and_sm75(table):
 @pytest.mark.slow
 def test_no_configuration_spills_or_uses_local_memory(table):
     interpret = os.environ.get("TRITON_INTERPRET")
-    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
     try:
-        from gpu_static import problems  # noqa: PLC0415  (no compiling here: the rows come from the fixture)
+        from hf_optim.gpu_static import problems  # noqa: PLC0415  (no compiling here: the rows come from the fixture)
     finally:
-        sys.path.remove(str(ROOT / "benchmarks" / "gpu"))
         # gpu_static turns the interpreter off for the kernels it defines; Triton kernels that later tests in this
         # process define (test_custom_algorithm's) must still run in it
         if interpret is not None:

@@ -521,7 +521,7 @@ def test_subclass_with_its_own_rule_takes_the_pytorch_path(device, use_triton):
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_launch_is_an_enumerated_configuration(device, monkeypatch, use_triton):
     """What the optimizers launch is what ``triton_configs.kernel_specs`` lists (the compile test and
-    ``benchmarks/gpu/gpu_static.py`` compile that list): every launch of a few steps of the fused, LAMB and Adafactor
+    ``python -m hf_optim.gpu_static`` compile that list): every launch of a few steps of the fused, LAMB and Adafactor
     kernels, with mixed dtypes and formats, is one of its configurations (same kernel, compile-time arguments, warps
     and launch options such as a register limit)."""
     from hf_optim.kernels.triton_path import configs as triton_configs

@@ -5,7 +5,7 @@ run-time arguments, the values of its compile-time ones and its launch options. 
 all, built from the same configuration objects the launches use (``elementwise.FusedConfig``, and the configurations
 a multi-pass algorithm's ``TritonPlan.specs`` lists from its own folder: LAMB's and Adafactor's
 ``triton_passes.launch_specs``), so the compile test
-(``tests/kernels/test_gpu_static.py``) and ``benchmarks/gpu/gpu_static.py`` compile exactly what runs;
+(``tests/kernels/test_gpu_static.py``) and :mod:`hf_optim.gpu_static` compile exactly what runs;
 :func:`step_specs`
 lists the kernels one step of one optimizer launches (the cold-start cost). :meth:`LaunchSpec.compile` compiles one
 for an arch without a GPU (``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``).

@@ -335,7 +335,7 @@ class AdafactorConfig:
         :func:`tile.launch_options` at :meth:`warps`, and with Triton 3.8 a register limit of 72 for the apply pass
         of unfactored tensors with an 8-bit first moment: without one, ptxas held it to 64 registers with an 8-byte
         spill on sm_90 (bf16 and fp16); with 72, none spills on sm_75, sm_80 or sm_90. The factored apply pass
-        needs more than 72 and spills 12-96 bytes under that limit, so it keeps none (``benchmarks/gpu/gpu_static.py``).
+        needs more than 72 and spills 12-96 bytes under that limit, so it keeps none (:mod:`hf_optim.gpu_static`).
         Triton 3.9 needs no limit."""
         options = launch_options(self.warps(name))
         if (name == "apply" and factored is False and self.moment_format == BLOCKWISE8.code
