@@ -3,26 +3,21 @@ bound, issue bound)`` on an H100 SXM (sm_90 rows) and a T4 (sm_75 rows)."""
 
 from __future__ import annotations
 
-import math
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from hf_optim.gpu_static.launch_config import LaunchConfig
 from hf_optim.gpu_static.targets import GPUS
 
-ROOT = Path(__file__).resolve().parents[2]
-"""The checkout this package lies in: the tensor set is benchmarks/performance/step_time.py's."""
-
 
 def llama_numels() -> list[int]:
-    """Element counts of the Llama-3.2-1B tensors the optimizers step (benchmarks/performance/step_time.py's set)."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "performance"))
-    try:
-        from step_time import PRESETS  # noqa: PLC0415
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks" / "performance"))
-    return [math.prod(shape) for shape in PRESETS["llama-3.2-1b"]()]
+    """Element counts of the Llama-3.2-1B tensors a full fine-tune steps (tied embeddings), from the model's public
+    config values (hidden 2048, intermediate 8192, 16 layers, 8 key-value heads of 64, vocabulary 128256): the
+    embedding, per layer q, k, v, o, gate, up, down and two norms, and the final norm. The same set as
+    ``benchmarks/performance/step_time.py``'s ``llama-3.2-1b`` (``test_gpu_static.py`` checks that)."""
+    hidden, intermediate, layers, kv, vocab = 2048, 8192, 16, 8 * 64, 128256
+    per_layer = [hidden * hidden, kv * hidden, kv * hidden, hidden * hidden, intermediate * hidden,
+                 intermediate * hidden, hidden * intermediate, hidden, hidden]
+    return [vocab * hidden] + per_layer * layers + [hidden]
 
 
 def min_8bit_size() -> int:

@@ -82,18 +82,36 @@ def test_every_configuration_compiles_for_sm90_and_sm75(table):
     assert any(name.startswith("adafactor/apply") for name in names)
 
 
-@pytest.mark.slow
-def test_no_configuration_spills_or_uses_local_memory(table):
+def import_gpu_static():
+    """``hf_optim.gpu_static``, imported in this process. It turns the interpreter off for the kernels it defines;
+    Triton kernels that later tests in this process define (test_custom_algorithm's) must still run in it."""
     interpret = os.environ.get("TRITON_INTERPRET")
     try:
-        from hf_optim.gpu_static import problems  # noqa: PLC0415  (no compiling here: the rows come from the fixture)
+        import hf_optim.gpu_static  # noqa: PLC0415
     finally:
-        # gpu_static turns the interpreter off for the kernels it defines; Triton kernels that later tests in this
-        # process define (test_custom_algorithm's) must still run in it
         if interpret is not None:
             os.environ["TRITON_INTERPRET"] = interpret
+    return hf_optim.gpu_static
+
+
+@pytest.mark.slow
+def test_no_configuration_spills_or_uses_local_memory(table):
     """Issue 22's target: no spills on any arch, for every configuration (no known exceptions)."""
-    assert problems(table["rows"]) == []
+    assert import_gpu_static().problems(table["rows"]) == []
+
+
+def test_the_predicted_set_is_the_llama_3_2_1b_full_fine_tune():
+    """The prediction's tensors, against the recipes' bundled Llama-3.2-1B config (tied embeddings)."""
+    from hf_optim.recipes.estimate import KNOWN_ARCHITECTURES  # noqa: PLC0415
+
+    cfg = KNOWN_ARCHITECTURES["llama-3.2-1b"]
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * hidden // cfg["num_attention_heads"]
+    numels = import_gpu_static().llama_numels()
+    assert len(numels) == 2 + 9 * layers
+    assert sum(numels) == (cfg["vocab_size"] * hidden + hidden
+                           + layers * (2 * hidden * hidden + 2 * kv * hidden + 3 * cfg["intermediate_size"] * hidden
+                                       + 2 * hidden))
 
 
 @pytest.mark.slow
