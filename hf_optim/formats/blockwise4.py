@@ -19,8 +19,8 @@ import torch
 
 from hf_optim.formats import quant4
 from hf_optim.formats.base import StateDictError, StateFormat, in_blocks, register_format
-from hf_optim.formats.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
 from hf_optim.formats.quant4 import BLOCK_SIZE, encoder_thresholds, packed_length, qmap4
+from hf_optim.numerics import BLOCK_SIZE as CHUNK_BLOCK
 
 
 @functools.cache

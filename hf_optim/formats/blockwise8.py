@@ -18,8 +18,9 @@ import torch
 
 from hf_optim.formats import quant8
 from hf_optim.formats.base import StateDictError, StateFormat, in_blocks, register_format
-from hf_optim.formats.dynamic_map import BLOCK_SIZE, ZERO_CODE_SIGNED, dynamic_map, encoder_table
+from hf_optim.formats.dynamic_map import ZERO_CODE_SIGNED, dynamic_map, encoder_table
 from hf_optim.formats.quant8 import num_blocks
+from hf_optim.numerics import BLOCK_SIZE
 
 OLD_BLOCK_SIZE = 2048
 """bitsandbytes <= 0.43's optimizer block size, refused with an explanation."""

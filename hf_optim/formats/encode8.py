@@ -43,7 +43,8 @@ from collections.abc import Callable
 
 import torch
 
-from hf_optim.formats.dynamic_map import BLOCK_SIZE, ZERO_CODE_SIGNED, create_dynamic_map
+from hf_optim.formats.dynamic_map import ZERO_CODE_SIGNED, create_dynamic_map
+from hf_optim.numerics import BLOCK_SIZE
 
 MAGIC = 2.0**20
 """In every line's intercept: positions 0..256 share the binade ``[2**20, 2**21)``, whose ulp is 1/8."""

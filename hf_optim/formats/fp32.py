@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hf_optim.formats.base import StateFormat, in_blocks, register_format
-from hf_optim.formats.dynamic_map import BLOCK_SIZE
+from hf_optim.numerics import BLOCK_SIZE
 
 
 class Fp32(StateFormat):

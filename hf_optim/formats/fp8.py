@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_optim.formats.base import StateDictError, StateFormat, in_blocks, register_format
-from hf_optim.formats.dynamic_map import BLOCK_SIZE as CHUNK_BLOCK
+from hf_optim.numerics import BLOCK_SIZE as CHUNK_BLOCK
 from hf_optim.numerics import exact_math, rounding
 
 BLOCK_SIZE = 256

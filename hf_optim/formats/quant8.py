@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_optim.formats import codebook8
-from hf_optim.formats.dynamic_map import BLOCK_SIZE, KEY_SHIFT, LOW_MASK, encoder_keys
+from hf_optim.formats.dynamic_map import KEY_SHIFT, LOW_MASK, encoder_keys
+from hf_optim.numerics import BLOCK_SIZE
 
 
 def num_blocks(numel: int) -> int:

@@ -90,8 +90,8 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from hf_optim.formats import SlotLayout
 from hf_optim.formats.base import zeroed_buffer
-from hf_optim.formats.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.torch_path import compile_queue, compiled_artifact, cpu_threads, elementwise
+from hf_optim.numerics import BLOCK_SIZE
 
 logger = logging.getLogger("hf_optim")
 

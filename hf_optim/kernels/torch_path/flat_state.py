@@ -23,9 +23,9 @@ import torch
 from hf_optim.core.state_store import StateSpec, slot_shape
 from hf_optim.formats import SlotLayout
 from hf_optim.formats.base import zeroed_buffer
-from hf_optim.formats.dynamic_map import BLOCK_SIZE
 from hf_optim.formats.quant8 import num_blocks
 from hf_optim.kernels.torch_path.cpu_compile import canonical
+from hf_optim.numerics import BLOCK_SIZE
 
 
 def padded(numel: int) -> int:

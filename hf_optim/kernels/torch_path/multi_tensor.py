@@ -29,14 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from hf_optim.formats import SlotLayout
-from hf_optim.formats.dynamic_map import BLOCK_SIZE
 from hf_optim.kernels.torch_path import compile_guard, cpu_compile, cpu_threads, elementwise
 from hf_optim.kernels.torch_path.cpu_compile import (  # noqa: F401 (this module's API before)
     COMPILE_ENV,
     compile_enabled,
 )
 from hf_optim.kernels.torch_path.flat_state import FlatState
-from hf_optim.numerics import rounding
+from hf_optim.numerics import BLOCK_SIZE, rounding
 
 CHUNK = 1 << 18
 """Flat elements per call: large enough to amortize a call's fixed cost (about 30 us), small enough that the

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from hf_optim.core.state_store import StateSpec, slot_format
-from hf_optim.formats.dynamic_map import BLOCK_SIZE
 from hf_optim.formats.quant8 import num_blocks
 from hf_optim.kernels.triton_path.tile import dtype_code
+from hf_optim.numerics import BLOCK_SIZE
 
 PARAM, GRAD, OUT, NUMEL, PARAM_DTYPE, GRAD_DTYPE = range(6)
 VALUES = 6  # 6, 7, 8: state rows (fp32 values or uint8 codes)
