@@ -46,6 +46,7 @@ from hf_optim.kernels.triton_path.tile import (
     BF16,
     DTYPE_NAMES,
     FP16,
+    SM_64_WARPS,
     TRITON_VERSION,
     launch_options,
     load_values,
@@ -129,11 +130,6 @@ def _fused_update_kernel(
         slot = tl.load(row + mt.FIRST_TILE) + first_block // BLOCKS
         tl.store(partials + 2 * slot, tile_sum(p * p))
         tl.store(partials + 2 * slot + 1, tile_sum(out * out))
-
-
-SM_64_WARPS = frozenset({80, 90, 100})
-"""Compute capabilities whose SMs hold 64 warps (A100, H100, B200): 50% occupancy at 4 warps per program needs at
-most 64 registers per thread (sm_86, sm_89, sm_120 hold 48, sm_75 32)."""
 
 
 @dataclass(frozen=True)

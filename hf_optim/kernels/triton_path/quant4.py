@@ -213,7 +213,7 @@ def store_state4(address, scale_ptr, halves, rows, offs, values, mask, n, SIGNED
     words, scale = quantize4(values, mask, SIGNED)
     _store_words(address, rows, words, mask, n, offs.shape[3], ALIGNED)
     # written by each half's first thread, from where the reduction left the scales (see
-    # quant8.store_per_block)
+    # tile.store_per_block)
     lane = rows & (rows.shape[2] - 1)  # rows are non-negative; a power-of-two count per half
     first = lane == 0
     if mask is not None:

@@ -29,7 +29,9 @@ from hf_optim.kernels.triton_path.tile import (
     block_max,
     launch_options,
     masked_load,
+    per_block,
     pointer,
+    store_per_block,
     tile,
     zero_outside,
 )
@@ -37,27 +39,6 @@ from hf_optim.kernels.triton_path.tile import (
 FORMAT_BLOCKWISE8: tl.constexpr = tl.constexpr(BLOCKWISE8.code)
 FORMAT_BLOCKWISE4: tl.constexpr = tl.constexpr(BLOCKWISE4.code)
 FORMAT_FP8: tl.constexpr = tl.constexpr(FP8.code)
-
-
-@triton.jit
-def per_block(values):
-    """A ``(BLOCKS,)`` per-block value broadcast over the tile."""
-    return values[:, None, None, None]
-
-
-@triton.jit
-def store_per_block(ptr, blocks, rows, values, block_mask):
-    """``ptr[blocks] = values`` (``(BLOCKS,)``), written by each block's first thread. The store is shaped like the
-    tile's rows (one lane per thread, lane ``i`` of a block addressing ``ptr[block + i]``, all but the first masked
-    off), so the compiler gives it the tile's own layout and the values stay where the block reduction left them;
-    a ``(BLOCKS,)``-shaped store would get a layout of its own and a round trip through shared memory."""
-    # rows are non-negative and a block has a power-of-two number of them: a mask, not a signed remainder
-    tl.static_assert((rows.shape[2] & (rows.shape[2] - 1)) == 0, "rows per half must be a power of two")
-    lane = rows & (2 * rows.shape[2] - 1)
-    first = lane == 0
-    if block_mask is not None:
-        first = first & block_mask[:, None, None]
-    tl.store(ptr + blocks[:, None, None] + lane, tl.broadcast_to(values[:, None, None], rows.shape), mask=first)
 
 
 @triton.jit
