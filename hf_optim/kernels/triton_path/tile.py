@@ -181,7 +181,8 @@ def store_values(address, offs, values, mask, DTYPE: tl.constexpr, ALIGNED: tl.c
 
 TRITON_VERSION = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
 """(major, minor) of the installed Triton: the launch plans were measured on 3.9, and 3.8 allocates registers
-differently in a few configurations (``FusedConfig.whole_tile_width``, ``AdafactorConfig.launch_options``)."""
+differently in a few configurations (``FusedConfig.whole_tile_width``, the formats' ``TritonRows.narrow_tile``,
+``AdafactorConfig.launch_options``)."""
 
 SM_64_WARPS = frozenset({80, 90, 100})
 """Compute capabilities whose SMs hold 64 warps (A100, H100, B200): 50% occupancy at 4 warps per program needs at
