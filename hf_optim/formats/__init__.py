@@ -2,7 +2,8 @@
 
 A format owns everything that depends on the storage of a slot: allocating it (through the optimizer's
 allocator, so paged state works for every format), the raw tensors the kernels take, dequantizing and
-quantizing them in PyTorch (its Triton twin lives with the Triton helpers and is selected by :attr:`code`), the
+quantizing them in PyTorch (its Triton twin, row I/O and tuning, is one ``TritonRows`` in
+``hf_optim.kernels.triton_path`` that :attr:`StateFormat.triton_rows` names by reference), the
 bytes it occupies (for the estimator and ``state_memory``), its state-dict keys and the validation of a loaded
 state dict. Algorithms never see a format: they read and write fp32 values.
 

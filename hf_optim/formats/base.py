@@ -52,10 +52,12 @@ class StateFormat:
     whole_tensor: ClassVar[bool] = False
     """Whether a slot's scales span the whole tensor, so that it cannot be quantized in independent chunks: such a
     format has no flat-buffer (multi-tensor) form, and its tensors step one by one on the PyTorch path."""
-    triton: ClassVar[bool] = True
-    """Whether the fused Triton kernels have a branch for the format (selected by :attr:`code`). Tensors whose state
-    is in a format without one step on the PyTorch path, also on a GPU; ``triton_path.configs`` lists no kernel for
-    it."""
+    triton_rows: ClassVar[str | None] = None
+    """The format's Triton branch, as a ``"module:attribute"`` reference to a
+    ``hf_optim.kernels.triton_path.rows.TritonRows`` (its row I/O and tuning; a relative module is looked up in the
+    package of the module defining the format's class), resolved when a Triton step first needs it, so that formats
+    never import triton; None: no Triton branch. Tensors whose state is in a format without one step on the PyTorch
+    path, also on a GPU; ``triton_path.configs`` lists no kernel for it."""
     ahead_of: ClassVar[str | None] = None
     """The name of a registered format whose :meth:`recognises` also accepts some slot of this format (a format that
     adds scales to another's slot): this one is registered ahead of it, so that :func:`loaded_format` asks it first."""
@@ -70,6 +72,11 @@ class StateFormat:
         """The format slot ``spec`` is actually stored in (what :func:`loaded_format` finds): the format itself, or
         the format it shares that kind of slot with."""
         return self
+
+    @property
+    def triton(self) -> bool:
+        """Whether the fused Triton kernels have a branch for the format (:attr:`triton_rows`)."""
+        return self.triton_rows is not None
 
     @property
     def quantized(self) -> bool:

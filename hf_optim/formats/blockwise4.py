@@ -40,6 +40,7 @@ def shared_map(signed: bool, device: torch.device) -> torch.Tensor:
 class Blockwise4(StateFormat):
     name, bits, code, width, block_size, packed = "blockwise4", 4, 2, 4, BLOCK_SIZE, True
     class_suffix, optim_suffix, label, rank, optim_bits = "4bit", "4bit", "4-bit blockwise", 3, 4
+    triton_rows = "hf_optim.kernels.triton_path.quant4:BLOCKWISE4_ROWS"
 
     def main_length(self, numel: int) -> int:
         return packed_length(numel)

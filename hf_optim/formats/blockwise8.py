@@ -50,6 +50,7 @@ def shared_map(signed: bool, device: torch.device) -> torch.Tensor:
 class Blockwise8(StateFormat):
     name, bits, code, width, block_size = "blockwise8", 8, 1, 4, BLOCK_SIZE
     class_suffix, optim_suffix, label, rank, optim_bits = "8bit", "8bit", "8-bit blockwise", 2, 8
+    triton_rows = "hf_optim.kernels.triton_path.quant8:BLOCKWISE8_ROWS"
 
     def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
         shape = tuple(param.shape) if spec.rows == 1 else (spec.rows, *param.shape)

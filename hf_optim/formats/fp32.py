@@ -13,6 +13,7 @@ from hf_optim.numerics import BLOCK_SIZE
 class Fp32(StateFormat):
     name, bits, code, width = "fp32", 32, 0, 1
     class_suffix, optim_suffix, label, rank, optim_bits = "32bit", "32bit", "32-bit", 0, 32
+    triton_rows = "hf_optim.kernels.triton_path.rows:FP32_ROWS"
 
     def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
         shape = tuple(param.shape) if spec.rows == 1 else (spec.rows, *param.shape)

@@ -112,7 +112,7 @@ class Fp8(StateFormat):
     # occupancy (benchmarks/gpu/gpu_static.py); on an H200 the native sm_89+ conversions and the software ones passed
     # `pytest -m gpu tests/formats/test_fp8.py tests/kernels/test_triton_kernels.py -k Fp8` (docs/performance.md has
     # its speed).
-    triton = True
+    triton_rows = "hf_optim.kernels.triton_path.fp8:FP8_ROWS"
 
     def dtype(self, signed: bool) -> torch.dtype:
         """The float8 type of a slot: e4m3, or e5m2 for the ``"e5m2"`` second-moment variant."""

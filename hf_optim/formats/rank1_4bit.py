@@ -12,8 +12,8 @@ the tiny fine-tunes both are within 1.5%. State: v costs 0.5 byte/element plus `
 ``blockwise4``'s 4 bytes per 128 elements for large matrices, more for small or thin ones.
 
 Limits: the column scales span the whole matrix, so a slot cannot be quantized in independent chunks
-(:attr:`whole_tensor`): this format has no flat-buffer (multi-tensor) form and no Triton twin (:attr:`triton` is
-False); the optimizers step its tensors one by one on the PyTorch path (``optim/runner.py``), also on a GPU, and its
+(:attr:`whole_tensor`): this format has no flat-buffer (multi-tensor) form and no Triton twin (:attr:`triton_rows` is
+None); the optimizers step its tensors one by one on the PyTorch path (``optim/runner.py``), also on a GPU, and its
 :meth:`flat_buffers` and friends raise. ``multi_tensor.step_tensor`` steps it eagerly over the whole tensor, with
 fp32 temporaries the size of the parameter (the chunked paths bound theirs). Kernels take a slot as ``[codes as int8,
 scale A, scale B, qmap, encoder thresholds]``: for a signed slot A is the per-block absmax and B is empty, for an
@@ -52,7 +52,7 @@ class Rank1Blockwise4(StateFormat):
     # no bitsandbytes alias: optim_bits=4 stays blockwise4 (torchao's format); chosen only by state_format
     class_suffix, optim_suffix, label, rank, optim_bits = "4bitRank1", "4bit_rank1", "4-bit rank-1", 4, None
     whole_tensor = True  # its column scales span the whole tensor: stepped in one piece (multi_tensor.step_tensor)
-    triton = False
+    triton_rows = None  # the column scales span the whole tensor: no tile can quantize its own blocks
     ahead_of = "blockwise4"  # whose recognises() also accepts this format's second-moment slot
 
     def suits(self, slots) -> bool:

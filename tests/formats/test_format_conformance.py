@@ -4,9 +4,10 @@ Per format and slot kind (signed / unsigned map, one row / AdEMAMix's two stacke
 stays within the bound derived from the format's own map (fp32: exact); a slot survives ``torch.save`` /
 ``torch.load(weights_only=True)`` and the format's load checks, bit for bit; slots allocated through the
 optimizers' allocator (paged or not: on CPU paged allocation is ordinary memory) have the format's dtypes, decode to
-zero and occupy exactly ``state_bytes``; and with the Triton backend (Triton's interpreter), the fused kernel equals
-the PyTorch path bit for bit, or for a format without a Triton branch, its tensors step on the PyTorch path (said once
-in a log line) while the small tensors' fp32 state still runs on Triton.
+zero and occupy exactly ``state_bytes``; its Triton branch is one declaration (``TritonRows``) named by reference; and
+with the Triton backend (Triton's interpreter), the fused kernel equals the PyTorch path bit for bit, or for a format
+without a Triton branch, its tensors step on the PyTorch path (said once in a log line) while the small tensors' fp32
+state still runs on Triton.
 """
 
 from __future__ import annotations
@@ -144,7 +145,24 @@ def test_allocation_dtypes_zero_values_and_state_bytes(fmt, spec, paged):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Triton branch: the fused kernel in the interpreter against the PyTorch path
+# Triton branch: one declaration per format, and the fused kernel in the interpreter against the PyTorch path
+def test_a_triton_branch_is_one_declaration_named_by_reference(fmt):
+    """A format's Triton branch (row I/O and tuning) is one ``TritonRows``, named by a ``"module:attribute"`` string
+    (formats/ never import triton) and resolved by the kernels; its label and its functions' names are its own (the
+    kernels' labels name formats by it; tools key compiled binaries by the functions' names)."""
+    from hf_optim.kernels.triton_path.rows import TritonRows, rows_of
+
+    if not fmt.triton:
+        assert fmt.triton_rows is None
+        pytest.skip(f"{fmt.name} has no Triton branch")
+    rows = rows_of(fmt)
+    assert isinstance(fmt.triton_rows, str) and isinstance(rows, TritonRows)
+    others = [rows_of(other) for other in FORMATS.values() if other.triton and other is not fmt]
+    assert rows.label not in {other.label for other in others}
+    taken = {function.__name__ for other in others for function in (other.load, other.store)}
+    assert {rows.load.__name__, rows.store.__name__}.isdisjoint(taken)
+
+
 def twin_family(fmt: StateFormat):
     """The first registered elementwise algorithm with a Triton rule that runs with ``fmt``, or None."""
     for family in registry.families():

@@ -2,18 +2,18 @@
 :func:`hf_optim.kernels.torch_path.elementwise.update`.
 
 A launch runs an algorithm's Triton rule (``hf_optim/optim/<algorithm>/triton_rule.py``) over many tensors of a
-group: each program loads a tile of parameter and gradient, loads its state rows (fp32, 8-bit, 4-bit or fp8), applies
-the non-finite-gradient rule, runs the rule and stores everything back. The rule of the PyTorch path applies: an
-element whose gradient is NaN or +-Inf keeps its parameter and state values (quantized state is re-encoded against its
-block's new absmax) and its direction output is 0.
+group: each program loads a tile of parameter and gradient, loads its state rows (each through its format's Triton
+branch, :mod:`rows`), applies the non-finite-gradient rule, runs the rule and stores everything back. The rule of the
+PyTorch path applies: an element whose gradient is NaN or +-Inf keeps its parameter and state values (quantized state
+is re-encoded against its block's new absmax) and its direction output is 0.
 
 Specialized: everything that decides the kernel's path is a compile-time constant of a :class:`FusedConfig`
-(parameter and gradient dtype, each state row's format and map, whole or partial tiles, stochastic rounding,
-LAMB's direction output), so each binary is one straight path with no run-time branch. The host groups a param
-group's tensors by configuration (``step.kernel_group``) and launches once per distinct configuration present:
-the whole tiles of all its tensors in one launch, each tensor's last, partial tile in another. An 8-bit optimizer
-usually has two groups (its 8-bit tensors, and those under ``min_8bit_size`` with fp32 state), so up to four
-launches a step; the tables of each launch are kept between steps (:class:`step.TritonPlans`).
+(parameter and gradient dtype, each state row's format, as its branch's load and store functions, and map, whole or
+partial tiles, stochastic rounding, LAMB's direction output), so each binary is one straight path with no run-time
+branch. The host groups a param group's tensors by configuration (``step.kernel_group``) and launches once per
+distinct configuration present: the whole tiles of all its tensors in one launch, each tensor's last, partial tile in
+another. An 8-bit optimizer usually has two groups (its 8-bit tensors, and those under ``min_8bit_size`` with fp32
+state), so up to four launches a step; the tables of each launch are kept between steps (:class:`step.TritonPlans`).
 
 With ``NORMS`` (LAMB) each program also writes the sums of squares of its parameter and output tile to
 ``partials[2 * slot]`` and ``[2 * slot + 1]``, ``slot`` being the tile's index in its tensor's run of tiles
@@ -29,24 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.formats import BLOCKWISE4, BLOCKWISE8, FORMATS, FP8, FP32
-from hf_optim.formats.blockwise4 import shared_map as shared_map4
-from hf_optim.formats.blockwise8 import shared_map as shared_map8
-from hf_optim.formats.encode8 import encoder8_tables
+from hf_optim.formats import FP32
 from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.kernels.triton_path import multi_tensor as mt
-from hf_optim.kernels.triton_path.quant8 import (
-    FORMAT_BLOCKWISE4,
-    FORMAT_BLOCKWISE8,
-    load_state,
-    store_state,
-)
 from hf_optim.kernels.triton_path.rounding import store_param
+from hf_optim.kernels.triton_path.rows import PADDING_CODE, TritonRows, kernel_maps, rows_for_code
 from hf_optim.kernels.triton_path.tile import (
     BF16,
     DTYPE_NAMES,
-    FP16,
-    TRITON_VERSION,
     launch_options,
     load_values,
     pointer,
@@ -56,27 +46,29 @@ from hf_optim.kernels.triton_path.tile import (
 
 
 @triton.jit
-def _load_row(row, r: tl.constexpr, qmap, blocks, halves, rows, offs, mask, n, FORMAT: tl.constexpr,
-              SIGNED: tl.constexpr, ALIGNED: tl.constexpr, FP8_NATIVE: tl.constexpr):
-    """fp32 values of state row ``r`` of a tensor's meta ``row`` (``qmap``: the row's map, see :func:`row_maps`)."""
-    return load_state(tl.load(row + mt.VALUES + r), tl.load(row + mt.ABSMAX + r), qmap, blocks, halves, rows, offs,
-                      mask, n, FORMAT, SIGNED, ALIGNED, FP8_NATIVE)
+def _load_row(row, r: tl.constexpr, qmap, blocks, halves, rows, offs, mask, n, LOAD: tl.constexpr,
+              SIGNED: tl.constexpr, ALIGNED: tl.constexpr, NATIVE_CONVERSIONS: tl.constexpr):
+    """fp32 values of state row ``r`` of a tensor's meta ``row``, read by its format's ``LOAD`` (``qmap``: the row's
+    map, see :func:`row_maps`)."""
+    return LOAD(tl.load(row + mt.VALUES + r), tl.load(row + mt.ABSMAX + r), qmap, blocks, halves, rows, offs, mask, n,
+                SIGNED, ALIGNED, NATIVE_CONVERSIONS)
 
 
 @triton.jit
-def _store_row(row, r: tl.constexpr, encoder, blocks, halves, rows, offs, values, mask, n, FORMAT: tl.constexpr,
-               SIGNED: tl.constexpr, ALIGNED: tl.constexpr, FP8_NATIVE: tl.constexpr):
-    store_state(tl.load(row + mt.VALUES + r), tl.load(row + mt.ABSMAX + r), encoder, blocks, halves, rows, offs,
-                values, mask, n, FORMAT, SIGNED, ALIGNED, FP8_NATIVE)
+def _store_row(row, r: tl.constexpr, encoder, blocks, halves, rows, offs, values, mask, n, STORE: tl.constexpr,
+               SIGNED: tl.constexpr, ALIGNED: tl.constexpr, NATIVE_CONVERSIONS: tl.constexpr):
+    STORE(tl.load(row + mt.VALUES + r), tl.load(row + mt.ABSMAX + r), encoder, blocks, halves, rows, offs, values, mask,
+          n, SIGNED, ALIGNED, NATIVE_CONVERSIONS)
 
 
 @triton.jit
 def _fused_update_kernel(
     meta, tiles, partials, qmap0, encoder0, qmap1, encoder1, qmap2, encoder2, h, ordinals, key,
-    RULE: tl.constexpr, ROWS: tl.constexpr, FORMAT0: tl.constexpr, FORMAT1: tl.constexpr, FORMAT2: tl.constexpr,
-    SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, PARAM_DTYPE: tl.constexpr,
-    GRAD_DTYPE: tl.constexpr, FULL: tl.constexpr, SR: tl.constexpr, WRITE_OUT: tl.constexpr, NORMS: tl.constexpr,
-    BLOCKS: tl.constexpr, W: tl.constexpr, COLS: tl.constexpr, ALIGNED: tl.constexpr, FP8_NATIVE: tl.constexpr,
+    RULE: tl.constexpr, ROWS: tl.constexpr, LOAD0: tl.constexpr, STORE0: tl.constexpr, LOAD1: tl.constexpr,
+    STORE1: tl.constexpr, LOAD2: tl.constexpr, STORE2: tl.constexpr, SIGNED0: tl.constexpr, SIGNED1: tl.constexpr,
+    SIGNED2: tl.constexpr, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, FULL: tl.constexpr, SR: tl.constexpr,
+    WRITE_OUT: tl.constexpr, NORMS: tl.constexpr, BLOCKS: tl.constexpr, W: tl.constexpr, COLS: tl.constexpr,
+    ALIGNED: tl.constexpr, NATIVE_CONVERSIONS: tl.constexpr,
 ):
     program = tl.program_id(0)
     tensor = tl.load(tiles + 2 * program)
@@ -96,13 +88,16 @@ def _fused_update_kernel(
     finite = tl.abs(g) < float("inf")  # false for NaN and +-inf: one compare
     g = tl.where(finite, g, 0.0)
 
-    s0 = _load_row(row, 0, qmap0, blocks, halves, rows, offs, mask, n, FORMAT0, SIGNED0, ALIGNED, FP8_NATIVE)
+    s0 = _load_row(row, 0, qmap0, blocks, halves, rows, offs, mask, n, LOAD0, SIGNED0, ALIGNED,
+                   NATIVE_CONVERSIONS)
     s1 = tl.zeros_like(p)
     s2 = tl.zeros_like(p)
     if ROWS > 1:
-        s1 = _load_row(row, 1, qmap1, blocks, halves, rows, offs, mask, n, FORMAT1, SIGNED1, ALIGNED, FP8_NATIVE)
+        s1 = _load_row(row, 1, qmap1, blocks, halves, rows, offs, mask, n, LOAD1, SIGNED1, ALIGNED,
+                       NATIVE_CONVERSIONS)
     if ROWS > 2:
-        s2 = _load_row(row, 2, qmap2, blocks, halves, rows, offs, mask, n, FORMAT2, SIGNED2, ALIGNED, FP8_NATIVE)
+        s2 = _load_row(row, 2, qmap2, blocks, halves, rows, offs, mask, n, LOAD2, SIGNED2, ALIGNED,
+                       NATIVE_CONVERSIONS)
 
     out, n0, n1, n2 = RULE(p, g, s0, s1, s2, h)
     # Every select on ``finite`` here, together: the old values die at once, and the per-element predicates are not
@@ -112,11 +107,14 @@ def _fused_update_kernel(
     n2 = tl.where(finite, n2, s2)
     out = tl.where(finite, out, 0.0 if WRITE_OUT else p)
 
-    _store_row(row, 0, encoder0, blocks, halves, rows, offs, n0, mask, n, FORMAT0, SIGNED0, ALIGNED, FP8_NATIVE)
+    _store_row(row, 0, encoder0, blocks, halves, rows, offs, n0, mask, n, STORE0, SIGNED0, ALIGNED,
+               NATIVE_CONVERSIONS)
     if ROWS > 1:
-        _store_row(row, 1, encoder1, blocks, halves, rows, offs, n1, mask, n, FORMAT1, SIGNED1, ALIGNED, FP8_NATIVE)
+        _store_row(row, 1, encoder1, blocks, halves, rows, offs, n1, mask, n, STORE1, SIGNED1, ALIGNED,
+                   NATIVE_CONVERSIONS)
     if ROWS > 2:
-        _store_row(row, 2, encoder2, blocks, halves, rows, offs, n2, mask, n, FORMAT2, SIGNED2, ALIGNED, FP8_NATIVE)
+        _store_row(row, 2, encoder2, blocks, halves, rows, offs, n2, mask, n, STORE2, SIGNED2, ALIGNED,
+                   NATIVE_CONVERSIONS)
 
     if WRITE_OUT:
         if not FULL:
@@ -129,11 +127,6 @@ def _fused_update_kernel(
         slot = tl.load(row + mt.FIRST_TILE) + first_block // BLOCKS
         tl.store(partials + 2 * slot, tile_sum(p * p))
         tl.store(partials + 2 * slot + 1, tile_sum(out * out))
-
-
-SM_64_WARPS = frozenset({80, 90, 100})
-"""Compute capabilities whose SMs hold 64 warps (A100, H100, B200): 50% occupancy at 4 warps per program needs at
-most 64 registers per thread (sm_86, sm_89, sm_120 hold 48, sm_75 32)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +167,11 @@ class FusedConfig:
 
     WHOLE_TILE_WARPS = 4
 
+    @functools.cached_property
+    def branches(self) -> tuple[TritonRows, ...]:
+        """The Triton branch (:class:`rows.TritonRows`: row I/O and tuning) of each distinct format of the rows."""
+        return tuple(rows_for_code(code) for code in dict.fromkeys(self.formats))
+
     @property
     def whole_tile_width(self) -> int:
         """Elements per thread row (``tile``) of the whole-tile kernel, chosen from compiled register counts
@@ -181,63 +179,43 @@ class FusedConfig:
         spills: at most 64 registers on the SMs of 64 warps (sm_80, sm_90), 80 on sm_86/sm_89, 128 on sm_75.
 
         - 8 for 16-bit parameters with quantized state in at most two rows (AdamW, Lion, RMSprop): a 256-element
-          block is one warp (its absmax: warp shuffles), a row of bf16 is one 16-byte vector and its 4-bit codes one
-          32-bit word; the per-thread work is spread over 8 elements, the fewest instructions per element.
+          block is one warp (its absmax: warp shuffles); the per-thread work is spread over 8 elements, the fewest
+          instructions per element.
         - 4 otherwise: fp32 parameters or fp32 state (16-byte fp32 vectors; Triton stores at most 16 bytes per
           thread at once, so 8 fp32 values would be redistributed through shared memory before their store), and
           the configurations that take more than 64 registers at 8 (sm_80 and sm_90 only where the others stay
-          under their limit): three state rows (AdEMAMix), LAMB's direction pass, on sm_80 and sm_90 4-bit state
-          with stochastic rounding or fp16 parameters, on sm_80 stochastic rounding and 4-bit state in two
-          rows, fp8 state with the integer conversions (sm_80), and on sm_90 fp8 state in two rows with stochastic
-          rounding (AdamW: 71 registers at 8, and a 4-byte spill under a limit of 64); with Triton 3.8, also on
-          sm_90 4-bit and fp8 state in two rows and on sm_75 bf16 parameters with 8-bit state in two rows
-          (AdamW). An 8-bit block's absmax then spans two warps (a reduction through shared memory, 16 bytes)."""
+          under their limit): three state rows (AdEMAMix), LAMB's direction pass, stochastic rounding on sm_80,
+          and those a row's format asks for (``TritonRows.narrow_tile``, beside its row code: 4-bit and fp8 state
+          in some configurations on sm_80 and sm_90). An 8-bit block's absmax then spans two warps (a reduction
+          through shared memory, 16 bytes)."""
         quantized = any(code != FP32.code for code in self.formats)
         if not quantized or self.param_dtype == 0 or self.write_out or len(self.formats) > 2:
             return 4
-        four_bit = BLOCKWISE4.code in self.formats
-        if self.arch in SM_64_WARPS and four_bit and (self.stochastic or self.param_dtype == FP16.value):
+        if self.arch == 80 and self.stochastic:
             return 4
-        if self.arch == 80 and (self.stochastic or (four_bit and len(self.formats) == 2)):
-            return 4
-        if self.arch in SM_64_WARPS and FP8.code in self.formats and not self.fp8_native:
-            return 4  # fp8's integer conversions (sm_80): 80-85 registers at 8 with 16-bit parameters
-        if self.arch == 90 and FP8.code in self.formats and self.stochastic and len(self.formats) == 2:
-            return 4  # AdamW: 71 registers at 8, a 4-byte spill with a limit of 64; 48 at 4
-        if self.arch == 90 and TRITON_VERSION < (3, 9) and len(self.formats) == 2 and (
-                four_bit or FP8.code in self.formats):
-            # Triton 3.8 (torch 2.14's): AdamW bf16 with 4-bit or fp8 state spills 68-72 bytes at 8 under the limit
-            # of 64 and takes 84-94 registers (31% occupancy) without it; 54-56 registers at 4, no spill
-            return 4
-        if (self.arch == 75 and TRITON_VERSION < (3, 9) and self.param_dtype == BF16.value and len(self.formats) == 2
-                and BLOCKWISE8.code in self.formats):
-            return 4  # Triton 3.8: AdamW bf16 8-bit spills 4 bytes at 8 on sm_75 with no limit set; 59 registers at 4
-        return 8
+        return 4 if any(branch.narrow_tile(self) for branch in self.branches) else 8
 
     @property
     def max_registers(self) -> int | None:
         """``ptxas``' register limit (Triton's ``maxnreg``), or None (none). 64 for three state rows (AdEMAMix) on
         sm_80: with bf16 parameters, 4-bit state and stochastic rounding it takes 69 registers at width 4 (under 50%
-        occupancy on its 64-warp SM), and ptxas fits it in 64 without spills. 64 also for whole tiles of width 8
-        with 4-bit or fp8 state on sm_90: AdamW with bf16 parameters and 4-bit state takes 68 registers there without
-        a limit (Triton 3.9), RMSprop with fp8 state 67 (fp16 parameters) and 69 (bf16, stochastic rounding), none
-        spilled with it (the other fp8 rows of width 8 stay at or under 64 with it, a few registers lower). And 64
-        for whole tiles on sm_86 and sm_89 with fp32 parameters, and for Lion's:
+        occupancy on its 64-warp SM), and ptxas fits it in 64 without spills. And 64 for whole tiles on sm_86 and
+        sm_89 with fp32 parameters, and for Lion's:
         without a limit ptxas held two of them (AdamW fp32 8-bit, Lion fp16 4-bit) to 48 registers with a
         4-byte spill; with 64 they take 60-63 registers, no spill, 67% occupancy on those 48-warp SMs. The others
         (up to 72 registers; RMSprop bf16, with one state row as Lion, among them) spill with a limit of 64, some
-        even with 80, and not without one: measured per configuration, not a rule ptxas documents. Nowhere else: a
-        limit above a kernel's natural count is not free (ptxas then spends registers up to it: AdamW bf16 8-bit SR
-        on sm_80, 48 without, 64 with), and every other configuration is within its arch's limit without one
-        (``benchmarks/gpu/gpu_static.py`` measures every configuration)."""
+        even with 80, and not without one: measured per configuration, not a rule ptxas documents. Else the
+        lowest limit a row's format asks for (``TritonRows.register_limit``, beside its row code: 64 for whole tiles
+        of width 8 with 4-bit or fp8 state on sm_90). Nowhere else: a limit above a kernel's natural count is not
+        free (ptxas then spends registers up to it: AdamW bf16 8-bit SR on sm_80, 48 without, 64 with), and every
+        other configuration is within its arch's limit without one (``benchmarks/gpu/gpu_static.py`` measures every
+        configuration)."""
         if self.arch == 80 and len(self.formats) > 2:
             return 64
         if self.arch in (86, 89) and self.full and (self.param_dtype == 0 or self.algorithm == "lion"):
             return 64
-        if self.arch == 90 and self.full and self.whole_tile_width == 8 and (
-                BLOCKWISE4.code in self.formats or FP8.code in self.formats):
-            return 64
-        return None
+        limits = [limit for branch in self.branches if (limit := branch.register_limit(self)) is not None]
+        return min(limits, default=None)
 
     def launch_options(self) -> dict:
         """The launch's options: :func:`tile.launch_options` and the register limit."""
@@ -265,33 +243,33 @@ class FusedConfig:
         return self.tile_blocks * 256 // (32 * self.width)
 
     def constants(self) -> dict:
-        """The kernel's compile-time arguments."""
-        formats = self.formats + (FP32.code,) * (mt.MAX_ROWS - len(self.formats))
+        """The kernel's compile-time arguments: each row's format as its branch's load and store functions (unused
+        rows: fp32's, never called)."""
+        codes = self.formats + (PADDING_CODE,) * (mt.MAX_ROWS - len(self.formats))
         signed = self.signed + (True,) * (mt.MAX_ROWS - len(self.signed))
-        return {"RULE": self.rule, "ROWS": len(self.formats), "FORMAT0": formats[0], "FORMAT1": formats[1],
-                "FORMAT2": formats[2], "SIGNED0": signed[0], "SIGNED1": signed[1], "SIGNED2": signed[2],
-                "PARAM_DTYPE": self.param_dtype, "GRAD_DTYPE": self.grad_dtype, "FULL": self.full,
-                "SR": self.stochastic, "WRITE_OUT": self.write_out, "NORMS": self.write_out,
+        rows = {}
+        for r, code in enumerate(codes):
+            branch = rows_for_code(code)
+            rows[f"LOAD{r}"], rows[f"STORE{r}"] = branch.load, branch.store
+        return {"RULE": self.rule, "ROWS": len(self.formats), **rows, "SIGNED0": signed[0], "SIGNED1": signed[1],
+                "SIGNED2": signed[2], "PARAM_DTYPE": self.param_dtype, "GRAD_DTYPE": self.grad_dtype,
+                "FULL": self.full, "SR": self.stochastic, "WRITE_OUT": self.write_out, "NORMS": self.write_out,
                 "BLOCKS": self.tile_blocks, "W": self.width, "COLS": mt.META_COLS,
-                "ALIGNED": self.aligned and self.full, "FP8_NATIVE": self.fp8_native}
+                "ALIGNED": self.aligned and self.full, "NATIVE_CONVERSIONS": self.native_conversions}
 
     @property
-    def fp8_native(self) -> bool:
-        """Whether fp8 rows use the hardware's float8 conversions (sm_89 and later have them; Triton refuses
-        ``float8e4nv`` below): only configurations with an fp8 row say so, the others compile as before."""
-        return self.arch >= 89 and FP8.code in self.formats
+    def native_conversions(self) -> bool:
+        """Whether the rows use the hardware's conversions (``TritonRows.native``: fp8's float8 conversions on sm_89
+        and later): only configurations with a row of such a format say so, the others compile as before."""
+        return any(branch.native(self.arch) for branch in self.branches)
 
     @property
     def label(self) -> str:
-        states = "/".join(format_label(f) for f in self.formats)
+        states = "/".join(rows_for_code(code).label for code in self.formats)
         grad = "" if self.grad_dtype == self.param_dtype else f" ({DTYPE_NAMES[self.grad_dtype]} grads)"
         return (f"fused/{self.algorithm}{' direction' if self.write_out else ''} {DTYPE_NAMES[self.param_dtype]}"
                 f"{grad} {states} {'full' if self.full else 'partial'} tiles"
                 f"{' SR' if self.stochastic else ''}{'' if self.aligned or not self.full else ' unaligned'}")
-
-
-def format_label(code: int) -> str:
-    return next("fp8" if fmt is FP8 else f"{fmt.bits}-bit" for fmt in FORMATS.values() if fmt.code == code)
 
 
 def row_formats(state: dict, specs) -> tuple[int, ...]:
@@ -302,26 +280,18 @@ def row_formats(state: dict, specs) -> tuple[int, ...]:
 
 
 def row_maps(config: FusedConfig, device: torch.device) -> list[torch.Tensor]:
-    """The kernel's ``qmap0, encoder0, qmap1, ...`` arguments: per state row its map (the 8-bit map, or the signed
-    4-bit map; the unsigned 4-bit map is computed) and its 8-bit encoder's tables (``encode8.encoder8_tables``).
-    Kernel arguments rather than a table of addresses: the kernel reads them from its constant bank, with no load.
-    Rows without them get a placeholder (never read). The tensors are cached per device by their modules, so the
-    addresses stay valid."""
+    """The kernel's ``qmap0, encoder0, qmap1, ...`` arguments: per state row its format's map and encoder tables
+    (``rows.kernel_maps``; rows without them, and unused rows, get a placeholder, never read). The tensors are
+    cached per device by their modules, so the addresses stay valid."""
     return list(_row_maps(tuple(config.formats), tuple(config.signed), torch.device(device)))
 
 
 @functools.cache
 def _row_maps(formats: tuple[int, ...], signed: tuple[bool, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    no_map, no_encoder = shared_map8(True, device), encoder8_tables(True, device)  # typed as the kernel declares them
-    maps = []
+    maps: list[torch.Tensor] = []
     for r in range(mt.MAX_ROWS):
-        fmt, sign = (formats[r], signed[r]) if r < len(formats) else (FP32.code, True)
-        if fmt == BLOCKWISE8.code:
-            maps += [shared_map8(sign, device), encoder8_tables(sign, device)]
-        elif fmt == BLOCKWISE4.code:
-            maps += [shared_map4(True, device), no_encoder]
-        else:
-            maps += [no_map, no_encoder]
+        code, sign = (formats[r], signed[r]) if r < len(formats) else (PADDING_CODE, True)
+        maps += kernel_maps(code, sign, device)
     return tuple(maps)
 
 
@@ -345,4 +315,3 @@ def launch(config: FusedConfig, meta, tiles, num_tiles: int, hyper: tuple, devic
 # The kernel reads the meta table by column number; keep it in step with multi_tensor's layout.
 assert (mt.PARAM, mt.GRAD, mt.OUT, mt.NUMEL, mt.PARAM_DTYPE, mt.GRAD_DTYPE) == (0, 1, 2, 3, 4, 5)
 assert (mt.VALUES, mt.ABSMAX, mt.FORMAT, mt.FIRST_TILE) == (6, 9, 12, 15)
-assert (FORMAT_BLOCKWISE8.value, FORMAT_BLOCKWISE4.value) == (BLOCKWISE8.code, BLOCKWISE4.code)

@@ -1,4 +1,5 @@
-"""The fp8 state format in Triton: the twin of :mod:`hf_optim.formats.fp8` (same bytes, same absmax).
+"""The fp8 state format in Triton: the twin of :mod:`hf_optim.formats.fp8` (same bytes, same absmax), and its Triton
+branch (:data:`FP8_ROWS`, see :mod:`rows`).
 
 A row is one e4m3 byte per element and one fp32 absmax per 256-element block (the tile's block). If the format
 stores square roots of non-negative rows (``Fp8.stores_root``; the registered format does not), decoded values of
@@ -25,7 +26,17 @@ import triton.language as tl
 from hf_optim.formats import fp8 as fp8_format
 from hf_optim.formats.fp8 import FP8
 from hf_optim.kernels.triton_path.rounding import mix32
-from hf_optim.kernels.triton_path.tile import block_max, launch_options, masked_load, zero_outside
+from hf_optim.kernels.triton_path.rows import FusedConfigLike, TritonRows
+from hf_optim.kernels.triton_path.tile import (
+    SM_64_WARPS,
+    TRITON_VERSION,
+    block_max,
+    launch_options,
+    masked_load,
+    pointer,
+    store_per_block,
+    zero_outside,
+)
 
 FMAX: tl.constexpr = tl.constexpr(448.0)
 SUBNORMAL_LIMIT: tl.constexpr = tl.constexpr(2.0**-6)
@@ -122,6 +133,54 @@ def quantize_fp8(values, offs, mask, SIGNED: tl.constexpr, NATIVE: tl.constexpr)
     if SR_UNSIGNED and not SIGNED:
         scaled = round_e4m3_stochastically(scaled, offs & 255)
     return encode_e4m3(scaled, NATIVE), absmax
+
+
+@triton.jit
+def load_fp8(address, absmax_address, qmap, blocks, halves, rows, offs, mask, n, SIGNED: tl.constexpr,
+             ALIGNED: tl.constexpr, NATIVE: tl.constexpr):
+    """fp32 values of an fp8 row (the :mod:`rows` signature; no map)."""
+    block_mask = None if mask is None else blocks * 256 < n
+    return load_state_fp8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)),
+                          blocks, offs, mask, block_mask, SIGNED, NATIVE)
+
+
+@triton.jit
+def store_fp8(address, absmax_address, encoder, blocks, halves, rows, offs, values, mask, n, SIGNED: tl.constexpr,
+              ALIGNED: tl.constexpr, NATIVE: tl.constexpr):
+    """Re-encode fp32 ``values`` into an fp8 row against their new block absmax (no encoder table)."""
+    block_mask = None if mask is None else blocks * 256 < n
+    codes, absmax = quantize_fp8(values, offs, mask, SIGNED, NATIVE)
+    tl.store(pointer(address, tl.uint8, ALIGNED) + offs, codes, mask=mask)
+    store_per_block(absmax_address.to(tl.pointer_type(tl.float32)), blocks, rows, absmax, block_mask)
+
+
+def native_fp8(arch: int) -> bool:
+    """The hardware's float8 conversions: sm_89 and later have them (Triton refuses ``float8e4nv`` below)."""
+    return arch >= 89
+
+
+def narrow_tile_fp8(config: FusedConfigLike) -> bool:
+    """4 elements per thread where 8 take more than 64 registers on the SMs of 64 warps (50% occupancy): with the
+    integer conversions (sm_80), 80-85 registers at 8 with 16-bit parameters; on sm_90 in two rows with stochastic
+    rounding, AdamW takes 71 registers at 8, a 4-byte spill with a limit of 64, and 48 at 4. Triton 3.8 (torch
+    2.14's) also on sm_90 in two rows: AdamW bf16 spills 68-72 bytes at 8 under the limit of 64 and takes 84-94
+    registers (31% occupancy) without it; 54-56 registers at 4, no spill."""
+    two_rows = len(config.formats) == 2
+    if config.arch in SM_64_WARPS and not native_fp8(config.arch):
+        return True
+    return config.arch == 90 and two_rows and (config.stochastic or TRITON_VERSION < (3, 9))
+
+
+def register_limit_fp8(config: FusedConfigLike) -> int | None:
+    """64 for whole tiles of width 8 on sm_90: RMSprop with fp8 state takes 67 registers there without a limit (fp16
+    parameters) and 69 (bf16, stochastic rounding), none spilled with it; the other fp8 configurations of width 8
+    stay at or under 64 with it, a few registers lower."""
+    return 64 if config.arch == 90 and config.full and config.whole_tile_width == 8 else None
+
+
+FP8_ROWS = TritonRows("fp8", load_fp8, store_fp8, narrow_tile=narrow_tile_fp8, register_limit=register_limit_fp8,
+                      native=native_fp8)
+"""``FP8.triton_rows``."""
 
 
 @triton.jit

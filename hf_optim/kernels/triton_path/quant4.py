@@ -1,5 +1,5 @@
 """Blockwise 4-bit quantization in Triton: the twin of :mod:`hf_optim.formats.quant4`, same codes, same nibble
-order and same scales.
+order and same scales; and the 4-bit format's Triton branch (:data:`BLOCKWISE4_ROWS`, see :mod:`rows`).
 
 :func:`load_state4` / :func:`store_state4` read and write one 4-bit state row for a :mod:`tile` tile
 ``(BLOCKS, 2, ROWS, W)``: a 128-element quantization block is one half ``[:, h]`` of the tile, and the ``W`` codes of
@@ -36,8 +36,13 @@ import triton
 import triton.language as tl
 
 from hf_optim.formats import quant4
+from hf_optim.formats.blockwise4 import shared_map as shared_map4
+from hf_optim.kernels.triton_path.rows import FusedConfigLike, TritonRows
 from hf_optim.kernels.triton_path.tile import (
+    FP16,
     INTERPRETED,
+    SM_64_WARPS,
+    TRITON_VERSION,
     half_max,
     launch_options,
     masked_load,
@@ -213,13 +218,58 @@ def store_state4(address, scale_ptr, halves, rows, offs, values, mask, n, SIGNED
     words, scale = quantize4(values, mask, SIGNED)
     _store_words(address, rows, words, mask, n, offs.shape[3], ALIGNED)
     # written by each half's first thread, from where the reduction left the scales (see
-    # quant8.store_per_block)
+    # tile.store_per_block)
     lane = rows & (rows.shape[2] - 1)  # rows are non-negative; a power-of-two count per half
     first = lane == 0
     if mask is not None:
         first = first & (halves * 128 < n)[:, :, None]
     tl.store(scale_ptr + halves[:, :, None] + lane, scale[:, :, None] + tl.zeros(rows.shape, tl.float32),
              mask=first)
+
+
+@triton.jit
+def load_blockwise4(address, absmax_address, qmap, blocks, halves, rows, offs, mask, n, SIGNED: tl.constexpr,
+                    ALIGNED: tl.constexpr, NATIVE: tl.constexpr):
+    """fp32 values of a 4-bit row (the :mod:`rows` signature): ``qmap`` is the signed map (the unsigned one is
+    computed)."""
+    return load_state4(address, absmax_address.to(tl.pointer_type(tl.float32)), qmap, halves, rows, offs, mask, n,
+                       SIGNED, ALIGNED)
+
+
+@triton.jit
+def store_blockwise4(address, absmax_address, encoder, blocks, halves, rows, offs, values, mask, n,
+                     SIGNED: tl.constexpr, ALIGNED: tl.constexpr, NATIVE: tl.constexpr):
+    store_state4(address, absmax_address.to(tl.pointer_type(tl.float32)), halves, rows, offs, values, mask, n,
+                 SIGNED, ALIGNED)
+
+
+def maps4(signed: bool, device: torch.device) -> tuple[torch.Tensor, None]:
+    """The signed map for every row (:func:`decode4` reads it; the unsigned map is computed); the encoders read no
+    table."""
+    return shared_map4(True, device), None
+
+
+def narrow_tile4(config: FusedConfigLike) -> bool:
+    """4 elements per thread where 8 take more than 64 registers (50% occupancy on the SMs of 64 warps; the other
+    arches stay under their limit): on sm_80 and sm_90 with stochastic rounding or fp16 parameters, and on sm_80 in
+    two rows. Triton 3.8 (torch 2.14's) also on sm_90 in two rows: AdamW bf16 spills 68-72 bytes at 8 under the limit
+    of 64 and takes 84-94 registers (31% occupancy) without it; 54-56 registers at 4, no spill. (At 8 a row of bf16
+    is one 16-byte vector and its 4-bit codes one 32-bit word.)"""
+    two_rows = len(config.formats) == 2
+    if config.arch in SM_64_WARPS and (config.stochastic or config.param_dtype == FP16.value):
+        return True
+    return (config.arch == 80 and two_rows) or (config.arch == 90 and TRITON_VERSION < (3, 9) and two_rows)
+
+
+def register_limit4(config: FusedConfigLike) -> int | None:
+    """64 for whole tiles of width 8 on sm_90: AdamW with bf16 parameters and 4-bit state takes 68 registers there
+    without a limit (Triton 3.9), and none spills with it."""
+    return 64 if config.arch == 90 and config.full and config.whole_tile_width == 8 else None
+
+
+BLOCKWISE4_ROWS = TritonRows("4-bit", load_blockwise4, store_blockwise4, maps=maps4, narrow_tile=narrow_tile4,
+                             register_limit=register_limit4)
+"""``BLOCKWISE4.triton_rows``."""
 
 
 # ------------------------------------------------------------------------------------------------------------

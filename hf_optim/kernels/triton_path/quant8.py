@@ -1,12 +1,11 @@
-"""Blockwise 8-bit quantization in Triton: the twin of :mod:`hf_optim.formats.quant8`, same codes and absmax;
-and :func:`load_state` / :func:`store_state`, through which every fused kernel reads and writes one state row.
+"""Blockwise 8-bit quantization in Triton: the twin of :mod:`hf_optim.formats.quant8`, same codes and absmax; and
+the 8-bit format's Triton branch (:data:`BLOCKWISE8_ROWS`, see :mod:`rows`), through which the fused kernels read and
+write an 8-bit state row.
 
-A state row's format (fp32, 8-bit, 4-bit or fp8: ``hf_optim.formats`` codes) is a compile-time constant, so a
-kernel holds only the path of its own formats. 8-bit rows dequantize as ``qmap[code] * absmax[block]`` and
-re-quantize against the new per-block absmax with :mod:`encode8`'s encoder: the codes of
-:mod:`hf_optim.formats.dynamic_map`'s nearest-code encoder (same tie and sign rules) from a 10 KiB table,
-without dividing by the absmax (``formats.encode8`` has the method and its proof). 4-bit rows are :mod:`quant4`'s,
-fp8 rows :mod:`fp8`'s. Tiles are :mod:`tile`'s ``(BLOCKS, 2, ROWS, W)`` offsets; whole tiles pass ``mask=None``.
+8-bit rows dequantize as ``qmap[code] * absmax[block]`` and re-quantize against the new per-block absmax with
+:mod:`encode8`'s encoder: the codes of :mod:`hf_optim.formats.dynamic_map`'s nearest-code encoder (same tie and sign
+rules) from a 10 KiB table, without dividing by the absmax (``formats.encode8`` has the method and its proof). Tiles
+are :mod:`tile`'s ``(BLOCKS, 2, ROWS, W)`` offsets; whole tiles pass ``mask=None``.
 
 The standalone :func:`quantize` / :func:`dequantize` take the arguments of their PyTorch twins (the encoder's tables
 in place of the reference's packed table).
@@ -18,46 +17,24 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_optim.formats import BLOCKWISE4, BLOCKWISE8, FP8
+from hf_optim.formats.blockwise8 import shared_map as shared_map8
 from hf_optim.formats.encode8 import encoder8_tables
 from hf_optim.formats.quant8 import num_blocks
 from hf_optim.kernels.triton_path.encode8 import dequantize8, quantize8_params
 from hf_optim.kernels.triton_path.encode8 import quantize8 as quantize8_codes
-from hf_optim.kernels.triton_path.fp8 import load_state_fp8, quantize_fp8
-from hf_optim.kernels.triton_path.quant4 import load_state4, store_state4
+from hf_optim.kernels.triton_path.rows import FusedConfigLike, TritonRows
 from hf_optim.kernels.triton_path.tile import (
+    BF16,
+    TRITON_VERSION,
     block_max,
     launch_options,
     masked_load,
+    per_block,
     pointer,
+    store_per_block,
     tile,
     zero_outside,
 )
-
-FORMAT_BLOCKWISE8: tl.constexpr = tl.constexpr(BLOCKWISE8.code)
-FORMAT_BLOCKWISE4: tl.constexpr = tl.constexpr(BLOCKWISE4.code)
-FORMAT_FP8: tl.constexpr = tl.constexpr(FP8.code)
-
-
-@triton.jit
-def per_block(values):
-    """A ``(BLOCKS,)`` per-block value broadcast over the tile."""
-    return values[:, None, None, None]
-
-
-@triton.jit
-def store_per_block(ptr, blocks, rows, values, block_mask):
-    """``ptr[blocks] = values`` (``(BLOCKS,)``), written by each block's first thread. The store is shaped like the
-    tile's rows (one lane per thread, lane ``i`` of a block addressing ``ptr[block + i]``, all but the first masked
-    off), so the compiler gives it the tile's own layout and the values stay where the block reduction left them;
-    a ``(BLOCKS,)``-shaped store would get a layout of its own and a round trip through shared memory."""
-    # rows are non-negative and a block has a power-of-two number of them: a mask, not a signed remainder
-    tl.static_assert((rows.shape[2] & (rows.shape[2] - 1)) == 0, "rows per half must be a power of two")
-    lane = rows & (2 * rows.shape[2] - 1)
-    first = lane == 0
-    if block_mask is not None:
-        first = first & block_mask[:, None, None]
-    tl.store(ptr + blocks[:, None, None] + lane, tl.broadcast_to(values[:, None, None], rows.shape), mask=first)
 
 
 @triton.jit
@@ -87,47 +64,42 @@ def store_state8(codes_ptr, absmax_ptr, tables, blocks, rows, offs, values, mask
 
 
 @triton.jit
-def load_state(address, absmax_address, qmap_ptr, blocks, halves, rows, offs, mask, n,
-               FORMAT: tl.constexpr, SIGNED: tl.constexpr, ALIGNED: tl.constexpr, FP8_NATIVE: tl.constexpr = False):
-    """fp32 values of one state row of compile-time format ``FORMAT``: fp32 values at ``address``, or 8-bit, 4-bit
-    or fp8 codes there with their absmax at ``absmax_address``; ``qmap_ptr``: the 8-bit map, or the signed 4-bit
-    map. ``mask`` None: a whole tile; else ``n`` is the row's length. ``FP8_NATIVE``: the hardware's float8
-    conversions (sm_89+), else :mod:`fp8`'s integer ones."""
-    if FORMAT == FORMAT_BLOCKWISE8:
-        block_mask = None if mask is None else blocks * 256 < n
-        values = load_state8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)),
-                             qmap_ptr, blocks, offs, mask, block_mask)
-    elif FORMAT == FORMAT_BLOCKWISE4:
-        values = load_state4(address, absmax_address.to(tl.pointer_type(tl.float32)), qmap_ptr, halves, rows, offs,
-                             mask, n, SIGNED, ALIGNED)
-    elif FORMAT == FORMAT_FP8:
-        block_mask = None if mask is None else blocks * 256 < n
-        values = load_state_fp8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)),
-                                blocks, offs, mask, block_mask, SIGNED, FP8_NATIVE)
-    else:
-        values = masked_load(pointer(address, tl.float32, ALIGNED) + offs, mask, 0.0)
-    return values
+def load_blockwise8(address, absmax_address, qmap, blocks, halves, rows, offs, mask, n, SIGNED: tl.constexpr,
+                    ALIGNED: tl.constexpr, NATIVE: tl.constexpr):
+    """fp32 values of an 8-bit row: codes at ``address``, absmax at ``absmax_address``, ``qmap`` the slot's map (the
+    :mod:`rows` signature)."""
+    block_mask = None if mask is None else blocks * 256 < n
+    return load_state8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)), qmap,
+                       blocks, offs, mask, block_mask)
 
 
 @triton.jit
-def store_state(address, absmax_address, tables, blocks, halves, rows, offs, values, mask, n,
-                FORMAT: tl.constexpr, SIGNED: tl.constexpr, ALIGNED: tl.constexpr, FP8_NATIVE: tl.constexpr = False):
-    """Store fp32 ``values`` into one state row of format ``FORMAT``, re-quantizing an 8-bit (encoder tables
-    ``tables``, see :func:`quantize8`), 4-bit or fp8 row against its new block absmax."""
-    if FORMAT == FORMAT_BLOCKWISE8:
-        block_mask = None if mask is None else blocks * 256 < n
-        store_state8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)), tables,
-                     blocks, rows, offs, values, mask, block_mask)
-    elif FORMAT == FORMAT_BLOCKWISE4:
-        store_state4(address, absmax_address.to(tl.pointer_type(tl.float32)), halves, rows, offs, values, mask, n,
-                     SIGNED, ALIGNED)
-    elif FORMAT == FORMAT_FP8:
-        block_mask = None if mask is None else blocks * 256 < n
-        codes, absmax = quantize_fp8(values, offs, mask, SIGNED, FP8_NATIVE)
-        tl.store(pointer(address, tl.uint8, ALIGNED) + offs, codes, mask=mask)
-        store_per_block(absmax_address.to(tl.pointer_type(tl.float32)), blocks, rows, absmax, block_mask)
-    else:
-        tl.store(pointer(address, tl.float32, ALIGNED) + offs, values, mask=mask)
+def store_blockwise8(address, absmax_address, encoder, blocks, halves, rows, offs, values, mask, n,
+                     SIGNED: tl.constexpr, ALIGNED: tl.constexpr, NATIVE: tl.constexpr):
+    """Re-quantize fp32 ``values`` into an 8-bit row against their new block absmax, with the slot's encoder tables
+    ``encoder`` (see :func:`quantize8`)."""
+    block_mask = None if mask is None else blocks * 256 < n
+    store_state8(pointer(address, tl.uint8, ALIGNED), absmax_address.to(tl.pointer_type(tl.float32)), encoder,
+                 blocks, rows, offs, values, mask, block_mask)
+
+
+def maps8(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot's map (decoding) and its encoder's tables (``encode8.encoder8_tables``): kernel arguments rather than
+    a table of addresses, so the kernel reads them from its constant bank, with no load."""
+    return shared_map8(signed, device), encoder8_tables(signed, device)
+
+
+def narrow_tile8(config: FusedConfigLike) -> bool:
+    """Triton 3.8 only: AdamW with bf16 parameters and 8-bit state in two rows spills 4 bytes at 8 elements per thread
+    on sm_75 with no limit set; 59 registers at 4."""
+    return (config.arch == 75 and TRITON_VERSION < (3, 9) and config.param_dtype == BF16.value
+            and len(config.formats) == 2)
+
+
+BLOCKWISE8_ROWS = TritonRows("8-bit", load_blockwise8, store_blockwise8, maps=maps8, narrow_tile=narrow_tile8)
+"""``BLOCKWISE8.triton_rows``. Its other tiles take the fused configuration's own width: 8 elements per thread make a
+256-element block one warp (its absmax: warp shuffles); at 4 a block spans two warps (a reduction through shared
+memory, 16 bytes)."""
 
 
 # ------------------------------------------------------------------------------------------------------------

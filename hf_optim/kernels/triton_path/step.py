@@ -35,8 +35,9 @@ import torch
 from hf_optim.core.algorithm import Algorithm, kernel_scalars
 from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.kernels.triton_path import multi_tensor as mt
-from hf_optim.kernels.triton_path.elementwise import FusedConfig, format_label
+from hf_optim.kernels.triton_path.elementwise import FusedConfig
 from hf_optim.kernels.triton_path.elementwise import launch as launch_fused
+from hf_optim.kernels.triton_path.rows import rows_for_code
 from hf_optim.kernels.triton_path.tile import BF16, DTYPE_NAMES, dtype_code
 from hf_optim.numerics import rounding
 
@@ -305,7 +306,7 @@ def configuration(algorithm: Algorithm, kinds: tuple, stochastic: bool) -> trito
     kind = "fused" if algorithm.triton_plan.elementwise else "passes"
     param_dtype, grad_dtype, formats, aligned = kinds
     grads = "" if grad_dtype == param_dtype else f" ({DTYPE_NAMES[grad_dtype]} gradients)"
-    states = "/".join(sorted({format_label(code) for code in formats})) or "no state"
+    states = "/".join(sorted({rows_for_code(code).label for code in formats})) or "no state"
     label = (f"{kind}/{algorithm.name} {DTYPE_NAMES[param_dtype]}{grads} {states}"
              f"{'' if aligned else ' unaligned'}{' (bf16 stochastic rounding)' if stochastic else ''}")
     return triton_guard.KernelConfig((kind, algorithm.name, *kinds, stochastic), label)

@@ -76,6 +76,27 @@ def block_max(x):
 
 
 @triton.jit
+def per_block(values):
+    """A ``(BLOCKS,)`` per-block value broadcast over the tile."""
+    return values[:, None, None, None]
+
+
+@triton.jit
+def store_per_block(ptr, blocks, rows, values, block_mask):
+    """``ptr[blocks] = values`` (``(BLOCKS,)``), written by each block's first thread. The store is shaped like the
+    tile's rows (one lane per thread, lane ``i`` of a block addressing ``ptr[block + i]``, all but the first masked
+    off), so the compiler gives it the tile's own layout and the values stay where the block reduction left them;
+    a ``(BLOCKS,)``-shaped store would get a layout of its own and a round trip through shared memory."""
+    # rows are non-negative and a block has a power-of-two number of them: a mask, not a signed remainder
+    tl.static_assert((rows.shape[2] & (rows.shape[2] - 1)) == 0, "rows per half must be a power of two")
+    lane = rows & (2 * rows.shape[2] - 1)
+    first = lane == 0
+    if block_mask is not None:
+        first = first & block_mask[:, None, None]
+    tl.store(ptr + blocks[:, None, None] + lane, tl.broadcast_to(values[:, None, None], rows.shape), mask=first)
+
+
+@triton.jit
 def tile_sum(x):
     """Sum of a tile-shaped tensor (LAMB's and Adafactor's per-tile partial sums)."""
     return tl.sum(tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=1), axis=0)
@@ -160,7 +181,12 @@ def store_values(address, offs, values, mask, DTYPE: tl.constexpr, ALIGNED: tl.c
 
 TRITON_VERSION = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
 """(major, minor) of the installed Triton: the launch plans were measured on 3.9, and 3.8 allocates registers
-differently in a few configurations (``FusedConfig.whole_tile_width``, ``AdafactorConfig.launch_options``)."""
+differently in a few configurations (``FusedConfig.whole_tile_width``, the formats' ``TritonRows.narrow_tile``,
+``AdafactorConfig.launch_options``)."""
+
+SM_64_WARPS = frozenset({80, 90, 100})
+"""Compute capabilities whose SMs hold 64 warps (A100, H100, B200): 50% occupancy at 4 warps per program needs at
+most 64 registers per thread (sm_86, sm_89, sm_120 hold 48, sm_75 32)."""
 
 
 def launch_options(num_warps: int = 4) -> dict:

@@ -39,17 +39,15 @@ import triton.language as tl
 
 from hf_optim.core.algorithm import Algorithm, kernel_scalars
 from hf_optim.core.state_store import slot_format
-from hf_optim.formats import BLOCKWISE8, StateFormat, formats_by_rank
-from hf_optim.formats.blockwise8 import shared_map as shared_map8
-from hf_optim.formats.encode8 import encoder8_tables
+from hf_optim.formats import BLOCKWISE8, FP32, StateFormat, formats_by_rank
 from hf_optim.formats.quant8 import num_blocks
 from hf_optim.kernels.triton_path import guard as triton_guard
 from hf_optim.kernels.triton_path import multi_tensor as mt
 from hf_optim.kernels.triton_path.configs import BF16 as BF16_CODE
 from hf_optim.kernels.triton_path.configs import DTYPES, LaunchSpec, as_formats
 from hf_optim.kernels.triton_path.elementwise import FusedConfig
-from hf_optim.kernels.triton_path.quant8 import load_state, store_state
 from hf_optim.kernels.triton_path.rounding import store_param
+from hf_optim.kernels.triton_path.rows import TritonRows, kernel_maps, rows_for_code
 from hf_optim.kernels.triton_path.tile import (
     BF16,
     DTYPE_NAMES,
@@ -274,9 +272,9 @@ def _clip_kernel(meta, partials, clip_denominators, inverse_clip_threshold, CHUN
 
 @triton.jit
 def _apply_kernel(meta, tiles, row_factor, col_factor, clip_denominators, lrs, eps1, negative_decay, qmap, table,
-                  beta1, one_minus_beta1, ordinals, sr_key, M_FORMAT: tl.constexpr, HAS_DECAY: tl.constexpr,
-                  BLOCKS: tl.constexpr, NCOLS: tl.constexpr, SR: tl.constexpr, PARAM_DTYPE: tl.constexpr,
-                  GRAD_DTYPE: tl.constexpr, FACTORED: tl.constexpr):
+                  beta1, one_minus_beta1, ordinals, sr_key, M_FORMAT: tl.constexpr, M_LOAD: tl.constexpr,
+                  M_STORE: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCKS: tl.constexpr, NCOLS: tl.constexpr,
+                  SR: tl.constexpr, PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, FACTORED: tl.constexpr):
     program = tl.program_id(0)
     tensor = tl.load(tiles + 2 * program)
     row = meta + tensor.to(tl.int64) * NCOLS
@@ -292,9 +290,10 @@ def _apply_kernel(meta, tiles, row_factor, col_factor, clip_denominators, lrs, e
     u = u * lr
     if M_FORMAT != NO_MOMENT_CODE:
         m_values, m_absmax = tl.load(row + M_VALUES), tl.load(row + M_ABSMAX)
-        old = load_state(m_values, m_absmax, qmap, blocks, halves, rows, offs, mask, n, M_FORMAT, True, False)
+        # the first moment's format's row I/O (rows.TritonRows): a signed slot, unaligned, no native conversions
+        old = M_LOAD(m_values, m_absmax, qmap, blocks, halves, rows, offs, mask, n, True, False, False)
         m = tl.where(finite, old * beta1 + u * one_minus_beta1, old)
-        store_state(m_values, m_absmax, table, blocks, halves, rows, offs, m, mask, n, M_FORMAT, True, False)
+        M_STORE(m_values, m_absmax, table, blocks, halves, rows, offs, m, mask, n, True, False, False)
         u = m
     param = tl.load(row + PARAM)
     p = load_values(param, offs, mask, PARAM_DTYPE, False)
@@ -344,6 +343,15 @@ class AdafactorConfig:
         return options
 
     @property
+    def moment_code(self) -> int:
+        """The format whose Triton branch reads and writes the first moment (fp32's without one: never called)."""
+        return FP32.code if self.moment_format == NO_MOMENT else self.moment_format
+
+    @property
+    def moment_rows(self) -> TritonRows:
+        return rows_for_code(self.moment_code)
+
+    @property
     def key(self) -> tuple:
         return ("adafactor", DTYPE_NAMES[self.param_dtype], DTYPE_NAMES[self.grad_dtype], self.moment_format,
                 self.scale, self.decay, "sr" if self.stochastic else "rn")
@@ -367,7 +375,8 @@ class AdafactorConfig:
                                                 "FACTORED": factored}),
                 ("update", _update_sq_kernel, {"BLOCKS": TILE_BLOCKS, "NCOLS": META_COLS,
                                                "GRAD_DTYPE": self.grad_dtype, "FACTORED": factored}),
-                ("apply", _apply_kernel, {"M_FORMAT": self.moment_format, "HAS_DECAY": self.decay,
+                ("apply", _apply_kernel, {"M_FORMAT": self.moment_format, "M_LOAD": self.moment_rows.load,
+                                          "M_STORE": self.moment_rows.store, "HAS_DECAY": self.decay,
                                           "BLOCKS": TILE_BLOCKS, "NCOLS": META_COLS, "SR": self.stochastic,
                                           "PARAM_DTYPE": self.param_dtype, "GRAD_DTYPE": self.grad_dtype,
                                           "FACTORED": factored}),
@@ -462,13 +471,14 @@ def step(algorithm, group: dict, key, items: list, step: int, hyper, cache: mt.P
                 partials, h.beta2t, h.one_minus_beta2t, eps1, factored=factored)
     run("clip", (len(table),), meta, partials, clip_denominators, h.inv_clip_threshold)
     ordinals, sr_key = stochastic if stochastic is not None else (meta, meta)
+    qmap, encoder = kernel_maps(config.moment_code, True, device)  # the first moment's map and encoder tables
     for factored, chosen in kinds.items():
         if chosen:
             units = [blocks[i] for i in chosen]
             grid = (sum(triton.cdiv(b, TILE_BLOCKS) for b in units),)
             run("apply", grid, meta, cache.units(units, TILE_BLOCKS, device, chosen), row_factor, col_factor,
-                clip_denominators, lrs, eps1, h.negative_decay, shared_map8(True, device),
-                encoder8_tables(True, device), h.beta1, h.one_minus_beta1, ordinals, sr_key, factored=factored)
+                clip_denominators, lrs, eps1, h.negative_decay, qmap, encoder, h.beta1, h.one_minus_beta1, ordinals,
+                sr_key, factored=factored)
 
 
 SIGNATURES = {
