@@ -35,20 +35,25 @@ def main() -> None:
 
     import hf_optim
     from hf_optim.core.algorithm import kernel_scalars
+    from hf_optim.formats import BLOCKWISE8
     from hf_optim.kernels.triton_path import elementwise as te
+    from hf_optim.kernels.triton_path.tile import BF16
 
     algorithm = hf_optim.AdamW.definition
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    major, minor = torch.cuda.get_device_capability() if device.type == "cuda" else (9, 0)
+    # the fused kernel as AdamW8bit launches it for bf16 parameters' whole tiles
+    config = te.FusedConfig(algorithm.name, algorithm.resolve(algorithm.triton_rule), (BLOCKWISE8.code,) * 2,
+                            (True, False), BF16.value, BF16.value, full=True, arch=major * 10 + minor)
     meta = torch.zeros(16, dtype=torch.int64, device=device)
     tiles = torch.zeros(2, dtype=torch.int32, device=device)
     hyper = kernel_scalars(algorithm.hyper(*[0.1] * len(algorithm.hyper._fields)))
-    launch_args = (meta, tiles, meta, meta, hyper, meta, meta)
-    constants = dict(RULE=algorithm.resolve(algorithm.triton_rule), ROWS=2, SIGNED0=True, SIGNED1=False, SIGNED2=True,
-                     WRITE_OUT=False, NORMS=False, BLOCKS=te.TILE_BLOCKS, COLS=16, ALIGNED=True, SR=False)
+    launch_args = (meta, tiles, meta, *te.row_maps(config, device), hyper, meta, meta)
+    constants = dict(config.constants(), **config.launch_options())
     kernel = te._fused_update_kernel
     print(f"Triton {triton.__version__}, torch {torch.__version__}, {args.repeats} calls each")
     if device.type == "cuda":
-        options = dict(constants, enable_fp_fusion=False)
+        options = constants
         kernel[(1,)](*launch_args, **options)  # compiles once
         torch.cuda.synchronize()
         warmup = per_call_us(lambda: kernel.warmup(*launch_args, grid=(1,), **options), args.repeats)
@@ -62,8 +67,7 @@ def main() -> None:
     from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
     binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
-    options = dict(constants, enable_fp_fusion=False, debug=False, instrumentation_mode="",
-                   fpsan_homomorphic_casts=False)
+    options = dict(constants, debug=False, instrumentation_mode="", fpsan_homomorphic_casts=False)
     cache: dict = {}
 
     def bind():
