@@ -308,8 +308,16 @@ def launch(config: FusedConfig, meta, tiles, num_tiles: int, hyper: tuple, devic
     triton_guard.launch(
         _fused_update_kernel, (num_tiles,),
         meta, tiles, partials if partials is not None else meta, *row_maps(config, device), hyper, ordinals, key,
-        **config.constants(), **config.launch_options(),
+        **kernel_options(config),
     )
+
+
+@functools.cache
+def kernel_options(config: FusedConfig) -> dict:
+    """The launch's compile-time arguments and options (:meth:`FusedConfig.constants`, :meth:`launch_options`),
+    worked out once per configuration: each asks every row's format, and a step launches the same few
+    configurations again and again."""
+    return {**config.constants(), **config.launch_options()}
 
 
 # The kernel reads the meta table by column number; keep it in step with multi_tensor's layout.
