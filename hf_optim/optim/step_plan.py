@@ -79,9 +79,17 @@ class StepPlan:
         for group_index, group in groups:
             members = enumerate(group["params"]) if only is None else [(only[1], group["params"][only[1]])]
             entries = []
+            checked = bool(self.positions.overrides) or manager is not None or group[SR_KEY]
             for index, p in members:
-                if p.grad is not None:
-                    entries.append(self._entry(p, group, group_index, index, manager, by_module))
+                if p.grad is None:
+                    continue
+                param, grad = local_tensor(p), local_tensor(p.grad)
+                overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
+                if checked or overrides or grad.is_sparse or param.is_complex():
+                    # the rare cases, in a function of their own; a plain tensor (most of them) costs no call
+                    overrides = self._checked(p, param, grad, overrides, group, group_index, index, manager,
+                                              by_module)
+                entries.append((p, param, grad, overrides))
             plan.append((group_index, group, entries))
         # HF_OPTIM_BACKEND and HF_OPTIM_COMPILE are checked now, not when the first group is already updated: a bad
         # value raises here, and a forced Triton backend that cannot run on some device raises for that device.
@@ -91,14 +99,15 @@ class StepPlan:
                 kernel_backend.uses_triton(device)
         return plan
 
-    def _entry(self, p, group: dict, group_index: int, index: int, manager, by_module) -> tuple:
+    def _checked(self, p, param, grad, overrides, group: dict, group_index: int, index: int, manager,
+                 by_module) -> dict | None:
+        """A parameter's overrides, checked, and the checks of its tensors: what a step refuses before it changes
+        anything."""
         where = f"parameter {index} of param group {group_index}"
-        param, grad = local_tensor(p), local_tensor(p.grad)
         if grad.is_sparse:
             raise RuntimeError(f"{self.owner} does not support sparse gradients")
         if param.is_complex():
             raise RuntimeError(f"{self.owner} does not support complex parameters")
-        overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
         if (overrides is None and self.positions.overrides) or manager is not None:
             overrides = self.overrides(p, group_index, index, manager, by_module)
         if overrides:
@@ -109,7 +118,7 @@ class StepPlan:
                 raise type(error)(f"{where}, per-parameter override {overrides!r}: {error}") from error
         if (overrides or {}).get(SR_KEY, group[SR_KEY]):
             check_stochastic_param(param, where)
-        return p, param, grad, overrides
+        return overrides
 
     def overrides(self, p: torch.Tensor, group_index: int, index: int, manager=None, by_module=None):
         """``p``'s per-parameter settings (see :mod:`hf_optim.optim.overrides`): its attribute, else those recorded
