@@ -22,6 +22,15 @@ def round_trip_bound(state: dict, spec: StateSpec, fmt: StateFormat) -> float:
     signed, [0, 1] unsigned) to the nearest map value; twice that for a slot rounded stochastically. fp32: 0."""
     if not fmt.quantized:
         return 0.0
+    code_values = getattr(fmt, "code_values", None)
+    if code_values is not None:  # a format whose map is arithmetic (no qmapK): the format's own values
+        qmap = code_values(spec.signed).double()
+        if not fmt.rounds_stochastically(spec.signed):
+            return map_bound(qmap, spec.signed)
+        # rounded stochastically, a value goes to either neighbour: up to the widest whole gap; below the smallest
+        # value (a map without zero) it rounds up to it
+        low = -1.0 if spec.signed else 0.0
+        return max((qmap[1:] - qmap[:-1]).max().item(), qmap[0].item() - low, 1.0 - qmap[-1].item())
     if spec.qmap_key not in state:  # a float8 format: its code book is the float8 type's finite values
         root = getattr(fmt, "stores_root", lambda _: False)(spec.signed)
         bound = float8_bound(state[spec.key].dtype, spec.signed, root)

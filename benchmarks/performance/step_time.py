@@ -332,9 +332,10 @@ def contenders(include_bnb: bool, device: str, busy: bool = False) -> list[tuple
             import bitsandbytes as bnb
 
             rows.append((f"bitsandbytes {name}", bnb_class(bnb, name)))
-    # no bitsandbytes namesake (torchao's: not installed); *4bitRank1: rank1_4bit (per tensor, eager); *Fp8: fp8
-    for name in ("AdamW4bit", "AdEMAMix4bit", "Lion4bit", "AdamW4bitRank1", "AdEMAMix4bitRank1",
-                 "AdamWFp8", "AdEMAMixFp8", "LionFp8"):
+    # no bitsandbytes namesake (torchao's: not installed); *4bit: stochastic4 (the default 4-bit), *4bitBlockwise:
+    # blockwise4 (torchao's format, the default before), *4bitRank1: rank1_4bit (per tensor, eager); *Fp8: fp8
+    for name in ("AdamW4bit", "AdEMAMix4bit", "Lion4bit", "AdamW4bitBlockwise", "AdEMAMix4bitBlockwise",
+                 "Lion4bitBlockwise", "AdamW4bitRank1", "AdEMAMix4bitRank1", "AdamWFp8", "AdEMAMixFp8", "LionFp8"):
         rows.append((f"hf_optim {name}", getattr(hf_optim, name)))
     if busy:  # the rows without the thread-count choice, and the one-thread floors
         for name in ("AdamW8bit", "AdamW32bit"):

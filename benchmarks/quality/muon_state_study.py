@@ -10,7 +10,8 @@ reproduce ``muon``'s losses to the last digit: the check that the harness change
     python benchmarks/quality/muon_state_study.py --schemes none,b4-128,b4-16,fp8-256 --seeds 0,1,2 --out
     runs/muon_state
 
-Scheme names: ``KIND-BLOCK`` quantizes blocks of BLOCK consecutive elements scaled by their absmax, with KIND one of
+Scheme names: ``stochastic4`` is the registered ``stochastic4`` format's round trip (``Muon4bit``'s storage
+since issue 45); ``KIND-BLOCK`` quantizes blocks of BLOCK consecutive elements scaled by their absmax, with KIND one of
 ``b4`` (hf_optim's 4-bit signed map, blockwise4's), ``lin4`` (15 evenly spaced levels), ``fp4`` (e2m1 values),
 ``fp8`` (e4m3, scale absmax/448) or ``b8`` (bitsandbytes' 8-bit signed map); ``grid4-S`` scales each element of an
 SxS tile by the smaller of its row's and column's absmax in the tile; prefixes: ``sr+`` rounds stochastically to
@@ -97,6 +98,13 @@ def scheme(name: str) -> Store:
     head, _, rest = name.partition("+")
     if name == "none":
         return lambda m: m
+    if name == "stochastic4":  # the registered format's own round trip (hf_optim.formats.quant4_sr): Muon4bit's
+        from hf_optim.formats import quant4_sr
+
+        def store(m: torch.Tensor) -> torch.Tensor:
+            codes, scale = quant4_sr.quantize(m.reshape(1, -1).float(), True)
+            return quant4_sr.dequantize(codes, scale, True, m.numel()).view_as(m)
+        return store
     if head == "ef":
         inner, errors = scheme(rest), {}
 

@@ -14,12 +14,17 @@ Problems:
   r=32 on the builtin tiny Llama, 60 steps, lr 5e-3); final loss = mean training loss of the last 10 steps; only the
   optimizers the Trainer can name (n/a for the others).
 
-Optimizers: torch AdamW (the reference), hf_optim AdamW32bit / AdamW8bit / AdamW4bit (the torchao-compatible
-``blockwise4`` format), AdamWFp8 (the ``fp8`` format) and the fp8 choices it was picked from (:data:`FP8_VARIANTS`),
-torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_optim AdamW4bitRank1 (the
-``rank1_4bit`` format; Trainer name ``adamw_4bit_rank1``), and candidate formats simulated by :class:`SimulatedAdamW`
+Optimizers (``--algorithm adamw``, the default): torch AdamW (the reference), hf_optim AdamW32bit / AdamW8bit /
+AdamW4bit (the default 4-bit, ``stochastic4``) / AdamW4bitBlockwise (the torchao-compatible ``blockwise4`` format,
+the default before issue 45), AdamWFp8 (the ``fp8`` format) and the fp8 choices it was picked from
+(:data:`FP8_VARIANTS`), torchao AdamW4bit (when importable; ``--torchao-site`` adds a side install), hf_optim
+AdamW4bitRank1 (the ``rank1_4bit`` format; Trainer name ``adamw_4bit_rank1``), and candidate formats simulated by
+:class:`SimulatedAdamW`
 (torch AdamW's math, each moment quantized and dequantized after every step, exactly what storing it does):
 ``sim:`` names below.
+
+``--algorithm ademamix`` / ``lion``: hf_optim's 32-bit class (the reference), 8-bit, 4-bit (``stochastic4``),
+4bitBlockwise and Fp8 classes of that algorithm (Lion at lr 1e-4 on the MLP and 1e-3 on the tiny fine-tune).
 
 Run: ``HF_OPTIM_COMPILE=0 python benchmarks/quality/quality4.py --markdown quality4.md`` (eager steps: the rank-1
 format has no compiled form, and compiled and eager steps compute the same values).
@@ -48,6 +53,9 @@ from hf_optim.formats import fp8 as fp8_format  # noqa: E402
 from hf_optim.formats import quant4 as blockwise4  # noqa: E402
 
 LR = {"mlp": 1e-3, "llama": 3e-3}
+LION_LR = {"mlp": 1e-4, "llama": 1e-3}
+"""Lion's learning rates (a tenth of AdamW's on the MLP, as Lion's authors advise; 1e-3 on the tiny fine-tune, what
+``tests/recipes/test_finetune_quality.py`` runs)."""
 WEIGHT_DECAY = 1e-2
 RANK1_NAME = "hf AdamW4bitRank1 (rank1_4bit)"
 FP8_VARIANTS = {  # name: (second moment storage, block size) of an unregistered fp8 variant (formats/fp8.py)
@@ -157,6 +165,19 @@ class SimulatedAdamW(torch.optim.Optimizer):
                 state["v"] = self.quantize_v(v) if self.quantize_v and quantized else v
 
 
+ALGORITHMS = ("adamw", "ademamix", "lion")
+
+
+def family_optimizers(algorithm: str) -> dict[str, Callable]:
+    """AdEMAMix's or Lion's rows: hf_optim's 32-bit class is the reference (torch has neither), then 8-bit, the
+    default 4-bit (``stochastic4``), ``blockwise4`` and fp8."""
+    prefix = {"ademamix": "AdEMAMix", "lion": "Lion"}[algorithm]
+    kw = dict(weight_decay=WEIGHT_DECAY)
+    classes = {suffix: getattr(hf_optim, f"{prefix}{suffix}") for suffix in ("32bit", "8bit", "4bit", "4bitBlockwise",
+                                                                           "Fp8")}
+    return {f"hf {prefix}{suffix}": (lambda p, lr, cls=cls: cls(p, lr=lr, **kw)) for suffix, cls in classes.items()}
+
+
 def optimizers(torchao_available: bool) -> dict[str, Callable]:
     """name -> factory(params, lr)."""
     kw = dict(weight_decay=WEIGHT_DECAY)
@@ -164,7 +185,8 @@ def optimizers(torchao_available: bool) -> dict[str, Callable]:
         "torch AdamW": lambda p, lr: torch.optim.AdamW(p, lr=lr, **kw),
         "hf AdamW32bit": lambda p, lr: hf_optim.AdamW32bit(p, lr=lr, **kw),
         "hf AdamW8bit": lambda p, lr: hf_optim.AdamW8bit(p, lr=lr, **kw),
-        "hf AdamW4bit (blockwise4)": lambda p, lr: hf_optim.AdamW4bit(p, lr=lr, **kw),
+        "hf AdamW4bit (stochastic4)": lambda p, lr: hf_optim.AdamW4bit(p, lr=lr, **kw),
+        "hf AdamW4bitBlockwise (blockwise4)": lambda p, lr: hf_optim.AdamW4bitBlockwise(p, lr=lr, **kw),
         "hf AdamWFp8": lambda p, lr: hf_optim.AdamWFp8(p, lr=lr, **kw),
         **{name: lambda p, lr: hf_optim.AdamWFp8(p, lr=lr, **kw) for name in FP8_VARIANTS},
     }
@@ -209,8 +231,13 @@ def llama_loss(name: str, factory: Callable, seed: int, steps: int = 120) -> flo
 
 
 TRAINER_NAMES = {"torch AdamW": "adamw_torch", "hf AdamW32bit": "adamw_32bit", "hf AdamW8bit": "adamw_8bit",
-                 "hf AdamW4bit (blockwise4)": "adamw_4bit", RANK1_NAME: "adamw_4bit_rank1", "hf AdamWFp8": "adamw_fp8"}
-"""The optimizers the quickstart can name (torchao's ``adamw_torch_4bit`` is taken over by hf_optim)."""
+                 "hf AdamW4bit (stochastic4)": "adamw_4bit", "hf AdamW4bitBlockwise (blockwise4)": "adamw_torch_4bit",
+                 RANK1_NAME: "adamw_4bit_rank1", "hf AdamWFp8": "adamw_fp8",
+                 **{f"hf {prefix}{suffix}": f"{name}_{optim}" for prefix, name in (("AdEMAMix", "ademamix"),
+                                                                                   ("Lion", "lion"))
+                    for suffix, optim in (("32bit", "32bit"), ("8bit", "8bit"), ("4bit", "4bit"),
+                                          ("4bitBlockwise", "4bit_blockwise"), ("Fp8", "fp8"))}}
+"""The optimizers the quickstart can name (torchao's ``adamw_torch_4bit`` is taken over by hf_optim: blockwise4)."""
 
 
 def quickstart_loss(name: str, factory: Callable, seed: int) -> float | None:
@@ -264,10 +291,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torchao-site", default=os.environ.get("HF_OPTIM_TORCHAO_SITE", ""),
                         help="a side install of torchao (pip install --no-deps --target DIR torchao)")
     parser.add_argument("--markdown", default="", help="write the table as markdown to this path")
+    parser.add_argument("--algorithm", default="adamw", choices=ALGORITHMS,
+                        help="adamw (reference: torch AdamW; every row above), ademamix or lion (reference: "
+                             "hf_optim's 32-bit class; its 8-bit, 4-bit, blockwise4 and fp8 classes)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # fixed, machine-independent arithmetic order; these problems are tiny
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    table = optimizers(torchao_importable(args.torchao_site))
+    if args.algorithm == "adamw":
+        table = optimizers(torchao_importable(args.torchao_site))
+    else:
+        table = family_optimizers(args.algorithm)
+        LR.update(LION_LR if args.algorithm == "lion" else {})
+    reference_name = next(iter(table))
     problems = [name.strip() for name in args.problems.split(",") if name.strip()]
     for name in problems:
         if name not in PROBLEMS:
@@ -278,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [name for name in wanted if name not in table]
         if unknown:
             parser.error(f"unknown optimizer(s) {unknown}; known: {names}")
-        names = ["torch AdamW", *[name for name in wanted if name != "torch AdamW"]]
+        names = [reference_name, *[name for name in wanted if name != reference_name]]
     seeds = [int(s) for s in args.seeds.split(",")]
     columns = [(problem, seed) for problem in problems for seed in seeds]
     results: dict[str, dict[tuple, float]] = {name: {} for name in names}
@@ -287,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             with fp8_variant(name) if name in FP8_VARIANTS else contextlib.nullcontext():
                 results[name][problem, seed] = PROBLEMS[problem](name, table[name], seed)
-            reference = results["torch AdamW"][problem, seed]
+            reference = results[reference_name][problem, seed]
             loss = results[name][problem, seed]
             if loss is not None:
                 print(f"{problem} seed {seed}  {name:28s} {loss:.5f}  {100 * (loss / reference - 1):+6.2f}%",
@@ -299,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         cells, worst = [], 0.0
         for column in columns:
-            loss, reference = results[name][column], results["torch AdamW"][column]
+            loss, reference = results[name][column], results[reference_name][column]
             if loss is None:
                 cells.append("n/a")
                 continue
@@ -320,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "|" + "|".join(["---"] * len(header)) + "|",
         *["| " + " | ".join(row) + " |" for row in rows],
         "",
-        "Final loss (percent above torch AdamW's). Simulated candidates:",
+        f"Final loss (percent above {reference_name}'s). Simulated candidates:",
         "",
         *[f"- `{name}`: {notes[name]}" for name in names if name in notes],
     ]

@@ -46,6 +46,7 @@ from hf_optim.formats.blockwise8 import BLOCKWISE8
 from hf_optim.formats.fp8 import FP8
 from hf_optim.formats.fp32 import FP32
 from hf_optim.formats.rank1_4bit import RANK1_4BIT
+from hf_optim.formats.stochastic4 import STOCHASTIC4
 
 __all__ = [
     "BLOCKWISE4",
@@ -54,6 +55,7 @@ __all__ = [
     "FP32",
     "FP8",
     "RANK1_4BIT",
+    "STOCHASTIC4",
     "SlotLayout",
     "StateFormat",
     "available_state_formats",

@@ -39,7 +39,9 @@ def shared_map(signed: bool, device: torch.device) -> torch.Tensor:
 
 class Blockwise4(StateFormat):
     name, bits, code, width, block_size, packed = "blockwise4", 4, 2, 4, BLOCK_SIZE, True
-    class_suffix, optim_suffix, label, rank, optim_bits = "4bit", "4bit", "4-bit blockwise", 3, 4
+    # torchao's format; no longer the default 4-bit (``stochastic4`` has the ``4bit`` names and optim_bits=4):
+    # AdamW4bitBlockwise, adamw_4bit_blockwise, and the Trainer's torchao name adamw_torch_4bit
+    class_suffix, optim_suffix, label, rank, optim_bits = "4bitBlockwise", "4bit_blockwise", "4-bit blockwise", 3, None
     triton_rows = "hf_optim.kernels.triton_path.quant4:BLOCKWISE4_ROWS"
 
     def main_length(self, numel: int) -> int:

@@ -100,7 +100,7 @@ def _entries() -> dict[str, OptimizerName]:
     for family in registry.families():
         algorithm = family.algorithm
         for name in family.trainer_names:
-            fmt, paged = parse_name(name)
+            fmt, paged = parse_name(name, mapping(algorithm).formats)
             takes_over = name in mapping(algorithm).takes_over
             entry = OptimizerName(name, family.class_for(fmt, paged), algorithm.name, fmt, paged, takes_over)
             (taken if takes_over else added)[name] = entry

@@ -127,6 +127,12 @@ def loaded_states(opt, state_dict: Mapping) -> dict:
     return new_state
 
 
+LEGACY_BITS = {4: "blockwise4"}
+"""What ``optim_bits`` meant in a param group saved without ``state_format`` where its alias has moved since:
+hf_optim's 4-bit state was ``blockwise4`` until ``stochastic4`` became the default (a group that records
+``state_format`` says which it is)."""
+
+
 def loaded_groups(opt, state_dict: Mapping) -> list[dict]:
     """The param groups of ``state_dict`` with this optimizer's parameters, keys bitsandbytes named otherwise
     mapped, missing keys from the defaults, each group validated."""
@@ -135,7 +141,9 @@ def loaded_groups(opt, state_dict: Mapping) -> list[dict]:
     for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
         saved = opt.from_bitsandbytes_group(saved)
         merged = {k: copy.deepcopy(v) for k, v in saved.items() if k not in ("params", ALGORITHM_KEY)}
-        if "state_format" not in merged and merged.get("optim_bits") in aliases:
+        if "state_format" not in merged and merged.get("optim_bits") in LEGACY_BITS:
+            merged["state_format"] = LEGACY_BITS[merged["optim_bits"]]  # an older hf_optim's 4-bit dict
+        elif "state_format" not in merged and merged.get("optim_bits") in aliases:
             merged["state_format"] = format_for_bits(merged["optim_bits"]).name  # bitsandbytes' (or older) dict
         for key, value in opt.defaults.items():
             merged.setdefault(key, value)

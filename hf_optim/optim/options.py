@@ -73,8 +73,8 @@ def _check_stochastic_round(value) -> bool:
 OPTIONS: tuple[Option, ...] = (
     Option("optim_bits", 32, "int",
            "bitsandbytes' name for the state format: 32 is ``state_format='fp32'``, 8 ``'blockwise8'``, 4 "
-           "``'blockwise4'``; a format without such a number (see ``hf_optim.available_state_formats()``) is only "
-           "chosen with ``state_format``."),
+           "``'stochastic4'`` (hf_optim's 4-bit state; bitsandbytes has none); a format without such a number (see "
+           "``hf_optim.available_state_formats()``) is only chosen with ``state_format``."),
     Option("min_8bit_size", 4096, "int", "tensors with fewer elements keep fp32 state in a quantized format.",
            check_min_8bit_size),
     Option("is_paged", False, "bool", "paged state (see ``hf_optim.paging``).", _check_bool("is_paged"),
@@ -89,7 +89,8 @@ OPTIONS: tuple[Option, ...] = (
            "cannot accumulate over several backward passes.", check_release_gradients, group=False),
     Option("state_format", None, "str | None",
            "how the state is stored, by name: ``'fp32'``, ``'blockwise8'`` (bitsandbytes' 8-bit format), "
-           "``'blockwise4'`` (two codes per byte, blocks of 128), or any registered format (see "
+           "``'stochastic4'`` (4-bit, rounded stochastically: the accurate 4-bit state), ``'blockwise4'`` (torchao's "
+           "4-bit format), or any registered format (see "
            "``hf_optim.available_state_formats()``). None: the one ``optim_bits`` names. Given together with "
            "``optim_bits``, the two must agree.", group=False),
 )

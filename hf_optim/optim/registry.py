@@ -22,7 +22,7 @@ from hf_optim.formats import StateFormat, formats_by_rank
 from hf_optim.optim import options as common_options
 from hf_optim.optim._validation import as_tuple, check_lr
 from hf_optim.optim.base import HfOptimizer
-from hf_optim.optim.trainer_mapping import parse_name, trainer_names
+from hf_optim.optim.trainer_mapping import mapping, parse_name, trainer_names
 from hf_optim.optim.variants import family
 
 
@@ -138,7 +138,7 @@ def register_algorithm(
     for name in new.trainer_names:
         if name in taken:
             raise ValueError(f"optim name {name!r} of {algorithm.name!r} is already {taken[name]!r}'s")
-        new.class_for(*parse_name(name))  # a name whose class does not exist fails here, not in the Trainer
+        new.class_for(*parse_name(name, mapping(algorithm).formats))  # a name without a class fails here
     _FAMILIES[algorithm.name] = new
     home = sys.modules.get(optimizer.__module__)
     for class_name, cls in derived.items():  # the twins live in their base's module, where pickle looks for them

@@ -46,6 +46,9 @@ class TrainerMapping:
         eps: pass ``eps=args.adam_epsilon``.
         fixed: constant kwargs (AdEMAMix's ``alpha=5.0``, as transformers passes).
         adjust: an algorithm-specific last step (see :data:`TrainerAdjust`); ``optim_args`` are applied after it.
+        formats: names (of ``names``) whose format is not the one their suffix says, by format name: another
+            library's spelling that means a format of its own (``adamw_torch_4bit``, torchao's 4-bit AdamW, is
+            ``blockwise4``, torchao's format, where ``_4bit`` alone is the default 4-bit format).
     """
 
     names: tuple[str, ...] | None = None
@@ -54,6 +57,7 @@ class TrainerMapping:
     eps: bool = False
     fixed: Mapping[str, Any] = field(default_factory=dict)
     adjust: TrainerAdjust | None = None
+    formats: Mapping[str, str] = field(default_factory=dict)
 
     def kwargs(self, args: Any, betas: list, optim_args: dict, state_format: StateFormat) -> dict[str, Any]:
         """Constructor kwargs from ``args`` (``TrainingArguments``), the ``optim_args`` betas (None where not given)
@@ -83,9 +87,14 @@ def mapping(algorithm: Algorithm) -> TrainerMapping:
     return DEFAULT_MAPPING if algorithm.trainer is None else algorithm.trainer
 
 
-def parse_name(name: str) -> tuple[StateFormat, bool]:
-    """(state format, paged) of an ``optim=`` name (see the module docstring)."""
-    fmt = next((f for f in FORMATS.values() if name.endswith(f"_{f.optim_suffix}")), FP32)
+def parse_name(name: str, named: Mapping[str, str] | None = None) -> tuple[StateFormat, bool]:
+    """(state format, paged) of an ``optim=`` name (see the module docstring); ``named``: an algorithm's names
+    whose format is set by name (:attr:`TrainerMapping.formats`)."""
+    if named and name in named:
+        return FORMATS[named[name]], name.startswith("paged_")
+    # the longest matching suffix: adamw_4bit_blockwise is blockwise4's, not a format ending in _blockwise
+    matching = [f for f in FORMATS.values() if name.endswith(f"_{f.optim_suffix}")]
+    fmt = max(matching, key=lambda f: len(f.optim_suffix), default=FP32)
     return fmt, name.startswith("paged_")
 
 
@@ -93,7 +102,8 @@ def trainer_names(algorithm: Algorithm, formats: list[StateFormat], pages: bool)
     """The ``optim=`` names of ``algorithm``, whose classes have ``formats`` (and page when ``pages``)."""
     listed = mapping(algorithm).names
     names = [algorithm.name] if listed is None else list(listed)
-    covered = set() if listed is None else {parse_name(name) for name in names}  # the bare default name adds
+    named = mapping(algorithm).formats
+    covered = set() if listed is None else {parse_name(name, named) for name in names}  # the bare default name adds
     for paged in (False, True) if pages else (False,):
         for fmt in formats:
             if (fmt, paged) not in covered:

@@ -26,7 +26,7 @@ from hf_optim.formats import FP32
 from hf_optim.integrations.names import OPTIMIZER_NAMES
 from hf_optim.integrations.transformers import optimizer_cls_and_kwargs
 from hf_optim.optim import registry
-from hf_optim.optim.trainer_mapping import parse_name
+from hf_optim.optim.trainer_mapping import mapping, parse_name
 from hf_optim.recipes.estimate import MIN_8BIT_SIZE, TensorCount, state_bytes
 
 SHAPES = [(67, 63), (37,)]
@@ -108,7 +108,7 @@ def test_classes_are_exported_and_trainer_names_build_them(family):
     table = {entry.name: entry for entry in hf_optim.available_optimizers()}
     assert family.trainer_names, f"{family.algorithm.name} has no optim= name"
     for name in family.trainer_names:
-        fmt, paged = parse_name(name)
+        fmt, paged = parse_name(name, mapping(family.algorithm).formats)
         assert table[name] is OPTIMIZER_NAMES[name]
         entry = OPTIMIZER_NAMES[name]
         assert entry.cls is family.class_for(fmt, paged) and entry.algorithm is family.algorithm
@@ -214,7 +214,7 @@ def test_trainer_name_builds_a_class_whose_bytes_the_estimator_predicts(family, 
     """The optimizer a Trainer name builds (class and kwargs as the Trainer gets them) holds exactly the bytes the
     memory estimator prices the name at, and ``state_memory`` counts them."""
     cls, kwargs = optimizer_cls_and_kwargs(TRAINER_ARGS, name=name)
-    fmt, paged = parse_name(name)
+    fmt, paged = parse_name(name, mapping(family.algorithm).formats)
     assert cls is family.class_for(fmt, paged)
     params = make_params(SHAPES)
     with warnings.catch_warnings():

@@ -244,7 +244,7 @@ def test_use_muon_none_routes_by_shape_and_by_marks():
 
 # --------------------------------------------------------------------------------------------------------------
 # State dicts
-@pytest.mark.parametrize("cls,fmt", [(Muon, "fp32"), (Muon8bit, "blockwise8"), (hf_optim.PagedMuon4bit, "blockwise4")])
+@pytest.mark.parametrize("cls,fmt", [(Muon, "fp32"), (Muon8bit, "blockwise8"), (hf_optim.PagedMuon4bit, "stochastic4")])
 def test_state_dict_round_trip_resumes_bit_for_bit(cls, fmt):
     params = make_params(HYBRID_SHAPES)
     opt = build(cls, hybrid(params, lr=3e-3), lr=0.02)

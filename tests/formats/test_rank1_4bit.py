@@ -13,7 +13,7 @@ import torch
 
 import hf_optim
 from hf_optim.core.state_store import slot_format
-from hf_optim.formats import BLOCKWISE4, FORMATS, format_for_bits, format_named, rank1_quant4
+from hf_optim.formats import FORMATS, STOCHASTIC4, format_for_bits, format_named, rank1_quant4
 from hf_optim.formats.base import StateDictError, zeroed_buffer
 from hf_optim.formats.quant4 import encoder_thresholds, qmap4
 from hf_optim.formats.rank1_4bit import RANK1_4BIT
@@ -166,7 +166,7 @@ def test_a_loaded_state_with_wrong_column_scales_is_refused():
 
 def test_registered_by_name_with_no_optim_bits_alias_and_ahead_of_blockwise4():
     assert format_named("rank1_4bit") is RANK1_4BIT
-    assert format_for_bits(4) is BLOCKWISE4  # optim_bits=4 stays torchao's / bitsandbytes' blockwise4
+    assert format_for_bits(4) is STOCHASTIC4  # optim_bits=4 is hf_optim's default 4-bit state
     names = list(FORMATS)
     assert names.index("rank1_4bit") < names.index("blockwise4")  # blockwise4 also accepts its second moment
     assert hf_optim.AdamW(torch.nn.Linear(2, 2).parameters(), state_format="rank1_4bit").param_groups[0][

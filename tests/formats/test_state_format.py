@@ -53,10 +53,10 @@ def test_every_base_class_runs_every_format_it_offers_by_name(cls):
 
 
 def test_optim_bits_is_the_alias_of_the_bitsandbytes_formats():
-    assert {bits: format_for_bits(bits).name for bits in (32, 8, 4)} == {32: "fp32", 8: "blockwise8", 4: "blockwise4"}
+    assert {bits: format_for_bits(bits).name for bits in (32, 8, 4)} == {32: "fp32", 8: "blockwise8", 4: "stochastic4"}
     p = torch.nn.Parameter(torch.randn(8))
     assert hf_optim.AdamW([p]).param_groups[0]["state_format"] == "fp32"  # bitsandbytes' default optim_bits=32
-    assert hf_optim.AdamW([p], optim_bits=4).param_groups[0]["state_format"] == "blockwise4"
+    assert hf_optim.AdamW([p], optim_bits=4).param_groups[0]["state_format"] == "stochastic4"  # the default 4-bit
 
 
 @pytest.mark.parametrize("kwargs,bad", [
@@ -170,7 +170,8 @@ def test_the_state_format_table_lists_every_registered_format():
     table = str(hf_optim.available_state_formats())
     listed = [line.split()[0] for line in table.splitlines()[1:]]
     assert listed == [fmt.name for fmt in sorted(FORMATS.values(), key=lambda fmt: fmt.rank)]
-    assert {"fp32", "blockwise8", "blockwise4", "fp8", "rank1_4bit"} <= set(listed) and listed[0] == "fp32"
+    assert {"fp32", "blockwise8", "blockwise4", "fp8", "rank1_4bit", "stochastic4"} <= set(listed)
+    assert listed[0] == "fp32"
     assert isinstance(hf_optim.available_state_formats()[0], StateFormat)
     # bytes per element of a 2^20-element slot, from the formats' layouts: codes, an fp32 scale per block, the map
     n = 1 << 20
@@ -178,7 +179,8 @@ def test_the_state_format_table_lists_every_registered_format():
                 "blockwise4": (n / 2 + 4 * n / 128 + 4 * 16) / n,
                 # a second-moment slot of a 1-D parameter, seen as a (n / 128, 128) matrix: a scale per row and column
                 "rank1_4bit": (n / 2 + 4 * (n / 128 + 128) + 4 * 16) / n,
-                "fp8": (n + 4 * n / 256) / n}
+                "fp8": (n + 4 * n / 256) / n,
+                "stochastic4": (n / 2 + 4 * n / 64) / n}  # a scale per 64 elements; no map: its maps are arithmetic
     shown = {line.split()[0]: float(line.split()[-1]) for line in table.splitlines()[1:]}
     # the built-in formats against their layouts; a format registered later is priced by test_format_conformance
     assert {name: shown[name] for name in expected} == pytest.approx(expected, rel=1e-3)

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from helpers import make_params, run_steps
 
@@ -42,11 +43,16 @@ def test_empty_before_the_first_step():
     assert hf_optim.state_memory(opt).total_bytes == 0
 
 
-def test_bytes_per_param_of_4bit_state_by_hand():
-    params = make_params([(128, 256)])  # 32768 elements: two 4-bit slots (codes, absmax per 128, a 16-entry map)
-    opt = hf_optim.AdamW4bit(params)
+@pytest.mark.parametrize("cls,block,map_bytes", [(hf_optim.AdamW4bit, 64, 0),
+                                                 (hf_optim.AdamW4bitBlockwise, 128, 4 * 16)],
+                         ids=["stochastic4", "blockwise4"])
+def test_bytes_per_param_of_4bit_state_by_hand(cls, block, map_bytes):
+    """Two 4-bit slots: codes, an fp32 scale per block (64 elements for stochastic4, 128 for blockwise4) and
+    blockwise4's 16-entry maps (stochastic4 keeps none)."""
+    params = make_params([(128, 256)])  # 32768 elements
+    opt = cls(params)
     run_steps(opt, params, 1)
     memory = hf_optim.state_memory(opt)
     numel = 128 * 256
     assert memory.num_params == numel
-    assert memory.bytes_per_param == 2 * (numel // 2 + 4 * (numel // 128) + 4 * 16) / numel
+    assert memory.bytes_per_param == 2 * (numel // 2 + 4 * (numel // block) + map_bytes) / numel

@@ -1,4 +1,5 @@
-"""hf_optim's AdamW4bit against torchao's AdamW4bit (the 4-bit optimizer users know), when torchao is available.
+"""hf_optim's AdamW4bitBlockwise (the ``blockwise4`` format, what the Trainer's ``adamw_torch_4bit`` runs) against
+torchao's AdamW4bit (the 4-bit optimizer users know), when torchao is available.
 
 torchao is not a dependency: installed in the test environment, transformers would import it at every Trainer
 import (its load warnings break the console test). Point ``HF_OPTIM_TORCHAO_SITE`` at a side install
@@ -37,7 +38,7 @@ def run(factory):
 
 kw = dict(lr=1e-3, weight_decay=1e-2)
 diff = lambda a, b: max((x - y).abs().max().item() for x, y in zip(a, b))
-torchao4, ours4 = run(lambda p: AdamW4bit(p, **kw)), run(lambda p: hf_optim.AdamW4bit(p, **kw))
+torchao4, ours4 = run(lambda p: AdamW4bit(p, **kw)), run(lambda p: hf_optim.AdamW4bitBlockwise(p, **kw))
 ours8, ours32 = run(lambda p: hf_optim.AdamW8bit(p, **kw)), run(lambda p: hf_optim.AdamW32bit(p, **kw))
 print(diff(ours4, torchao4), diff(ours8, ours32))
 """

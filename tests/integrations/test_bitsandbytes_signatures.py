@@ -15,11 +15,13 @@ import hf_optim
 NO_NAMESAKE = {
     # hf_optim's own precisions and algorithms, which bitsandbytes does not have
     "AdamW4bit", "PagedAdamW4bit", "AdEMAMix4bit", "PagedAdEMAMix4bit", "Lion4bit", "PagedLion4bit",
+    "AdamW4bitBlockwise", "PagedAdamW4bitBlockwise", "AdEMAMix4bitBlockwise", "PagedAdEMAMix4bitBlockwise",
+    "Lion4bitBlockwise", "PagedLion4bitBlockwise",
     "AdamW4bitRank1", "PagedAdamW4bitRank1", "AdEMAMix4bitRank1", "PagedAdEMAMix4bitRank1",
     "AdamWFp8", "PagedAdamWFp8", "AdEMAMixFp8", "PagedAdEMAMixFp8", "LionFp8", "PagedLionFp8",
     "PagedLAMB", "PagedLAMB8bit", "PagedLAMB32bit", "Adafactor",
     "Muon", "Muon4bit", "Muon8bit", "Muon32bit", "MuonFp8", "PagedMuon", "PagedMuon4bit", "PagedMuon8bit",
-    "PagedMuon32bit", "PagedMuonFp8",
+    "PagedMuon32bit", "PagedMuonFp8", "Muon4bitBlockwise", "PagedMuon4bitBlockwise",
 }
 LAMB_FAMILY = {"LAMB", "LAMB8bit", "LAMB32bit"}
 DIFFERENT_DEFAULTS = {

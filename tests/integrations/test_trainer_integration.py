@@ -157,8 +157,9 @@ def test_takeover_can_be_turned_off(tmp_path):
         assert cls is hf_optim.AdamW4bit
     finally:
         integration.set_takeover(True)
-    # With the takeover on, transformers' torchao-backed names run hf_optim's 4-bit and 8-bit AdamW.
-    for name, expected in (("adamw_torch_4bit", hf_optim.AdamW4bit), ("adamw_torch_8bit", hf_optim.AdamW8bit)):
+    # With the takeover on, transformers' torchao-backed names run hf_optim's AdamW in torchao's 4-bit format
+    # (blockwise4) and in bitsandbytes' 8-bit format.
+    for name, expected in (("adamw_torch_4bit", hf_optim.AdamW4bitBlockwise), ("adamw_torch_8bit", hf_optim.AdamW8bit)):
         cls, _ = Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(output_dir=str(tmp_path), optim=name))
         assert cls is expected, (name, cls)
 
@@ -231,6 +232,6 @@ def test_available_optimizers_lists_the_names_transformers_has():
     assert transformers_bnb | transformers_torchao == set(TAKEN_OVER) <= set(table)
     # the names transformers gives other meanings to (the registry-derived names are checked by
     # tests/algorithms/test_algorithm_conformance.py)
-    assert table["adamw_torch_4bit"].cls is hf_optim.AdamW4bit and table["adamw_torch_4bit"].optim_bits == 4
+    assert table["adamw_torch_4bit"].cls is hf_optim.AdamW4bitBlockwise and table["adamw_torch_4bit"].optim_bits == 4
     assert table["adamw_torch_8bit"].cls is hf_optim.AdamW8bit
     assert table["ademamix"].optim_bits == 32 and table["rmsprop_bnb"].optim_bits == 32

@@ -70,11 +70,13 @@ ADAMW = Algorithm(
     variant_formats=None,  # every registered format: 4-bit and any later one get classes and names
     trainer=TrainerMapping(
         names=("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_32bit", "adamw_4bit",
-               "paged_adamw_4bit", "adamw_torch_4bit", "adamw_torch_8bit"),
-        # adamw_torch_4bit / adamw_torch_8bit are transformers' torchao-backed names: hf_optim's 4-bit and 8-bit
-        # AdamW run them (same maps and blocks for 4-bit; bitsandbytes' 8-bit format for 8-bit).
+               "paged_adamw_4bit", "adamw_torch_4bit", "adamw_4bit_blockwise", "adamw_torch_8bit"),
+        # adamw_torch_4bit / adamw_torch_8bit are transformers' torchao-backed names: hf_optim's AdamW runs them
+        # with torchao's 4-bit format (blockwise4: its maps, blocks and codes, so a run keeps torchao's results
+        # under the takeover) and bitsandbytes' 8-bit format. adamw_4bit is the accurate default, stochastic4.
         takes_over=("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_torch_4bit",
                     "adamw_torch_8bit"),
+        formats={"adamw_torch_4bit": "blockwise4"},
         betas=("adam_beta1", "adam_beta2"),
         eps=True,
     ),
