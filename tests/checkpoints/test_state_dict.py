@@ -167,3 +167,30 @@ def test_torch_and_torchao_adamw_state_dicts_are_refused_with_the_reason():
     refused = r"torchao's low-bit AdamW \(OptimState4bit state\).*need torchao installed"
     with pytest.raises(StateDictError, match=refused):
         ours.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("records_format", [True, False], ids=["state_format", "optim_bits-only"])
+def test_a_checkpoint_of_the_former_4bit_default_resumes_in_its_format(records_format):
+    """``AdamW4bit`` stored ``blockwise4`` state before ``stochastic4`` became the default 4-bit format. Such a
+    checkpoint (param groups with ``state_format='blockwise4'``, or, from an older hf_optim, only ``optim_bits=4``)
+    loads into today's ``AdamW4bit`` and resumes in ``blockwise4``, bit for bit as ``AdamW4bitBlockwise`` (that
+    format's class today) continues it: nothing is converted or lost."""
+    params = make_params([(80, 70), (4100,)])
+    old = hf_optim.AdamW4bitBlockwise(params)  # what AdamW4bit saved: blockwise4 state, optim_bits 4
+    run_steps(old, params, 2)
+    saved = save_and_load(old.state_dict())
+    assert [g["optim_bits"] for g in saved["param_groups"]] == [4]
+    if not records_format:
+        for group in saved["param_groups"]:
+            del group["state_format"]
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = hf_optim.AdamW4bit(resumed_params)
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["state_format"] == "blockwise4"
+    run_steps(old, params, 2, start=2)
+    run_steps(resumed, resumed_params, 2, start=2)
+    for p, q in zip(params, resumed_params):
+        assert torch.equal(p, q)
+        for key, value in old.state[p].items():
+            assert torch.equal(value, resumed.state[q][key]) if isinstance(value, torch.Tensor) else \
+                value == resumed.state[q][key]

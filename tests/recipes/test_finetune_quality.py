@@ -47,11 +47,12 @@ def test_8bit_final_loss_within_one_percent_of_32bit(eight, thirty_two, kwargs):
     ],
     ids=["AdamW", "AdEMAMix"],
 )
-def test_4bit_final_loss_within_two_percent_of_32bit(four, thirty_two, kwargs):
-    """The bar for 4-bit state (Li et al. report near-lossless fine-tunes): within 2% of 32-bit. (Lion4bit is
-    not held to it: its sign update is more sensitive to the first moment's quantization; 3.8% here at lr 1e-3,
-    see docs/benchmarks.md.)"""
+def test_4bit_final_loss_within_one_and_a_half_percent_of_32bit(four, thirty_two, kwargs):
+    """The default 4-bit state (``stochastic4``) within 1.5% of 32-bit: issue 45's bar (measured +0.55% and +0.79%
+    here; ``blockwise4``, the default before, +0.9% and +0.4% on this run, but 5-8% off on quality4.py's MLP). Lion4bit
+    is not held to it: its slow momentum (beta2 = 0.99) accumulates the 4-bit storage error, +2.4% here and +2.7-3.2%
+    on the MLP (blockwise4: +3.9%, +4.2-5.5%; docs/performance.md#quality-of-quantized-state)."""
     losses32 = reference_losses(thirty_two, **kwargs)
     losses4 = train_tiny(lambda params: four(params, **kwargs), steps=STEPS, seq_len=32)
     assert final_loss(losses32) < 0.6 * losses32[0], "the run must actually learn for the comparison to mean much"
-    assert abs(final_loss(losses4) - final_loss(losses32)) <= 0.02 * final_loss(losses32)
+    assert abs(final_loss(losses4) - final_loss(losses32)) <= 0.015 * final_loss(losses32)

@@ -4,10 +4,10 @@ scales, same random bits), and its Triton branch (:data:`STOCHASTIC4_ROWS`, see 
 In a :mod:`tile` tile ``(BLOCKS, 2, ROWS, W)`` a 256-element block's halves are ``[:, 0]`` and ``[:, 1]``; in the
 format's planar layout both halves of a row ``r`` live in the same ``W`` bytes (``block * 128 + r * W + j``: element
 ``j`` of half 0 in the low nibble, of half 1 in the high nibble). Loading, the threads of both halves read those
-bytes (one vector load each) and keep their own nibble. Storing, each half shifts its codes into its nibble and a sum
-over the halves axis (a warp shuffle: the halves of a row are in one warp) joins them into the bytes, which one thread
-writes. A tensor's last, partial tile masks by block: every byte and scale of a block the tensor reaches is written,
-padding included, as the PyTorch path writes them.
+bytes as words (32-bit, 16-bit for the partial tiles' rows of 2) and keep their own nibble. Storing, each half shifts
+its codes into its nibble and a sum over the halves axis (a warp shuffle: the halves of a row are in one warp) joins
+them into the words, which one thread writes. A tensor's last, partial tile masks by block: every byte and scale of a
+block the tensor reaches is written, padding included, as the PyTorch path writes them.
 
 Same rules as the PyTorch path: the scale is the exact absmax of a group of 64 elements (half a half's rows;
 NaN-propagating; an all-zero group gets the reciprocal 1), its reciprocal is one ``div_rn`` (correctly rounded, as
@@ -23,7 +23,7 @@ import triton.language as tl
 
 from hf_optim.formats import quant4_sr
 from hf_optim.kernels.triton_path.rows import FusedConfigLike, TritonRows
-from hf_optim.kernels.triton_path.tile import masked_load, pointer, zero_outside
+from hf_optim.kernels.triton_path.tile import BF16, masked_load, pointer, zero_outside
 
 FINE_STEP: tl.constexpr = tl.constexpr(quant4_sr.FINE_STEP)
 COARSE_STEP: tl.constexpr = tl.constexpr(quant4_sr.COARSE_STEP)
@@ -92,14 +92,6 @@ def _nibble_shift(blocks, halves):
 
 
 @triton.jit
-def _row_words(blocks, rows, W: tl.constexpr):
-    """Index of each row's first 32-bit word of codes, ``(BLOCKS, 2, ROWS)`` (the same for both halves): a block's
-    128 bytes are 32 words, a row's ``W`` bytes ``W / 4`` of them."""
-    within = rows & (rows.shape[2] - 1)  # the row's place in its half (rows per half: a power of two)
-    return blocks[:, None, None] * (HALF // 4) + within * (W // 4)
-
-
-@triton.jit
 def _max_with_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
@@ -127,25 +119,34 @@ def group_max(values, rows):
 
 
 @triton.jit
+def _word_pointer(address, W: tl.constexpr, ALIGNED: tl.constexpr):
+    """A row's codes as words: ``W`` bytes are ``W / 4`` 32-bit words, or one 16-bit word for ``W = 2`` (the
+    partial tiles' rows)."""
+    if W == 2:
+        ptr = pointer(address, tl.uint16, ALIGNED)
+    else:
+        ptr = pointer(address, tl.uint32, ALIGNED)
+    return ptr
+
+
+@triton.jit
 def load_stochastic4(address, absmax_address, qmap, blocks, halves, rows, offs, mask, n, SIGNED: tl.constexpr,
                      ALIGNED: tl.constexpr, NATIVE: tl.constexpr):
-    """fp32 values of a ``stochastic4`` row (the :mod:`rows` signature; no map)."""
+    """fp32 values of a ``stochastic4`` row (the :mod:`rows` signature; ``qmap``: the signed decoding table)."""
     W: tl.constexpr = offs.shape[3]
+    WORD: tl.constexpr = 2 if W == 2 else 4  # bytes per word
     j = tl.arange(0, W)[None, None, None, :]
     shift = _nibble_shift(blocks, halves)
-    if (mask is None) and (W >= 4):
-        # whole tiles: each row's W bytes as W / 4 words (both halves load them), then the half's nibble of each
-        words = pointer(address, tl.uint32, ALIGNED) + _row_words(blocks, rows, W)
-        first = (tl.load(words).to(tl.int32, bitcast=True) >> shift)[:, :, :, None]
-        if W == 8:
-            second = (tl.load(words + 1).to(tl.int32, bitcast=True) >> shift)[:, :, :, None]
-            first = tl.where(j < 4, first, second)
-        codes = (first >> ((j % 4) * 8)) & 15
-    else:
-        byte_offs = blocks[:, None, None, None] * HALF + (offs & (HALF - 1))
-        byte_mask = None if mask is None else (blocks * 256 < n)[:, None, None, None] & (byte_offs >= 0)
-        packed = masked_load(pointer(address, tl.uint8, ALIGNED) + byte_offs, byte_mask, 0).to(tl.int32)
-        codes = (packed >> shift[:, :, :, None]) & 15
+    # each row's W bytes as words (both halves load them), then the half's nibble of each code; a partial tile
+    # reads the blocks the tensor reaches (all their bytes exist)
+    within = rows & (rows.shape[2] - 1)
+    words = _word_pointer(address, W, ALIGNED) + (blocks[:, None, None] * (HALF // WORD) + within * (W // WORD))
+    row_mask = None if mask is None else (blocks * 256 < n)[:, None, None] & (within >= 0)
+    first = (masked_load(words, row_mask, 0).to(tl.int32) >> shift)[:, :, :, None]
+    if W == 8:
+        second = (masked_load(words + 1, row_mask, 0).to(tl.int32) >> shift)[:, :, :, None]
+        first = tl.where(j < 4, first, second)
+    codes = (first >> ((j % 4) * 8)) & 15
     group, _ = _groups(halves, rows)
     scale_mask = None if mask is None else (blocks * 256 < n)[:, None, None] & (group >= 0)
     scale = masked_load(absmax_address.to(tl.pointer_type(tl.float32)) + group, scale_mask, 0.0)
@@ -155,8 +156,10 @@ def load_stochastic4(address, absmax_address, qmap, blocks, halves, rows, offs, 
 @triton.jit
 def store_stochastic4(address, absmax_address, encoder, blocks, halves, rows, offs, values, mask, n,
                       SIGNED: tl.constexpr, ALIGNED: tl.constexpr, NATIVE: tl.constexpr):
-    """Quantize fp32 ``values`` (tile-shaped) against their new half-block scales into a ``stochastic4`` row."""
+    """Quantize fp32 ``values`` (tile-shaped) against their new group scales into a ``stochastic4`` row."""
     W: tl.constexpr = offs.shape[3]
+    WORD: tl.constexpr = 2 if W == 2 else 4
+    ROWS: tl.constexpr = rows.shape[2]
     values = zero_outside(values, mask)
     scale = group_max(tl.abs(values), rows)
     # one correctly rounded reciprocal per group (1 for an all-zero group), as the PyTorch twin
@@ -169,25 +172,22 @@ def store_stochastic4(address, absmax_address, encoder, blocks, halves, rows, of
     tl.store(absmax_address.to(tl.pointer_type(tl.float32)) + group, scale, mask=writes)
     codes = encode_sr4(y, offs & 255, SIGNED)
     shift = _nibble_shift(blocks, halves)
-    if (mask is None) and (W >= 4):
-        # whole tiles: a row's codes into W / 4 words in the thread, each half's into its nibble, then the two halves'
-        # words joined by a sum over the halves axis (disjoint bits; a warp shuffle) and stored as words
-        j = tl.arange(0, W)[None, None, None, :]
-        placed = codes << ((j % 4) * 8)
-        first = tl.sum(tl.where(j < 4, placed, 0), axis=3) << shift
-        # each row's first word of codes, (BLOCKS, ROWS): a block's 128 bytes are 32 words, a row's W bytes W / 4
-        words = pointer(address, tl.uint32, ALIGNED) + (blocks[:, None] * (HALF // 4)
-                                                        + tl.arange(0, rows.shape[2])[None, :] * (W // 4))
-        tl.store(words, tl.sum(first, axis=1).to(tl.uint32, bitcast=True))
-        if W == 8:
-            second = tl.sum(tl.where(j >= 4, placed, 0), axis=3) << shift
-            tl.store(words + 1, tl.sum(second, axis=1).to(tl.uint32, bitcast=True))
+    # a row's codes into words in the thread, each half's into its nibble, then the two halves' words joined by a sum
+    # over the halves axis (disjoint bits; a warp shuffle) and stored as words: every byte of the blocks the tensor
+    # reaches, padding included, as the PyTorch twin writes them
+    j = tl.arange(0, W)[None, None, None, :]
+    placed = codes << ((j % 4) * 8)
+    first = tl.sum(tl.where(j < 4, placed, 0), axis=3) << shift
+    words = _word_pointer(address, W, ALIGNED) + (blocks[:, None] * (HALF // WORD)
+                                                  + tl.arange(0, ROWS)[None, :] * (W // WORD))
+    row_mask = None if mask is None else (blocks * 256 < n)[:, None] & (tl.arange(0, ROWS)[None, :] >= 0)
+    if W == 2:
+        tl.store(words, tl.sum(first, axis=1).to(tl.uint16), mask=row_mask)
     else:
-        # partial tiles (and narrow rows): byte by byte, every byte of the blocks the tensor reaches
-        packed = tl.sum(codes << shift[:, :, :, None], axis=1)
-        byte_offs = tl.max(blocks[:, None, None, None] * HALF + (offs & (HALF - 1)), axis=1)
-        byte_mask = None if mask is None else (blocks * 256 < n)[:, None, None] & (byte_offs >= 0)
-        tl.store(pointer(address, tl.uint8, ALIGNED) + byte_offs, packed.to(tl.uint8), mask=byte_mask)
+        tl.store(words, tl.sum(first, axis=1).to(tl.uint32, bitcast=True), mask=row_mask)
+    if W == 8:
+        second = tl.sum(tl.where(j >= 4, placed, 0), axis=3) << shift
+        tl.store(words + 1, tl.sum(second, axis=1).to(tl.uint32, bitcast=True), mask=row_mask)
 
 
 def maps_sr4(signed: bool, device: torch.device) -> tuple[torch.Tensor | None, None]:
@@ -196,19 +196,22 @@ def maps_sr4(signed: bool, device: torch.device) -> tuple[torch.Tensor | None, N
 
 
 def narrow_tile_sr4(config: FusedConfigLike) -> bool:
-    """4 elements per thread for two state rows on sm_80: at 8, AdamW with bf16 parameters takes 88-90 registers
-    (31% occupancy) and spills 16 bytes with a limit of 80; at 4, 56 registers, no spill, 56% occupancy, for 15%
-    more instructions per element (147 against 126-128; measured with ``python -m hf_optim.gpu_static``, Triton 3.9).
-    On sm_90 width 8 takes 69-75 registers without a spill (38-44%)."""
-    return config.arch == 80 and len(config.formats) == 2
+    """4 elements per thread for two state rows and bf16 parameters on sm_80: at 8, AdamW takes 88-90 registers
+    (31% occupancy) and spills 16 bytes with a limit of 80; at 4, 56 registers, no spill, 56% occupancy, for 15% more
+    instructions per element (measured with ``python -m hf_optim.gpu_static``, Triton 3.9). fp16 parameters fit 80
+    registers at 8 without a spill (:func:`register_limit_sr4`); on sm_90 width 8 takes 66-75 registers, no spill."""
+    return config.arch == 80 and len(config.formats) == 2 and config.param_dtype == BF16.value
 
 
 def register_limit_sr4(config: FusedConfigLike) -> int | None:
-    """72 for whole tiles of three rows (AdEMAMix) with stochastic rounding on sm_80 (44% occupancy), where the fused
-    kernel's limit of 64 for three rows spills 16 bytes; none elsewhere (the arch rules apply)."""
-    if config.arch == 80 and config.full and len(config.formats) > 2 and config.stochastic:
-        return 72
-    return None
+    """80 for whole tiles of width 8 in two rows on sm_80 (37.5% occupancy; 85-88 registers without it), and 72 for
+    three rows (AdEMAMix) with stochastic rounding on sm_80 (44%), where the fused kernel's limit of 64 for three
+    rows spills 16 bytes; none elsewhere (the fused kernel's arch rules apply)."""
+    if config.arch != 80 or not config.full:
+        return None
+    if len(config.formats) == 2 and config.whole_tile_width == 8:
+        return 80
+    return 72 if len(config.formats) > 2 and config.stochastic else None
 
 
 STOCHASTIC4_ROWS = TritonRows("4-bit SR", load_stochastic4, store_stochastic4, maps=maps_sr4,
