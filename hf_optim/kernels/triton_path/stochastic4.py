@@ -23,7 +23,7 @@ import triton.language as tl
 
 from hf_optim.formats import quant4_sr
 from hf_optim.kernels.triton_path.rows import FusedConfigLike, TritonRows
-from hf_optim.kernels.triton_path.tile import BF16, masked_load, pointer, zero_outside
+from hf_optim.kernels.triton_path.tile import BF16, FP16, masked_load, pointer, zero_outside
 
 FINE_STEP: tl.constexpr = tl.constexpr(quant4_sr.FINE_STEP)
 COARSE_STEP: tl.constexpr = tl.constexpr(quant4_sr.COARSE_STEP)
@@ -196,17 +196,27 @@ def maps_sr4(signed: bool, device: torch.device) -> tuple[torch.Tensor | None, N
 
 
 def narrow_tile_sr4(config: FusedConfigLike) -> bool:
-    """4 elements per thread for two state rows and bf16 parameters on sm_80: at 8, AdamW takes 88-90 registers
-    (31% occupancy) and spills 16 bytes with a limit of 80; at 4, 56 registers, no spill, 56% occupancy, for 15% more
-    instructions per element (measured with ``python -m hf_optim.gpu_static``, Triton 3.9). fp16 parameters fit 80
-    registers at 8 without a spill (:func:`register_limit_sr4`); on sm_90 width 8 takes 66-75 registers, no spill."""
+    """4 elements per thread where 8 need more registers than 50% occupancy allows and a limit spills (measured with
+    ``python -m hf_optim.gpu_static``, Triton 3.9):
+
+    - sm_80, two rows, bf16 parameters: 88-90 registers at 8 (31%), 16 bytes spilled with a limit of 80; at 4, 56
+      registers, 56%, for 15% more instructions per element (fp16 parameters fit 80 at 8: :func:`register_limit_sr4`);
+    - sm_90, stochastic rounding of bf16 parameters: 72-75 registers at 8, 8 bytes spilled with a limit of 64;
+    - sm_90, RMSprop with fp16 parameters: 71 registers at 8, 24 bytes spilled with a limit of 64 (Lion, the other
+      one-row rule, takes 54 there and stays at 8).
+    """
+    if config.arch == 90:
+        return config.stochastic or (config.algorithm == "rmsprop" and config.param_dtype == FP16.value)
     return config.arch == 80 and len(config.formats) == 2 and config.param_dtype == BF16.value
 
 
 def register_limit_sr4(config: FusedConfigLike) -> int | None:
-    """80 for whole tiles of width 8 in two rows on sm_80 (37.5% occupancy; 85-88 registers without it), and 72 for
-    three rows (AdEMAMix) with stochastic rounding on sm_80 (44%), where the fused kernel's limit of 64 for three
-    rows spills 16 bytes; none elsewhere (the fused kernel's arch rules apply)."""
+    """The ``ptxas`` register limit for 50% occupancy or close to it, where it spills nothing (measured): 64 for every
+    whole tile on sm_90 (AdamW with bf16 parameters takes 66 without it); on sm_80, 80 for whole tiles of width 8 in
+    two rows (fp16 parameters: 37.5%, 85-88 registers without it) and 72 for three rows (AdEMAMix) with stochastic
+    rounding (44%), where the fused kernel's limit of 64 for three rows spills 16 bytes."""
+    if config.arch == 90 and config.full:
+        return 64
     if config.arch != 80 or not config.full:
         return None
     if len(config.formats) == 2 and config.whole_tile_width == 8:
