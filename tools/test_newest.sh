@@ -32,7 +32,7 @@ write_lock() {  # DIR: the kept run whose freeze.txt becomes the lock
         echo "# on $(sed -n 's/^machine: //p' "$dir/result.txt")."
         echo "# torch: the CPU build the README's first command installs ($TORCH_PIN; the build's local label, such as"
         echo "# +cpu, is left out: a pin with it would refuse the same release installed from another index)."
-        grep -v -i -E '^(hf[-_]optim|-e )' "$dir/freeze.txt" | sed -E 's/^(torch==[^+]+)\+.*$/\1/'
+        grep -v -i -E '^(hf[-_]optim|-e |pip==)' "$dir/freeze.txt" | sed -E 's/^(torch==[^+]+)\+.*$/\1/'
     } > "$LOCK.new"
     mv "$LOCK.new" "$LOCK"
     echo "wrote $LOCK ($(grep -c -v '^#' "$LOCK") pins) from $dir"
@@ -59,7 +59,7 @@ load=$(cut -d ' ' -f 1-3 /proc/loadavg 2>/dev/null || echo unknown)
 echo "installing the newest releases into $OUT/venv (log: $OUT/install.log)"
 { pip install "$TORCH_PIN" && pip install -e ".[test]"; } > "$OUT/install.log" 2>&1 ||
     { tail -n 20 "$OUT/install.log"; echo "error: the install failed (log: $OUT/install.log)" >&2; exit 1; }
-pip freeze --exclude-editable > "$OUT/freeze.txt"
+pip freeze --all --exclude-editable > "$OUT/freeze.txt"  # --all: setuptools too (torch requires it)
 installed=$(date +%s)
 
 # a fresh machine: offline, nothing compiled or downloaded before (pip's cache is left alone above)
