@@ -295,14 +295,14 @@ def cmd_train(args, console) -> int:
             table.add_row(str(result.output_dir), result.status, result.optimizer or "-",
                           "-" if loss is None else f"{loss:.4f}")
         console.print(table)
-        if results[-1].status == "interrupted":
+        if results[-1].status in ("interrupted", "killed"):
             print(interrupted_line(results[-1], args), file=sys.stderr)
-            return EXIT_STATUS
+            return results[-1].exit_status or EXIT_STATUS
         console.print(f"comparison: {report}")
         return 0 if all(r.status == "ok" for r in results) else 3
-    if result.status == "interrupted":
+    if result.status in ("interrupted", "killed"):
         print(interrupted_line(result, args), file=sys.stderr)
-        return EXIT_STATUS
+        return result.exit_status or EXIT_STATUS
     if result.status == "oom":
         console.print(f"[red]out of memory[/red]; recorded in {result.output_dir / 'summary.json'}")
         return 3
@@ -352,19 +352,21 @@ def rerun_command(argv: list[str] | None, resume_value: str | None, flag: str) -
 
 
 def interrupted_line(result, args) -> str:
-    """The one line ``hf-optim train`` prints after Ctrl-C: where it stopped and the command that goes on."""
+    """The one line ``hf-optim train`` prints after Ctrl-C or SIGTERM: where it stopped and the command that goes
+    on."""
+    stopped = f"killed by {result.signal}" if result.status == "killed" else "interrupted"
     if result.global_step is None:
-        return "interrupted before training started"
+        return f"{stopped} before training started"
     argv, resume_value = getattr(args, "argv", None), getattr(args, "resume", None)
     if result.checkpoint is not None:
         where = Path(result.checkpoint).name
         behind = "" if where == f"checkpoint-{result.global_step}" else f" (it goes on from {where})"
-        return (f"interrupted at step {result.global_step}; resume with: "
+        return (f"{stopped} at step {result.global_step}; resume with: "
                 f"{rerun_command(argv, resume_value, '--resume')}{behind}")
     from hf_optim.recipes.rundir import inspect
 
     flag = "--overwrite" if inspect(result.output_dir).holds_a_run else ""
-    return (f"interrupted at step {result.global_step}, before any checkpoint; start again with: "
+    return (f"{stopped} at step {result.global_step}, before any checkpoint; start again with: "
             f"{rerun_command(argv, resume_value, flag)}")
 
 
@@ -426,17 +428,29 @@ def cmd_cp(args, console) -> int:
     return 0
 
 
+def _print_status_notes(run_dirs: list[str]) -> None:
+    """One line per run that did not finish (still running, killed, failed, or whose process is gone)."""
+    from hf_optim.monitor.runfiles import load_run, status_note
+
+    for run_dir in run_dirs:
+        note = status_note(load_run(Path(run_dir)))
+        if note:
+            print(f"note: {note}")
+
+
 def cmd_plot(args, console) -> int:
     from hf_optim.monitor.plots import plot_run
 
     for path in plot_run(Path(args.run_dir)):
         print(path)  # plain print: plot and compare run with the monitor extra alone, which has no rich
+    _print_status_notes([args.run_dir])
     return 0
 
 
 def cmd_compare(args, console) -> int:
     from hf_optim.monitor.compare import compare_runs
 
+    _print_status_notes(args.run_dirs)
     baseline = Path(args.baseline) if args.baseline else None
     report = compare_runs([Path(d) for d in args.run_dirs], Path(args.out or "."), baseline=baseline)
     print(f"comparison: {report}")

@@ -576,12 +576,16 @@ def cli_train(args, console, quiet: bool) -> int:
                                  f"with {flag}")
     options = check_options(args.steps, args.seq_len, args.batch_size)
     result = train(args.recipe, args.overrides, options, args.output_dir, quiet=quiet, overwrite=args.overwrite)
-    if result.status == "interrupted":
-        print("interrupted", file=sys.stderr)
-        return 130
     data = result.memory or {}
-    for line in table_lines(data) if data else []:
+    for line in table_lines(data) if data.get("steps") else []:
         console.print(line, highlight=False)
+    if result.status in ("interrupted", "killed"):
+        stopped = f"killed by {result.signal}" if result.status == "killed" else "interrupted"
+        at = "" if result.global_step is None else f" at step {result.global_step}"
+        measured = f" (measured so far: {MEMORY_FILE})" if data.get("steps") else ""
+        print(f"{stopped}{at}{measured}; a random-weights run keeps no checkpoint: run it again with --overwrite",
+              file=sys.stderr)
+        return result.exit_status or 130
     losses = ", ".join(f"{loss:.4f}" for loss in data.get("losses", []))
     console.print(f"{data.get('seq_len')} tokens x batch {data.get('batch_size')} on {data.get('device_name')}; "
                   f"losses: {losses or '-'}", highlight=False)
