@@ -15,7 +15,7 @@ from hf_optim.checkpoints import checkpoint_problems, last_complete_checkpoint
 from hf_optim.memory import StateMemory, state_memory
 from hf_optim.recipes import rundir
 from hf_optim.recipes.build import build_datasets, build_lora_config, build_model, build_sft_config, build_tokenizer
-from hf_optim.recipes.console import quiet_console, quiet_progress
+from hf_optim.recipes.console import quiet_console, quiet_progress, ticking
 from hf_optim.recipes.errors import RecipeError, RecipeIssue
 from hf_optim.recipes.hardware import resolve_auto
 from hf_optim.recipes.loading import COMMAND_LINE
@@ -224,9 +224,9 @@ def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool, resume: str
                                 eval_dataset=eval_data, processing_class=tokenizer,
                                 peft_config=build_lora_config(recipe), callbacks=callbacks)
         del model
-        if quiet:
-            quiet_progress(trainer)
-        with stop.handling_sigint(), handling_termination():
+        progress = quiet_progress(trainer) if quiet else None
+        detail = measuring.probe.progress_detail if measuring is not None else None
+        with stop.handling_sigint(), handling_termination(), ticking(progress, detail):
             try:
                 output = trainer.train(resume_from_checkpoint=checkpoint)
             except (KeyboardInterrupt, Terminated) as end:  # a second Ctrl-C, or SIGTERM: the step under way is lost
