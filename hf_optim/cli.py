@@ -559,8 +559,12 @@ def main(argv: list[str] | None = None) -> int:
 
     A user error (:class:`hf_optim.errors.UserError`) is printed as one line per problem, without a traceback;
     any other exception is a bug and keeps its traceback."""
+    from hf_optim._autoimport import replace_namespace_package
     from hf_optim.errors import OFFLINE_HINT, UserError, hub_unreachable
 
+    shadowed = replace_namespace_package()  # a folder named hf_optim on PYTHONPATH came before the package
+    if shadowed:
+        print(shadowed, file=sys.stderr)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # everything after `run` belongs to the command it runs: --help, its errors
         from hf_optim import run
