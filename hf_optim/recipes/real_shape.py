@@ -12,10 +12,11 @@ checkpointing, precision, the monitor's logging. What changes:
 - ``max_steps`` (default 3), no checkpoints, no evaluation, no warmup (a few steps with warmup barely move the
   weights), and no saved model at the end (random weights are not worth the disk); Ctrl-C stops after the step
   under way without a checkpoint;
-- gradient accumulation 1: a step is one batch, so a step's memory is measured in an eighth of the time a recipe
-  with ``gradient_accumulation_steps: 8`` takes (the peak of a micro-batch is the same; accumulation only keeps the
-  gradients, which are counted either way); ``training.gradient_accumulation_steps=N`` on the command line applies
-  N again;
+- gradient accumulation 1: a step is one batch, measured in an eighth of the time a recipe with
+  ``gradient_accumulation_steps: 8`` takes. Accumulating keeps the gradients alive through the next micro-batch's
+  forward, so the recipe's own peak can be higher by up to the gradients' size (small under LoRA, as large as the
+  trainable weights in a full fine-tune); the estimate beside the measurement is for the same settings, and
+  ``training.gradient_accumulation_steps=N`` on the command line measures N (N times the time);
 - ``--seq-len`` and ``--batch-size`` set ``training.max_length`` and ``per_device_train_batch_size``.
 
 The one line the run prints first says all of this with the numbers of this run (steps, batch x tokens,
