@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 EXAMPLES = """examples:
-  hf-optim train quickstart                                   # the tiny offline QLoRA run (CPU, about 18 s)
+  hf-optim train quickstart                                   # the tiny offline QLoRA run (CPU, about 45 s)
   hf-optim run -- trl sft --optim lamb_8bit ...               # another command line, with hf_optim's names
   hf-optim validate llama-3.1-8b-full training.optim=adamw_torch
   hf-optim validate llama-3.1-8b-full --fit 24GiB                # which setups fit a 24 GB card, largest batch
