@@ -232,7 +232,11 @@ def _check_optimizer(recipe: Recipe, args, issues: list[RecipeIssue], found: lis
     try:
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
     except (ValueError, TypeError, ImportError, RuntimeError) as exc:
-        key = "training.optim_args" if recipe.training.get("optim_args") else "training.optim"
+        from hf_optim.integrations.deepspeed import DeepSpeedConflict
+
+        # the optimizer itself clashes with the launch's DeepSpeed config, whatever optim_args says
+        key = "training.optim_args" if recipe.training.get("optim_args") and not isinstance(exc, DeepSpeedConflict) \
+            else "training.optim"
         issues.append(RecipeIssue(recipe.origin(key), key, _one_line(exc)))
         return
     device = _target_device(args)
