@@ -188,8 +188,8 @@ def cli(argv: list[str]) -> dict:
 
 def cli_runs() -> dict:
     """The recipe CLI under the ZeRO-2 offload config (what the issue's user ran): a smoke run of a full
-    fine-tune, and the same run with a LAMB optimizer that ZeRO cannot run; and under the FSDP2 config, which
-    accelerate does not apply to CPU processes."""
+    fine-tune, and the same run with a LAMB optimizer that ZeRO cannot run; under the ZeRO-2 config (bf16) a
+    recipe without bf16; and under the FSDP2 config, which accelerate does not apply to CPU processes."""
     work = Path(os.environ["WORK_DIR"])
     results = {}
     with launched_with(CONFIGS / "deepspeed_zero2_offload.yaml"):
@@ -198,6 +198,9 @@ def cli_runs() -> dict:
         results["summary"] = json.loads(summary.read_text()) if summary.exists() else None
         results["lamb"] = cli(["train", "llama-3.2-1b-full", "--smoke", "training.optim=lamb_8bit",
                                "--output-dir", str(work / "cli-lamb")])
+    with launched_with(CONFIGS / "deepspeed_zero2.yaml"):  # mixed_precision: bf16 against training.bf16: false
+        results["bf16"] = cli(["train", "llama-3.2-1b-full", "--smoke", "training.bf16=false",
+                               "--output-dir", str(work / "cli-bf16")])
     with launched_with(CONFIGS / "fsdp2.yaml"):
         results["fsdp"] = cli(["train", "llama-3.2-1b-full", "--smoke", "training.max_steps=1",
                                "--output-dir", str(work / "cli-fsdp")])

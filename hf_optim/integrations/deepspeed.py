@@ -42,7 +42,12 @@ from hf_optim.errors import UserValueError
 
 
 class DeepSpeedConflict(UserValueError):
-    """The optimizer named by ``optim=`` cannot run as itself under the DeepSpeed config (one line: what and why)."""
+    """The Trainer's arguments cannot run as asked under the DeepSpeed config (one line: what and why).
+    ``setting``: the training key at fault (``optim`` or ``bf16``)."""
+
+    def __init__(self, message: str, setting: str = "optim") -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 FSDP2_WAY = ("use FSDP2 (accelerate launch --config_file recipes/accelerate/fsdp2.yaml), which shards along tensor "
@@ -116,6 +121,19 @@ def zero_state_note(state_format: Any, args: Any) -> str | None:
             "32-bit; a partition under min_8bit_size elements keeps fp32 state)")
 
 
+def precision_mismatch(config: Mapping, args: Any) -> tuple[str, str] | None:
+    """``(key, one line)`` when the DeepSpeed config turns ``bf16`` or ``fp16`` on and the Trainer's arguments do
+    not: the Trainer refuses that (transformers' ``trainer_config_finalize``, a multi-line error when training
+    starts); None when they agree or the config says ``auto``."""
+    for key in ("bf16", "fp16"):
+        enabled = config.get(key, {}).get("enabled", "auto")
+        if isinstance(enabled, bool) and enabled and not getattr(args, key, False):
+            return key, (f"the DeepSpeed config turns {key} on ({key}.enabled; an accelerate config's mixed_precision: "
+                         f"{key}) but the Trainer runs without it ({key}=False; a recipe's {key}: auto is off on "
+                         f"CPU): launch with --mixed_precision no, or set training.{key}: true")
+    return None
+
+
 def check_under_deepspeed(label: str, algorithm: Any, state_format: Any, args: Any) -> None:
     """Raise :class:`DeepSpeedConflict` (a ``ValueError``; one line) when the Trainer's DeepSpeed config would change
     the math of ``label`` or replace it; nothing when DeepSpeed is off."""
@@ -125,3 +143,7 @@ def check_under_deepspeed(label: str, algorithm: Any, state_format: Any, args: A
     problems = zero_problems(label, algorithm, state_format, config)
     if problems:
         raise DeepSpeedConflict(problems[0])
+    mismatch = precision_mismatch(config, args)
+    if mismatch:
+        key, message = mismatch
+        raise DeepSpeedConflict(message, setting=key)

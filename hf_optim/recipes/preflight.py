@@ -234,9 +234,10 @@ def _check_optimizer(recipe: Recipe, args, issues: list[RecipeIssue], found: lis
     except (ValueError, TypeError, ImportError, RuntimeError) as exc:
         from hf_optim.integrations.deepspeed import DeepSpeedConflict
 
-        # the optimizer itself clashes with the launch's DeepSpeed config, whatever optim_args says
-        key = "training.optim_args" if recipe.training.get("optim_args") and not isinstance(exc, DeepSpeedConflict) \
-            else "training.optim"
+        if isinstance(exc, DeepSpeedConflict):  # the launch's DeepSpeed config against the optimizer or precision
+            key = f"training.{exc.setting}"
+        else:
+            key = "training.optim_args" if recipe.training.get("optim_args") else "training.optim"
         issues.append(RecipeIssue(recipe.origin(key), key, _one_line(exc)))
         return
     device = _target_device(args)

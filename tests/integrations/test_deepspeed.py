@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import hf_optim
-from hf_optim.integrations.deepspeed import needs_whole_tensors, zero_problems
+from hf_optim.integrations.deepspeed import needs_whole_tensors, precision_mismatch, zero_problems
 from hf_optim.integrations.names import OPTIMIZER_NAMES
 from hf_optim.optim.base import PARAM_OVERRIDES_ATTR
 
@@ -134,11 +134,15 @@ def test_cli_under_deepspeed_names_hf_optim_and_prints_its_summary_once(results)
     assert RunData(Path("run"), summary=summary).optimizer_label == "PagedAdamW8bit"  # the plots' title label
 
 
-def test_cli_refusal_under_deepspeed_is_one_error_line(results):
-    first, other = (results[rank]["cli"]["lamb"] for rank in RANKS)
+@pytest.mark.parametrize("case,says", [("lamb", "training.optim: hf_optim.LAMB8bit cannot run under DeepSpeed ZeRO-2"),
+                                       ("bf16", "training.bf16: the DeepSpeed config turns bf16 on")])
+def test_cli_refusal_under_deepspeed_is_one_error_line_from_rank_0(results, case, says):
+    """Refused in the recipe's checks, before the model is built: one `error:` line (transformers' own bf16
+    mismatch error would come at the first step, over several lines)."""
+    first, other = (results[rank]["cli"][case] for rank in RANKS)
     assert first["status"] == other["status"] == 2
     lines = first["stderr"].splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "training.optim: hf_optim.LAMB8bit" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
     assert other["stderr"] == "" and first["stdout"] == other["stdout"] == ""
 
 
@@ -171,6 +175,17 @@ def test_zero_problems_follow_the_stage_and_the_offload_setting():
     assert len(zero_problems("x", adamw.algorithm, adamw.state_format, offload)) == 1
     assert zero_problems("x", adamw.algorithm, adamw.state_format, {**offload, "zero_force_ds_cpu_optimizer": False}) \
         == []
+
+
+def test_precision_mismatch_is_found_where_the_trainer_would_refuse_it():
+    class Args:
+        bf16, fp16 = False, False
+
+    assert precision_mismatch({"bf16": {"enabled": True}}, Args())[0] == "bf16"
+    assert precision_mismatch({"fp16": {"enabled": True}}, Args())[0] == "fp16"
+    assert precision_mismatch({"bf16": {"enabled": "auto"}}, Args()) is None
+    Args.bf16 = True
+    assert precision_mismatch({"bf16": {"enabled": True}}, Args()) is None
 
 
 def test_a_partition_in_a_parameters_place_does_not_take_its_overrides():
