@@ -6,7 +6,7 @@ run it: accelerate's own launch code turns the file into the environment its lau
 plugin from it. One process pair serves every config (accelerate's state is reset between them): a launch costs
 more than the training it runs.
 
-Usage: torchrun --nproc_per_node 2 deepspeed_worker.py OUT_FILE WORK_DIR
+Usage (from the repository root): torchrun --nproc_per_node 2 tests/deepspeed_worker.py OUT_FILE WORK_DIR
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import io
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -208,6 +209,7 @@ def cli_runs() -> dict:
 
 
 def main(out_file: str, work_dir: str) -> None:
+    started = time.perf_counter()
     os.environ["WORK_DIR"] = work_dir
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     without_jit_ops()
@@ -217,16 +219,24 @@ def main(out_file: str, work_dir: str) -> None:
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    results = {
-        "zero1": zero_run("deepspeed_zero1.yaml", bf16=True),
-        "zero2": zero_run("deepspeed_zero2.yaml", bf16=True),
-        "zero2_offload": zero_run("deepspeed_zero2_offload.yaml", bf16=False),
-        "zero3": zero_run("deepspeed_zero3.yaml", bf16=True),
-        "refused": refusals(),
-        "cli": cli_runs(),
+    parts = {
+        "zero1": lambda: zero_run("deepspeed_zero1.yaml", bf16=True),
+        "zero2": lambda: zero_run("deepspeed_zero2.yaml", bf16=True),
+        "zero2_offload": lambda: zero_run("deepspeed_zero2_offload.yaml", bf16=False),
+        "zero3": lambda: zero_run("deepspeed_zero3.yaml", bf16=True),
+        "refused": refusals,
+        "cli": cli_runs,
+    }
+    results, seconds = {}, {"start": time.perf_counter() - started}  # start: imports and process group
+    for key, part in parts.items():
+        begun = time.perf_counter()
+        results[key] = part()
+        seconds[key] = time.perf_counter() - begun
+    results.update({
+        "seconds": seconds,  # where a run's time goes (printed by the test's fixture)
         "rank": dist.get_rank(),
         "built_ops": sorted(OpBuilder._loaded_ops),  # DeepSpeed ops compiled or loaded: none may be needed
-    }
+    })
     gathered = [None, None] if dist.get_rank() == 0 else None
     dist.gather_object(results, gathered, dst=0)
     if dist.get_rank() == 0:

@@ -12,6 +12,7 @@ that says an FSDP config did not apply on CPU processes.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -41,7 +42,8 @@ ZERO_RUNS = {  # result key -> the ZeRO optimizer DeepSpeed wraps hf_optim's in
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     """Each rank's results (index = rank)."""
-    import deepspeed  # noqa: F401  (in the test extra: a missing install fails here, with its name)
+    # in the test extra: a missing install fails here, with its name (found, not imported: that takes seconds)
+    assert importlib.util.find_spec("deepspeed") is not None, "deepspeed is not installed: pip install -e '.[test]'"
 
     tmp = tmp_path_factory.mktemp("deepspeed")
     out = tmp / "results.pt"
@@ -53,7 +55,9 @@ def results(tmp_path_factory) -> list[dict]:
     # from the repository root, as the configs' relative paths (the offload JSON) are meant to be launched
     run = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    return torch.load(out, weights_only=False)
+    results = torch.load(out, weights_only=False)
+    print("deepspeed_worker seconds (rank 0):", {k: round(v, 1) for k, v in results[0]["seconds"].items()})
+    return results
 
 
 @pytest.mark.parametrize("config", ZERO_RUNS)
