@@ -53,12 +53,12 @@ def launch_env(config_file: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def launched_with(config_file: Path, edit=None):
-    """The environment of a launch with ``config_file`` (``edit`` changes the DeepSpeed JSON it names first), with
-    accelerate's process-wide state reset before and after."""
+def launched_with(config_file: Path | None, edit=None):
+    """The environment of a launch with ``config_file`` (``edit`` changes the DeepSpeed JSON it names first; None:
+    plain torchrun, no accelerate config), with accelerate's process-wide state reset before and after."""
     from accelerate.state import AcceleratorState
 
-    env = launch_env(config_file)
+    env = launch_env(config_file) if config_file is not None else {}
     if edit is not None:
         key = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
         config = json.loads((ROOT / env[key]).read_text())
@@ -83,7 +83,7 @@ def launched_with(config_file: Path, edit=None):
         dist.barrier()
 
 
-def make_trainer(out: Path, name: str, *, bf16: bool, seed: int = 0, max_steps: int = 4):
+def make_trainer(out: Path, name: str, *, bf16: bool, seed: int = 0, max_steps: int = 4, **overrides):
     """A Trainer on a 1-layer tiny Llama, saving every 2 steps (weight decay on, so AdamW's decoupled decay
     matters), as tests/trainer_helpers.checkpointing_trainer, with ``bf16`` as the config's mixed precision."""
     from trainer_helpers import common_args, token_dataset
@@ -92,9 +92,9 @@ def make_trainer(out: Path, name: str, *, bf16: bool, seed: int = 0, max_steps: 
     from hf_optim.tiny import tiny_llama, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
-    args = TrainingArguments(**common_args(out, name, max_steps=max_steps, save_strategy="steps", save_steps=2,
-                                           lr_scheduler_type="linear", warmup_steps=1, per_device_train_batch_size=2,
-                                           weight_decay=0.01, bf16=bf16))
+    settings = dict(max_steps=max_steps, save_strategy="steps", save_steps=2, lr_scheduler_type="linear",
+                    warmup_steps=1, per_device_train_batch_size=2, weight_decay=0.01, bf16=bf16)
+    args = TrainingArguments(**common_args(out, name, **{**settings, **overrides}))
     return Trainer(model=tiny_llama(seed=seed, layers=1), args=args, train_dataset=token_dataset(tokenizer, 16),
                    data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
 
@@ -103,7 +103,7 @@ def master_weights(trainer) -> dict[str, torch.Tensor]:
     """Every parameter's fp32 master copy, gathered from the ZeRO partitions (a collective at ZeRO-3)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    return {n: safe_get_full_fp32_param(p).clone() for n, p in trainer.model_wrapped.named_parameters()}
+    return {n: safe_get_full_fp32_param(p).clone() for n, p in trainer.model.named_parameters()}
 
 
 def optimizer_chain(trainer) -> list[str]:
@@ -146,6 +146,29 @@ def zero_run(config: str, bf16: bool) -> dict:
         result.update(resumed_losses=losses(resumed), resumed_weights=master_weights(resumed),
                       resumed_stepped=stepped_state(resumed))
     return result
+
+
+def same_math() -> dict:
+    """AdamW32bit under ZeRO-2 (the offload config: fp32, the optimizer on CPU) against the same Trainer under DDP
+    (plain torchrun). No clipping: DeepSpeed and the Trainer compute the global norm in other orders. With 2 ranks
+    the averaged gradients are the same numbers (one addition, a halving), and AdamW is elementwise, so the flat
+    partitions must step to the very weights DDP's whole tensors step to."""
+    from hf_optim.tiny import tiny_llama
+
+    work = Path(os.environ["WORK_DIR"])
+    runs = {}
+    for key, config in (("zero2_offload", CONFIGS / "deepspeed_zero2_offload.yaml"), ("ddp", None)):
+        with launched_with(config):
+            trainer = make_trainer(work / f"math-{key}", "adamw_32bit", bf16=False, max_grad_norm=0.0,
+                                   save_strategy="no")
+            trainer.train()
+            if key == "ddp":
+                weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            else:
+                weights = master_weights(trainer)
+            runs[key] = {"weights": weights, "chain": optimizer_chain(trainer)}
+    runs["initial"] = {n: p.detach().clone() for n, p in tiny_llama(seed=0, layers=1).named_parameters()}
+    return runs
 
 
 REFUSED = ["lamb_8bit", "adafactor", "muon_8bit", "adamw_4bit_rank1"]
@@ -224,6 +247,7 @@ def main(out_file: str, work_dir: str) -> None:
         "zero2": lambda: zero_run("deepspeed_zero2.yaml", bf16=True),
         "zero2_offload": lambda: zero_run("deepspeed_zero2_offload.yaml", bf16=False),
         "zero3": lambda: zero_run("deepspeed_zero3.yaml", bf16=True),
+        "same_math": same_math,
         "refused": refusals,
         "cli": cli_runs,
     }

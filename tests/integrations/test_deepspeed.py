@@ -5,7 +5,8 @@ unit tests), the configs shipped in recipes/accelerate/.
 One torchrun runs everything (deepspeed_worker.py: each config as ``accelerate launch --config_file`` hands it to
 its processes). Each config trains 4 steps with checkpoints at 2 and 4; a Trainer with other initial weights
 resumes from checkpoint-2 and must end bit for bit where the uninterrupted run ended: losses, fp32 master
-weights gathered from the partitions, and each rank's optimizer state. The same processes check what hf_optim
+weights gathered from the partitions, and each rank's optimizer state. AdamW32bit under ZeRO-2 must train as it
+does under DDP, bit for bit (an elementwise algorithm on partitions). The same processes check what hf_optim
 refuses under ZeRO (one line, before the first step), the recipe CLI's printing under a launcher, and the line
 that says an FSDP config did not apply on CPU processes.
 """
@@ -94,6 +95,22 @@ def test_zero_hands_hf_optim_a_partition_of_each_param_group(results, config):
             assert stepped["state"][f"{index}.state1"].dtype == expected, (rank, index, size)
     total = results[0][config]["model_parameters"]
     assert sizes[0] < total and sum(sizes) == total  # partitioned (no padding needed for this model)
+
+
+def test_zero_steps_elementwise_algorithms_as_ddp_steps_the_tensors(results):
+    """AdamW32bit (hf_optim's) under ZeRO-2 with offload equals the same Trainer under DDP bit for bit, 4 steps
+    from the same weights and data: with 2 ranks the averaged gradients are the same numbers, so an elementwise
+    update of the flat partitions is the update of the tensors (and hf_optim's decoupled weight decay is kept: a
+    swap to DeepSpeed's CPU Adam would make it L2)."""
+    for rank in RANKS:
+        runs = results[rank]["same_math"]
+        assert runs["zero2_offload"]["chain"][-1] == runs["ddp"]["chain"][-1] == "hf_optim.optim.adamw.AdamW32bit"
+        assert runs["ddp"]["chain"][0] == "accelerate.optimizer.AcceleratedOptimizer"  # no DeepSpeed there
+        ddp, zero = runs["ddp"]["weights"], runs["zero2_offload"]["weights"]
+        assert ddp.keys() == zero.keys() == runs["initial"].keys()
+        assert all(not torch.equal(ddp[name], runs["initial"][name]) for name in ddp)  # every tensor trained
+        for name, expected in ddp.items():
+            assert torch.equal(zero[name], expected), (rank, name, (zero[name] - expected).abs().max().item())
 
 
 @pytest.mark.parametrize("name", ["lamb_8bit", "adafactor", "muon_8bit", "adamw_4bit_rank1"])
