@@ -8,9 +8,9 @@ than eagerly (8-bit state most), but compiling costs seconds to minutes the firs
 
 - ``auto`` (the default, also when unset or empty): in the background. The first chunk of a kernel queues it for
   the background compiler and runs eagerly, as does every chunk of that kernel until it is compiled and loaded: the
-  worker saves the compiled kernel whole (:mod:`hf_optim.kernels.torch_path.compiled_artifact`), a thread of the
-  training process loads it beside the steps, and from then on the steps use it. A short run never waits for a
-  compiler or a load.
+  worker saves the compiled kernel whole (:mod:`hf_optim.kernels.torch_path.compiled_artifact`), the training
+  process loads it between two kernel runs (about 0.2 s, in the thread that steps), and from then on the steps use
+  it. A short run never waits for a compiler.
 - ``1``: before the first step that needs it, which waits for the compilation.
 - ``0``: never; every step runs eagerly (no C++ compiler needed).
 
@@ -36,22 +36,26 @@ Why a process and not a thread of the training process: dynamo and inductor runn
 changed the training thread's results (measured on the quickstart: the losses left the eager run's from step 5 on;
 dynamo also sets the process's random state back after tracing). In a separate process they touch none of the
 training's state: the quickstart with ``auto`` prints the eager run's losses bit for bit, the mid-run switch
-included. What the training process does itself is load the saved kernel, in a thread beside the steps
-(:mod:`hf_optim.kernels.torch_path.compiled_artifact`: no tracing, so no random state is touched; the quickstart's
-losses are still the eager run's bit for bit, warm cache and cold); only where torch cannot save a compiled function
-does it compile from inductor's warm cache in the training thread, between two steps (1-3 s).
+included. What the training process does itself is load the saved kernel, in the thread that steps, between two
+kernel runs (:mod:`hf_optim.kernels.torch_path.compiled_artifact`: no tracing, so no random state is touched; no
+thread of hf_optim's runs beside the user's, so nothing races the user's Python); only where torch cannot save a
+compiled function does it compile from inductor's warm cache in the training thread, between two steps (1-3 s).
 
 The background worker compiles exactly what the training process compiles afterwards (:func:`_run_probe`: the same
 compiled function and code object name, probe inputs, dynamic marks, options and thread count), so the key of
 inductor's cache is the same.
 
 One graph per kernel: a kernel (:class:`Kernel`: rule, slot layouts, output mode, parameter and gradient dtypes,
-stochastic rounding) is compiled once, on probe inputs of :data:`PROBE_BLOCKS` blocks whose block dimension is marked
-dynamic, so every chunk length from 2 blocks up shares the graph from the start (a chunk of one block runs eagerly:
-dynamo would specialize a dimension of size 1). The calls pass aliases of their tensors that start at storage offset
-0 and are not views (:func:`canonical`, a DLPack round trip: no copy): dynamo guards on where a view starts and on the
-shape of the tensor it views, and would compile again for the first chunk of a buffer, for a tensor updated in place
-rather than gathered, and so on. The OpenMP thread count is part of a graph's guards too: the one-thread variant that
+stochastic rounding, and which stacked slots are slices of longer rows) is compiled once, on probe inputs of
+:data:`PROBE_BLOCKS` blocks whose block dimension is marked dynamic and whose layout is the calls' (a stacked slot is
+contiguous where its buffer is one chunk long, strided where it is longer), so every chunk length from 2 blocks up
+shares the graph from the start (a chunk of one block runs eagerly: dynamo would specialize a dimension of size 1).
+The calls pass aliases of their tensors that start at storage offset 0, are not views and have standard strides where
+they are contiguous (:func:`canonical`, a DLPack round trip: no copy): dynamo guards on where a view starts, on the
+shape of the tensor it views and on the stride of a dimension of size 1, and would compile again for the first chunk
+of a buffer, for a tensor updated in place rather than gathered, and so on. A saved kernel whose guards still refuse
+a call (a layout its probe did not have) never raises: that call runs eagerly, with the same results, and one
+WARNING says so. The OpenMP thread count is part of a graph's guards too: the one-thread variant that
 :mod:`hf_optim.kernels.torch_path.cpu_threads` may ask for is a second graph, compiled the same way when it is asked
 for.
 
@@ -158,6 +162,10 @@ class Kernel:
     param_dtype: torch.dtype
     grad_dtype: torch.dtype
     stochastic: bool
+    spread: tuple[bool, ...]
+    """Per slot: whether its raw tensors are not contiguous, because the slot stacks rows (AdEMAMix's two EMAs) and
+    the call's chunk is a slice of longer rows. The compiled graph's guards tell the two layouts apart (a stacked slot
+    whose buffer is one chunk long is contiguous), so each is a kernel of its own, compiled on probes of its layout."""
 
     def describe(self) -> str:
         """``adamw_rule, blockwise8 + blockwise8 state, float32 parameters`` (for the log lines: each slot's format by
@@ -166,6 +174,8 @@ class Kernel:
         text = f"{getattr(self.rule, '__name__', 'rule')}, {state} state, {str(self.param_dtype)[6:]} parameters"
         if self.grad_dtype != self.param_dtype:
             text += f" ({str(self.grad_dtype)[6:]} gradients)"
+        if any(self.spread):
+            text += ", rows of a longer buffer"
         return text + (", stochastic rounding" if self.stochastic else "")
 
 
@@ -176,13 +186,36 @@ def kernel_of(rule: Callable, layouts: Sequence[SlotLayout], param: torch.Tensor
     for layout in layouts:
         rows.append(tensors[index].shape[0])
         index += layout.width
-    return Kernel(rule, tuple(layouts), tuple(rows), out is not None, param.dtype, grad.dtype, stochastic is not None)
+    return Kernel(rule, tuple(layouts), tuple(rows), out is not None, param.dtype, grad.dtype, stochastic is not None,
+                  spread_slots(layouts, tensors))
+
+
+def spread_slots(layouts: Sequence[SlotLayout], tensors: Sequence[torch.Tensor]) -> tuple[bool, ...]:
+    """:attr:`Kernel.spread` of a call's raw slot tensors ``tensors`` (in :func:`canonical` form)."""
+    spread, index = [], 0
+    for layout in layouts:
+        spread.append(not all(tensor.is_contiguous() for tensor in tensors[index : index + layout.width]))
+        index += layout.width
+    return tuple(spread)
+
+
+def _standard_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def canonical(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` itself, or, for a view or a tensor that does not start its storage, an alias of the same memory
-    that does and is not a view (a DLPack round trip: no copy; the alias keeps ``tensor`` alive)."""
-    if tensor._base is None and tensor.storage_offset() == 0:
+    """``tensor`` itself, or an alias of the same memory (no copy; it keeps ``tensor`` alive) that starts its storage,
+    is not a view and, when contiguous, has the standard strides: dynamo guards on where a view starts, on the shape
+    of the tensor it views, and on the stride of a dimension of size 1 (a single row of a longer buffer keeps the
+    buffer's row stride), none of which changes the values."""
+    contiguous = tensor.is_contiguous()
+    if contiguous and tensor.stride() != _standard_strides(tensor.shape):
+        tensor = tensor.as_strided(tensor.shape, _standard_strides(tensor.shape), tensor.storage_offset())
+    elif tensor._base is None and tensor.storage_offset() == 0:
         return tensor
     return from_dlpack(to_dlpack(tensor))
 
@@ -209,8 +242,8 @@ class _Entry:
     key: torch.Tensor | None = None
     warmups: dict[int, QueuedCompile] = field(default_factory=dict)  # thread count -> its request to the worker
     threads: cpu_threads.ThreadChoice | None = None
-    loading: dict[int, compiled_artifact.Loading] = field(default_factory=dict)  # thread count -> saved kernel
     loaded: dict[int, Callable] = field(default_factory=dict)  # thread count -> the saved kernel, loaded
+    misfits: int = 0  # calls whose tensors the loaded kernel's guards refused (they ran eagerly)
     _compiled: Callable | None = None
 
     @property
@@ -238,7 +271,6 @@ def _after_fork_in_child() -> None:
     for entry in _entries.values():
         entry.pending.clear()
         entry.warmups = {}
-        entry.loading = {}  # its thread is the parent's
     _requests.clear()
     _spawned.clear()
 
@@ -264,8 +296,9 @@ def _set_probe(kernel: Kernel, entry: _Entry, hyper: tuple, key: torch.Tensor | 
 
 def _probe_factory(kernel: Kernel, hyper: tuple, key: torch.Tensor | None) -> Callable[[int], tuple]:
     """A function of a block count that makes probe arguments for ``kernel``: zeroed parameters, gradients, output
-    and flat state buffers (three chunks long, the chunk in the middle, as the real buffers are longer than a
-    chunk), the formats' shared maps and tables, ``hyper`` and the rounding ``key``."""
+    and flat state buffers laid out as the calls' are (:attr:`Kernel.spread`: a spread slot's chunk is the middle
+    one of a buffer three chunks long, another slot's buffer is the chunk), the formats' shared maps and tables,
+    ``hyper`` and the rounding ``key``."""
     device = torch.device("cpu")
 
     def make(blocks: int) -> tuple:
@@ -274,10 +307,12 @@ def _probe_factory(kernel: Kernel, hyper: tuple, key: torch.Tensor | None) -> Ca
         grad = torch.zeros(shape, dtype=kernel.grad_dtype)
         out = torch.zeros(shape) if kernel.has_out else None
         tensors = []
-        for layout, rows in zip(kernel.layouts, kernel.rows):
-            n = blocks * BLOCK_SIZE
-            buffers = layout.format.flat_buffers(rows, 3 * n, layout.signed, device, zeroed_buffer)
-            tensors += [canonical(t) for t in layout.format.kernel_chunk(buffers, n, 2 * n, layout.signed, device)]
+        n = blocks * BLOCK_SIZE
+        for layout, rows, spread in zip(kernel.layouts, kernel.rows, kernel.spread):
+            length, start = (3 * n, n) if spread else (n, 0)
+            buffers = layout.format.flat_buffers(rows, length, layout.signed, device, zeroed_buffer)
+            chunk = layout.format.kernel_chunk(buffers, start, start + n, layout.signed, device)
+            tensors += [canonical(t) for t in chunk]
         stochastic = (torch.zeros(blocks, dtype=torch.int64), key) if kernel.stochastic else None
         return param, grad, out, tensors, hyper, stochastic
 
@@ -304,18 +339,19 @@ def _what(kernel: Kernel, entry: _Entry, threads: int) -> str:
     return kernel.describe() + (", 1 thread (the machine is busy)" if variant else "")
 
 
-def _announce(kernel: Kernel, entry: _Entry, threads: int, how: str) -> None:
-    """The log line that says a compilation (``how``: ``here`` or ``background``) or a load (``load``) starts."""
-    meanwhile = f"the {max(entry.ready)}-thread kernel" if threads == 1 and entry.ready else "eagerly"
-    hint = ""
+def _hint(entry: _Entry, threads: int) -> str:
+    """What the log lines of a one-thread variant add where waiting OpenMP threads spin."""
     if threads == 1 and entry.ready and cpu_threads.spinning_waits():
-        hint = (f"; {cpu_threads.WAIT_POLICY_ENV}=PASSIVE, set before Python starts, runs the kernel with all threads "
+        return (f"; {cpu_threads.WAIT_POLICY_ENV}=PASSIVE, set before Python starts, runs the kernel with all threads "
                 "2-3x faster than with one on a busy machine")
+    return ""
+
+
+def _announce(kernel: Kernel, entry: _Entry, threads: int, how: str) -> None:
+    """The log line that says a compilation (``how``: ``here`` or ``background``) starts."""
+    meanwhile = f"the {max(entry.ready)}-thread kernel" if threads == 1 and entry.ready else "eagerly"
+    hint = _hint(entry, threads)
     what = _what(kernel, entry, threads)
-    if how == "load":
-        logger.info("loading the optimizer's CPU kernel for %s, compiled before (cached in %s%s); the steps run %s "
-                    "until it is loaded", what, cache_location(), hint, meanwhile)
-        return
     where = f" in a background process; the steps run {meanwhile} until it is ready" if how == "background" else ""
     logger.info("compiling the optimizer's CPU kernel for %s%s (once, cached in %s%s)", what, where, cache_location(),
                 hint)
@@ -479,9 +515,9 @@ def kernel_key(kernel: Kernel, threads: int) -> str:
     # used, so the same kernel pickled differently in the process that ran it and in a fresh one.
     rule = f"{getattr(kernel.rule, '__module__', '')}.{getattr(kernel.rule, '__qualname__', kernel.rule)}"
     layouts = [(layout.format.name, layout.format.bits, layout.signed) for layout in kernel.layouts]
-    described = (rule, layouts, kernel.rows, kernel.has_out, str(kernel.param_dtype), str(kernel.grad_dtype),
-                 kernel.stochastic, threads, torch.__version__, sorted(INDUCTOR_OPTIONS.items()),
-                 compiled_artifact.FORMAT if compiled_artifact.supported() else None)
+    described = (rule, layouts, kernel.rows, kernel.spread, kernel.has_out, str(kernel.param_dtype),
+                 str(kernel.grad_dtype), kernel.stochastic, threads, torch.__version__,
+                 sorted(INDUCTOR_OPTIONS.items()), compiled_artifact.FORMAT if compiled_artifact.supported() else None)
     digest = hashlib.sha256(repr(described).encode())
     for module in sorted({elementwise.__name__, getattr(kernel.rule, "__module__", None) or ""}):
         source = getattr(sys.modules.get(module), "__file__", None)
@@ -533,8 +569,8 @@ def _compile(kernel: Kernel, entry: _Entry, threads: int, background: float | No
 
 
 def _finish(kernel: Kernel, entry: _Entry, threads: int, block: bool) -> None:
-    """If the background worker is done with ``kernel`` for ``threads`` threads (``block``: wait for it), load its
-    result: compile in this thread from the warm cache, or warn with its error."""
+    """If the background worker is done with ``kernel`` for ``threads`` threads (``block``: wait for it), take its
+    result: load the kernel it saved (else compile it from the warm cache) in this thread, or warn with its error."""
     warmup = entry.warmups.get(threads)
     if warmup is None:
         return
@@ -546,62 +582,48 @@ def _finish(kernel: Kernel, entry: _Entry, threads: int, block: bool) -> None:
     error = "" if status == 0 else warmup.error()
     warmup.close()
     if status == 0:
-        if not _start_loading(kernel, entry, threads, background=seconds):
+        if not _load(kernel, entry, threads, background=seconds):
             _compile(kernel, entry, threads, background=seconds)
         return
     entry.pending.discard(threads)
     _fail(kernel, entry, threads, error or f"the compiler process exited with status {status}")
 
 
-def _start_loading(kernel: Kernel, entry: _Entry, threads: int, background: float | None = None,
-                   marker: Path | None = None) -> bool:
+def _load(kernel: Kernel, entry: _Entry, threads: int, background: float | None = None,
+          marker: Path | None = None) -> bool:
     """The background worker has compiled ``kernel`` for ``threads`` threads into the cache (``background``: the
-    seconds since it was queued, None when an earlier process's worker did): start loading the kernel it saved,
-    beside the steps, which run eagerly until it is loaded (:func:`_take_loaded`); False where it saved none (this
-    torch cannot, or the file is gone): the caller then compiles it from inductor's cache in this thread. ``marker``:
-    the kernel's warm marker when the caller has it (its name digests source files)."""
+    seconds since it was queued, None when an earlier process's worker did): load the kernel it saved, here, in the
+    thread that steps (:func:`compiled_artifact.load`), and run on it from now on. False where there is none to load
+    (this torch cannot save one, or the file is gone) or it failed to load: the caller then compiles the kernel from
+    inductor's cache in this thread. ``marker``: the kernel's warm marker when the caller has it."""
     marker = marker or warm_marker(kernel, threads)
     path = None if marker is None else compiled_artifact.path_beside(marker)
     if path is None or not (compiled_artifact.supported() and path.exists()):
         return False
-    entry.loading[threads] = compiled_artifact.Loading(path, INDUCTOR_OPTIONS, background,
-                                                       before=_import_cpp_extension_quietly)
+    loaded = compiled_artifact.load(path, INDUCTOR_OPTIONS, before=_import_cpp_extension_quietly)
+    if loaded.function is None:
+        logger.debug("loading the saved CPU kernel %s failed (%s); compiling it from the cache", path, loaded.error)
+        return False
+    what = _what(kernel, entry, threads) + _hint(entry, threads)
+    entry.loaded[threads] = loaded.function
+    entry.ready.add(threads)
+    entry.pending.discard(threads)
+    if background is not None:
+        logger.info("compiled the optimizer's CPU kernel for %s in %.1f s (in a background process; loaded in "
+                    "%.1f s)", what, background, loaded.seconds)
+    else:
+        logger.info("loaded the optimizer's CPU kernel for %s, compiled before, in %.1f s", what, loaded.seconds)
     return True
 
 
-def _take_loaded(kernel: Kernel, entry: _Entry, threads: int, block: bool) -> None:
-    """If the saved kernel for ``threads`` threads has loaded (``block``: wait for it), run on it from now on; if it
-    failed to load, compile the kernel from inductor's cache in this thread instead."""
-    loading = entry.loading[threads]
-    if not (loading.wait() if block else loading.done()):
-        return
-    del entry.loading[threads]
-    function = loading.result()
-    if function is None:
-        logger.debug("loading the saved CPU kernel %s failed (%s); compiling it from the cache", loading.path,
-                     loading.error)
-        _compile(kernel, entry, threads, background=loading.background)
-        return
-    what = _what(kernel, entry, threads)
-    entry.loaded[threads] = function
-    entry.ready.add(threads)
-    entry.pending.discard(threads)
-    if loading.background is not None:
-        logger.info("compiled the optimizer's CPU kernel for %s in %.1f s (in a background process; loaded beside "
-                    "the steps in %.1f s)", what, loading.background, loading.seconds)
-    else:
-        logger.info("loaded the optimizer's CPU kernel for %s beside the steps in %.1f s", what, loading.seconds)
-
-
 def _start(kernel: Kernel, entry: _Entry, threads: int) -> None:
-    """Load ``kernel`` for ``threads`` threads beside the steps (a warm marker and a saved kernel), compile it now
+    """Load ``kernel`` for ``threads`` threads now (a warm marker and a saved kernel), compile it now
     (``HF_OPTIM_COMPILE=1``, a warm marker without a saved kernel, or no ``flock`` on this platform) or queue it for
     the background worker, which compiles it into inductor's cache."""
     entry.pending.add(threads)
     marker = warm_marker(kernel, threads) if compile_mode() == "auto" else None
     compiled_before = marker is not None and marker.exists()  # by an earlier process's background worker
-    if compiled_before and _start_loading(kernel, entry, threads, marker=marker):
-        _announce(kernel, entry, threads, "load")
+    if compiled_before and _load(kernel, entry, threads, marker=marker):
         return
     background = compile_mode() != "1" and compile_queue.supported() and not compiled_before
     _announce(kernel, entry, threads, "background" if background else "here")
@@ -619,9 +641,7 @@ def _available(kernel: Kernel, entry: _Entry, threads: int) -> bool:
     """Whether ``kernel``'s graph for ``threads`` threads can run now; starts its compilation if it has not."""
     if threads in entry.ready:
         return True
-    if threads in entry.loading:
-        _take_loaded(kernel, entry, threads, block=False)
-    elif threads in entry.pending:
+    if threads in entry.pending:
         _finish(kernel, entry, threads, block=False)
     elif entry.failed is None and entry.probe is not None:
         _start(kernel, entry, threads)
@@ -639,8 +659,6 @@ def prepare(kernel: Kernel, hyper: tuple, key: torch.Tensor | None, elements: in
     if _available(kernel, entry, threads) or elements <= EAGER_WHILE_COMPILING:
         return
     _finish(kernel, entry, threads, block=True)
-    if threads in entry.loading:
-        _take_loaded(kernel, entry, threads, block=True)
 
 
 def run_compiled(rule, layouts, param, grad, out, tensors, hyper, stochastic=None, kernel: Kernel | None = None
@@ -656,9 +674,34 @@ def run_compiled(rule, layouts, param, grad, out, tensors, hyper, stochastic=Non
     if not _available(kernel, entry, threads):
         return False
     stochastic = None if stochastic is None else (canonical(stochastic[0]), canonical(stochastic[1]))
-    entry.function(threads)(rule, kernel.layouts, canonical(param), canonical(grad),
-                            None if out is None else canonical(out), [canonical(t) for t in tensors], hyper, stochastic)
+    args = (rule, kernel.layouts, canonical(param), canonical(grad), None if out is None else canonical(out),
+            [canonical(t) for t in tensors], hyper, stochastic)
+    function = entry.function(threads)
+    try:
+        function(*args)
+    except RuntimeError:
+        if not _refused_by_guards(function, args):
+            raise
+        _misfit(kernel, entry)
+        return False
     return True
+
+
+def _refused_by_guards(function: Callable, args: tuple) -> bool:
+    """Whether a loaded kernel's guards refuse ``args``: it then raised before running anything (torch's saved
+    functions check their guards first and raise where ``torch.compile`` would compile again)."""
+    guard_check = getattr(function, "guard_check", None)
+    return guard_check is not None and not guard_check(*args)
+
+
+def _misfit(kernel: Kernel, entry: _Entry) -> None:
+    """A loaded kernel's guards refused a call's tensors (its probe did not have their layout): the call runs
+    eagerly, with the same results; warn once per kernel, since every such call is slower."""
+    entry.misfits += 1
+    if entry.misfits == 1:
+        logger.warning("the compiled CPU kernel for %s does not fit some of its calls' tensors; those calls run "
+                       "eagerly (same results, slower). Please report it to hf_optim with this line.",
+                       kernel.describe())
 
 
 def threads_for(kernel: Kernel) -> int | None:
@@ -690,8 +733,6 @@ def wait(timeout: float | None = None) -> bool:
         for kernel, entry in list(_entries.items()):
             for threads in list(entry.warmups):
                 _finish(kernel, entry, threads, block=False)
-            for threads in list(entry.loading):
-                _take_loaded(kernel, entry, threads, block=False)
         if not any(entry.pending for entry in list(_entries.values())):
             return True
         if deadline is not None and time.monotonic() > deadline:

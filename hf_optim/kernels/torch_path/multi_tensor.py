@@ -305,8 +305,11 @@ def step_run(
     p_zeros, g_zeros = scratch.zeros(p_dtype, device), scratch.zeros(g_dtype, device)
     kernel = threads = None
     if device.type == "cpu" and compile_enabled():
+        # A stacked slot's chunks are slices of longer rows unless one chunk is the whole buffer (then it is the only
+        # chunk): the first chunk's layout is every chunk's.
+        spread = cpu_compile.spread_slots(flat.layouts, flat.chunk(chunks[0].start, chunks[0].stop))
         kernel = cpu_compile.Kernel(rule, tuple(flat.layouts), tuple(spec.rows for spec in flat.specs),
-                                    out is not None, p_dtype, g_dtype, stream is not None and out is None)
+                                    out is not None, p_dtype, g_dtype, stream is not None and out is None, spread)
         cpu_compile.prepare(kernel, hyper_t, stream.key if kernel.stochastic else None,
                             sum(chunk.stop - chunk.start for chunk in chunks))
         threads = cpu_compile.threads_for(kernel)
@@ -361,11 +364,14 @@ def step_tensor(
             stochastic = (rounding.tensor_bases(stream.ordinal, 0, n, False, param.device), stream.key)
         elementwise.update(rule, layouts, param, grad, out, tensors, hyper_t, stochastic)
         return
-    if whole >= 2 * BLOCK_SIZE and param.device.type == "cpu" and compile_enabled():
-        kernel = cpu_compile.Kernel(rule, tuple(layouts), tuple(raw[0].shape[0] for raw in raws), out is not None,
-                                    param.dtype, grad.dtype, stream is not None and out is None)
-        cpu_compile.prepare(kernel, hyper_t, stream.key if kernel.stochastic else None, whole)
     chunk_elements = CHUNK if param.device.type == "cpu" else DEVICE_CHUNK
+    if whole >= 2 * BLOCK_SIZE and param.device.type == "cpu" and compile_enabled():
+        first = [t for layout, raw in zip(layouts, raws)
+                 for t in layout.format.slice_raw(raw, 0, min(chunk_elements, whole), True)]
+        kernel = cpu_compile.Kernel(rule, tuple(layouts), tuple(raw[0].shape[0] for raw in raws), out is not None,
+                                    param.dtype, grad.dtype, stream is not None and out is None,
+                                    cpu_compile.spread_slots(layouts, first))
+        cpu_compile.prepare(kernel, hyper_t, stream.key if kernel.stochastic else None, whole)
     for start in [*range(0, whole, chunk_elements), *([whole] if whole < n else [])]:
         block_form = start < whole
         stop = min(start + chunk_elements, whole) if block_form else n
