@@ -5,9 +5,9 @@ How ZeRO partitions (DeepSpeed 0.19, ``runtime/zero/stage_1_and_2.py``, ``runtim
 
 - ZeRO-1 and ZeRO-2 flatten each param group's parameters into one buffer, pad it to a multiple of the
   data-parallel size and cut it into equal parts, one per rank; each group's ``params`` becomes that rank's part
-  as one 1-D fp32 tensor (``single_partition_of_fp32_groups``; ZeRO-1 with bf16 runs ``BF16_Optimizer``, which
-  does the same). A part holds the tail of one tensor, whole tensors and the head of the next; a tensor can
-  straddle two ranks.
+  as one 1-D fp32 tensor (``single_partition_of_fp32_groups``; the ZeRO-1 DeepSpeed picks for bf16 weights with
+  fp32 gradient accumulation, ``BF16_Optimizer``, hands over flat partitions too). A part holds the tail of one
+  tensor, whole tensors and the head of the next; a tensor can straddle two ranks.
 - ZeRO-3 cuts every parameter into equal pieces, one per rank, and hands the optimizer the concatenation of this
   rank's pieces (``fp32_partitioned_groups_flat``): every tensor is split across all ranks.
 

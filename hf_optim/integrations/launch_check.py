@@ -47,7 +47,8 @@ def unapplied_sharding(args: Any, model: nn.Module | None, world_size: int) -> s
     if where is None or model is None or fsdp_applied(model):
         return None
     count = sum(p.numel() for p in model.parameters())
-    devices = "/".join(sorted({p.device.type for p in model.parameters()})) or "cpu"
-    return (f"FSDP was asked for by {where} but did not take effect: no parameter is sharded (accelerate applies "
-            f"FSDP to GPU processes only; these run on {devices}), so each of the {world_size} processes holds and "
-            f"steps all {count:,} parameters, as under DDP")
+    devices = {p.device.type for p in model.parameters()}
+    why = "accelerate applies FSDP to GPU processes only, and these run on the CPU" if devices <= {"cpu"} \
+        else "the model was not wrapped"
+    return (f"FSDP was asked for by {where} but did not take effect: no parameter is sharded ({why}), so each of "
+            f"the {world_size} processes holds and steps all {count:,} parameters, as under DDP")
