@@ -181,22 +181,19 @@ def refusals() -> dict:
     results = {}
     with launched_with(CONFIGS / "deepspeed_zero2.yaml"):
         for name in REFUSED:
-            trainer = make_trainer(out, name, bf16=True)
-            try:
-                trainer.train()
-                results[name] = {"steps": trainer.state.global_step}
-            except ValueError as error:
-                results[name] = {"error": str(error), "type": type(error).__name__,
-                                 "steps": trainer.state.global_step}
+            results[name] = attempt(make_trainer(out, name, bf16=True))
     with launched_with(CONFIGS / "deepspeed_zero2_offload.yaml", edit=lambda c: c.pop("zero_force_ds_cpu_optimizer")):
-        trainer = make_trainer(out, "adamw_8bit", bf16=False)
-        try:
-            trainer.train()
-            results["offload_replaced"] = {"steps": trainer.state.global_step}
-        except ValueError as error:
-            results["offload_replaced"] = {"error": str(error), "type": type(error).__name__,
-                                           "steps": trainer.state.global_step}
+        results["offload_replaced"] = attempt(make_trainer(out, "adamw_8bit", bf16=False))
     return results
+
+
+def attempt(trainer) -> dict:
+    """Train, and record the error that stopped it and how many steps had run."""
+    try:
+        trainer.train()
+        return {"steps": trainer.state.global_step}
+    except ValueError as error:
+        return {"error": str(error), "type": type(error).__name__, "steps": trainer.state.global_step}
 
 
 def cli(argv: list[str]) -> dict:
