@@ -157,7 +157,8 @@ def _type_name(annotation: Any) -> str:
 
 
 def check_value(annotation: Any, value: Any) -> tuple[bool, Any]:
-    """(ok, value) for ``value`` against ``annotation``. Number strings YAML left unparsed (``2e-4``) come back
+    """(ok, value) for ``value`` against ``annotation``, as pydantic's lax mode reads it, except that a boolean is
+    no number (``learning_rate: yes`` is refused, not 1.0). Number strings YAML left unparsed (``2e-4``) come back
     converted; any other value comes back unchanged."""
     adapter = _adapter(annotation) if annotation is not None else None
     if adapter is None:
@@ -168,9 +169,29 @@ def check_value(annotation: Any, value: Any) -> tuple[bool, Any]:
         return False, value
     except Exception:  # a validator that cannot run on this value: leave it to the class
         return True, value
+    if isinstance(value, bool) and not isinstance(converted, bool):
+        return False, value  # pydantic's lax mode would make it 0 or 1
     if isinstance(value, str) and type(converted) in (int, float, bool):
         return True, converted
     return True, value
+
+
+def read_by_type(annotation: Any, value: Any, written: Any = None) -> tuple[bool, Any]:
+    """(ok, value) as :func:`check_value`, for a value that YAML may have read as a boolean from a word
+    (``written``: the value with that word, :meth:`RawRecipe.as_written`; None if there is none): a field that
+    takes the boolean gets it (a bool field, an untyped one), one that refuses it but takes the word gets the word
+    (a string or an enum: ``save_strategy: no`` is ``"no"``, not ``False``)."""
+    ok, converted = check_value(annotation, value)
+    if ok or written is None:
+        return ok, converted
+    ok, converted = check_value(annotation, written)
+    return (True, converted) if ok else (False, value)
+
+
+def _type_issue(raw: RawRecipe, path: str, annotation: Any, value: Any) -> RecipeIssue:
+    written = raw.as_written(path, value)
+    got = repr(written) if isinstance(written, str) else f"{type(value).__name__} {value!r}"
+    return RecipeIssue(raw.origin(path), path, f"expected {_type_name(annotation)}, got {got}")
 
 
 def _check_pass_through(raw: RawRecipe, name: str, values: dict, target: Target, issues: list[RecipeIssue],
@@ -194,10 +215,9 @@ def _check_pass_through(raw: RawRecipe, name: str, values: dict, target: Target,
         if (name, key) in AUTO_KEYS and value == "auto":
             checked[key] = value
             continue
-        ok, converted = check_value(accepted[key], value)
+        ok, converted = read_by_type(accepted[key], value, raw.as_written(path, value))
         if not ok:
-            issues.append(RecipeIssue(raw.origin(path), path,
-                                      f"expected {_type_name(accepted[key])}, got {type(value).__name__} {value!r}"))
+            issues.append(_type_issue(raw, path, accepted[key], value))
             continue
         checked[key] = converted
     return checked
@@ -207,11 +227,17 @@ def _check_own(raw: RawRecipe, name: str, values: dict, model: type[BaseModel], 
     known = list(model.model_fields)
     clean = {}
     for key, value in values.items():
+        path = f"{name}.{key}" if name else str(key)
         if key not in model.model_fields:
-            path = f"{name}.{key}" if name else str(key)
             issues.append(RecipeIssue(raw.origin(path), path, f"unknown key{did_you_mean(str(key), known)}"))
-        else:
-            clean[key] = value
+            continue
+        if isinstance(value, bool):  # a string field keeps the word YAML read; a number field refuses it
+            annotation = model.model_fields[key].annotation
+            ok, value = read_by_type(annotation, value, raw.as_written(path, value))
+            if not ok:
+                issues.append(_type_issue(raw, path, annotation, value))
+                continue
+        clean[key] = value
     try:
         return model.model_validate(clean)
     except ValidationError as exc:
