@@ -591,7 +591,8 @@ def quick_checks(args) -> None:
         smoke = args.smoke or os.environ.get("HF_OPTIM_SMOKE", "0") not in ("", "0")  # smoke.smoke_requested's rule
         plain_run = args.verb == "train" and not args.sweep and args.resume is None and not args.overwrite \
             and not args.random_weights  # which goes to its own directory
-        quick_check(args.recipe, args.overrides, smoke, train_into=args.output_dir if plain_run else False)
+        quick_check(args.recipe, args.overrides, smoke, train_into=args.output_dir if plain_run else False,
+                    as_given=not getattr(args, "random_weights", False))
     elif args.verb in ("plot", "compare"):
         from hf_optim.monitor.runfiles import load_run
 
