@@ -214,7 +214,7 @@ def _uncut_table(title: str, columns: list[tuple[str, str]], rows: list[tuple[st
 
 def _print_fit(recipe, card_bytes: int, console) -> int:
     """The --fit table: every setup that fits, ranked, with its largest batch; or why nothing does."""
-    from hf_optim.recipes.fit import gib, nothing_fits_message, plan, state_label
+    from hf_optim.recipes.fit import gib, nothing_fits_message, plan, release_note, state_label
 
     try:
         result = plan(recipe, card_bytes)
@@ -260,6 +260,9 @@ def _print_fit(recipe, card_bytes: int, console) -> int:
                   "state is in CUDA managed memory, which stays on the GPU while there is room and moves to host "
                   "memory when the GPU is short (steps slow down then); the plan counts it as off the GPU. ckpt: "
                   "activation (gradient) checkpointing", highlight=False)
+    note = release_note(result)
+    if note:
+        console.print(note, highlight=False)
     for assumption in result.assumptions:
         console.print(f"assumption: {assumption}", highlight=False)
     return 0
@@ -602,7 +605,8 @@ def quick_checks(args) -> None:
         smoke = args.smoke or os.environ.get("HF_OPTIM_SMOKE", "0") not in ("", "0")  # smoke.smoke_requested's rule
         plain_run = args.verb == "train" and not args.sweep and args.resume is None and not args.overwrite \
             and not args.random_weights  # which goes to its own directory
-        quick_check(args.recipe, args.overrides, smoke, train_into=args.output_dir if plain_run else False)
+        quick_check(args.recipe, args.overrides, smoke, train_into=args.output_dir if plain_run else False,
+                    as_given=not getattr(args, "random_weights", False))
     elif args.verb in ("plot", "compare"):
         from hf_optim.monitor.runfiles import load_run
 

@@ -3,7 +3,7 @@ algorithm x state format, through the phases of ``HF_OPTIM_COMPILE=auto``: eager
 compiles, then loading, then loaded.
 
 A compiled kernel (a saved one above all) guards on its inputs' layout: shapes up to the block count, dtypes,
-contiguity and strides. Its probe (:func:`cpu_compile._probe_factory`) must therefore lay its tensors out as the
+contiguity and strides. Its probe (:func:`cpu_kernel.probe_factory`) must therefore lay its tensors out as the
 calls do, or the loaded kernel refuses the calls (a stacked slot, AdEMAMix's two EMAs, is contiguous where its flat
 buffer is one chunk long and a slice of longer rows where it is longer: the probe once had only the second layout, and
 a saved kernel raised on the first). Compiling every kernel with inductor would take minutes, so the compiler here is
@@ -20,7 +20,7 @@ import pytest
 import torch
 from format_helpers import build
 
-from hf_optim.kernels.torch_path import cpu_compile, cpu_threads, elementwise, multi_tensor
+from hf_optim.kernels.torch_path import cpu_compile, cpu_kernel, cpu_threads, elementwise, multi_tensor
 from hf_optim.optim import registry
 
 SMALL = [(10, 5), (10,)]
@@ -61,16 +61,16 @@ class LayoutChecker:
 
     def __init__(self):
         self.checked = self.probes = 0
-        self.kernels: set[cpu_compile.Kernel] = set()
+        self.kernels: set[cpu_kernel.Kernel] = set()
 
     def twin(self, rule):
         def compiled(rule_, layouts, param, grad, out, tensors, hyper, stochastic=None):
-            kernel = cpu_compile.kernel_of(rule_, layouts, param, grad, out, tensors, stochastic)
+            kernel = cpu_kernel.kernel_of(rule_, layouts, param, grad, out, tensors, stochastic)
             entry = cpu_compile._entries[kernel]
             probe_param, probe_grad, probe_out, probe_tensors, _, probe_stochastic = entry.probe(param.shape[0])
             expected = call_layout(probe_param, probe_grad, probe_out, probe_tensors, probe_stochastic)
             assert call_layout(param, grad, out, tensors, stochastic) == expected, kernel.describe()
-            if param.shape[0] == cpu_compile.PROBE_BLOCKS and not param.any():
+            if param.shape[0] == cpu_kernel.PROBE_BLOCKS and not param.any():
                 self.probes += 1  # the compilation itself, on the probe
             else:
                 self.checked += 1

@@ -23,8 +23,10 @@ import hf_optim
 from hf_optim import formats
 from hf_optim.kernels.torch_path import (
     compile_queue,
+    compile_requests,
     compiled_artifact,
     cpu_compile,
+    cpu_kernel,
     cpu_threads,
     elementwise,
     multi_tensor,
@@ -311,12 +313,12 @@ def test_compile_mode_0_never_compiles(stand_in, monkeypatch):
 def test_canonical_alias_shares_memory_starts_at_offset_zero_and_is_not_a_view():
     buffer = torch.zeros(2, 4096)
     view = buffer[1, 512:1024].view(-1, 256)
-    alias = cpu_compile.canonical(view)
+    alias = cpu_kernel.canonical(view)
     assert alias.storage_offset() == 0 and alias._base is None and alias.stride() == view.stride()
     alias.fill_(3.0)
     assert buffer[1, 512:1024].eq(3.0).all() and buffer[1, 511] == 0 and buffer[1, 1024] == 0
     plain = torch.zeros(4)
-    assert cpu_compile.canonical(plain) is plain
+    assert cpu_kernel.canonical(plain) is plain
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -647,10 +649,10 @@ def test_a_real_background_process_warms_the_cache_and_this_process_then_loads_i
     assert sorted(kernel.spread for kernel in kernels) == [(False, False), (True, False)]
     assert [set(entry.loaded) for entry in cpu_compile._entries.values()] == [{threads}, {threads}]
     assert not any(entry.misfits for entry in cpu_compile._entries.values())
-    queue = cpu_compile.queue().directory
+    queue = compile_requests.queue().directory
     assert {path.suffix for path in queue.iterdir()} <= {".lock", ".log"}  # no job or request left in the queue
     for kernel in kernels:  # what it leaves for later processes: the marker and the saved kernel beside it
-        marker = cpu_compile.warm_marker(kernel, threads)
+        marker = compile_requests.warm_marker(kernel, threads)
         assert marker.exists() and compiled_artifact.path_beside(marker).exists()
 
     # a saved kernel never raises on a call its guards refuse: the contiguous layout's kernel given strided rows
@@ -692,7 +694,7 @@ def test_a_kernel_queued_by_another_process_is_not_queued_again_and_runs_when_it
     monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
     started = []
     monkeypatch.setattr(compile_queue.Queue, "ensure_worker", lambda self, root: started.append(root))
-    monkeypatch.setattr(cpu_compile.QueuedCompile, "CHECK_EVERY_S", 0.0)
+    monkeypatch.setattr(compile_requests.QueuedCompile, "CHECK_EVERY_S", 0.0)
     monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
     warmups = Warmups()  # which kernels these steps need
     with monkeypatch.context() as probe:
@@ -700,8 +702,8 @@ def test_a_kernel_queued_by_another_process_is_not_queued_again_and_runs_when_it
         steps(hf_optim.Lion8bit, 1)
     cpu_compile.forget()
     lion8 = next(job[0] for job in warmups.jobs if job[0].layouts[0].format.bits == 8)
-    key = cpu_compile.kernel_key(lion8, torch.get_num_threads())
-    queue = cpu_compile.queue()
+    key = compile_requests.kernel_key(lion8, torch.get_num_threads())
+    queue = compile_requests.queue()
     other = _other_process_identity()
     queue.directory.mkdir(parents=True)
     (queue.directory / f"{key}.job").write_bytes(b"queued by another process")
@@ -709,7 +711,7 @@ def test_a_kernel_queued_by_another_process_is_not_queued_again_and_runs_when_it
 
     def after_step(step):
         if step == 1:  # the worker compiled the 8-bit kernel
-            marker = cpu_compile.marker_of(key)
+            marker = compile_requests.marker_of(key)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
 
@@ -727,9 +729,9 @@ def test_an_error_of_the_worker_reaches_the_requester_as_one_warning_and_the_ker
     fake = StandIn()
     monkeypatch.setattr(cpu_compile, "_twin", fake.twin)
     monkeypatch.setattr(compile_queue.Queue, "ensure_worker", lambda self, root: None)
-    monkeypatch.setattr(cpu_compile.QueuedCompile, "CHECK_EVERY_S", 0.0)
+    monkeypatch.setattr(compile_requests.QueuedCompile, "CHECK_EVERY_S", 0.0)
     monkeypatch.setenv("HF_OPTIM_COMPILE", "auto")
-    queue = cpu_compile.queue()
+    queue = compile_requests.queue()
 
     def after_step(step):
         if step == 0:  # the worker's part: it takes each job and fails on it
@@ -762,7 +764,7 @@ def test_a_kernel_a_background_process_compiled_before_is_compiled_at_the_first_
     steps(hf_optim.AdamW8bit, 1)  # first run: starts the processes (the fakes never finish)
     assert len(warmups.jobs) == 2
     for kernel, _, _, threads in warmups.jobs:  # what the worker leaves when it succeeds
-        marker = cpu_compile.warm_marker(kernel, threads)
+        marker = compile_requests.warm_marker(kernel, threads)
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
     cpu_compile.forget()
@@ -778,13 +780,13 @@ def test_warm_marker_names_the_same_kernel_alike_in_every_process(tmp_path):
     """The marker's name must not depend on the process (hash randomization, what a format object cached): the
     background process writes it, a later run looks it up."""
     script = ("import torch, hf_optim\nfrom hf_optim import formats\n"
-              "from hf_optim.kernels.torch_path import cpu_compile\n"
+              "from hf_optim.kernels.torch_path import compile_requests, cpu_kernel\n"
               "from hf_optim.optim.lamb import lamb_rule\n"
               "layouts = (formats.SlotLayout(formats.format_named('blockwise8'), True),"
               " formats.SlotLayout(formats.format_named('fp32'), False))\n"
-              "kernel = cpu_compile.Kernel(lamb_rule, layouts, (1, 1), True, torch.float32, torch.float32, False,"
+              "kernel = cpu_kernel.Kernel(lamb_rule, layouts, (1, 1), True, torch.float32, torch.float32, False,"
               " (False, False))\n"
-              "print(cpu_compile.warm_marker(kernel, 2).name)\n")
+              "print(compile_requests.warm_marker(kernel, 2).name)\n")
     names = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                             env={**os.environ, "PYTHONHASHSEED": str(seed), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
                             ).stdout.strip() for seed in (1, 2, 3, 4)}
@@ -796,7 +798,7 @@ def test_the_one_thread_variants_log_line_names_the_passive_wait_policy_unless_i
                                                                                          monkeypatch):
     monkeypatch.setenv(cpu_threads.WAIT_POLICY_ENV, policy)
     layouts = (formats.SlotLayout(formats.format_named("blockwise8"), True),)
-    kernel = cpu_compile.Kernel(adamw_rule, layouts, (1,), False, torch.float32, torch.float32, False, (False,))
+    kernel = cpu_kernel.Kernel(adamw_rule, layouts, (1,), False, torch.float32, torch.float32, False, (False,))
     entry = cpu_compile._Entry(adamw_rule, ready={2})
     cpu_compile._announce(kernel, entry, 1, "background")  # the one-thread variant of a compiled kernel
     cpu_compile._announce(kernel, entry, 2, "background")  # (another count: no variant, no hint)

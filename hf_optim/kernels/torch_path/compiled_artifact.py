@@ -29,7 +29,7 @@ logger = logging.getLogger("hf_optim")
 
 SUFFIX = ".aot"
 FORMAT = 1
-"""Part of a kernel's cache key (``cpu_compile.kernel_key``): a warm marker left by a worker that saved no file, or
+"""Part of a kernel's cache key (``compile_requests.kernel_key``): a warm marker left by a worker that saved no file, or
 an older kind of file, names another key, so the kernel is compiled once more and saved."""
 
 
