@@ -214,7 +214,7 @@ def _uncut_table(title: str, columns: list[tuple[str, str]], rows: list[tuple[st
 
 def _print_fit(recipe, card_bytes: int, console) -> int:
     """The --fit table: every setup that fits, ranked, with its largest batch; or why nothing does."""
-    from hf_optim.recipes.fit import gib, nothing_fits_message, plan, state_label
+    from hf_optim.recipes.fit import gib, nothing_fits_message, plan, release_note, state_label
 
     try:
         result = plan(recipe, card_bytes)
@@ -260,6 +260,9 @@ def _print_fit(recipe, card_bytes: int, console) -> int:
                   "state is in CUDA managed memory, which stays on the GPU while there is room and moves to host "
                   "memory when the GPU is short (steps slow down then); the plan counts it as off the GPU. ckpt: "
                   "activation (gradient) checkpointing", highlight=False)
+    note = release_note(result)
+    if note:
+        console.print(note, highlight=False)
     for assumption in result.assumptions:
         console.print(f"assumption: {assumption}", highlight=False)
     return 0
@@ -296,12 +299,14 @@ def cmd_train(args, console) -> int:
                           "-" if loss is None else f"{loss:.4f}")
         console.print(table)
         if results[-1].status in ("interrupted", "killed"):
-            print(interrupted_line(results[-1], args), file=sys.stderr)
+            if not other_rank():
+                print(interrupted_line(results[-1], args), file=sys.stderr)
             return results[-1].exit_status or EXIT_STATUS
         console.print(f"comparison: {report}")
         return 0 if all(r.status == "ok" for r in results) else 3
     if result.status in ("interrupted", "killed"):
-        print(interrupted_line(result, args), file=sys.stderr)
+        if not other_rank():
+            print(interrupted_line(result, args), file=sys.stderr)
         return result.exit_status or EXIT_STATUS
     if result.status == "oom":
         console.print(f"[red]out of memory[/red]; recorded in {result.output_dir / 'summary.json'}")
@@ -514,22 +519,34 @@ def missing_extra(verb: str) -> str | None:
             f"pip install -e \".[{extra}]\")")
 
 
+def other_rank() -> bool:
+    """Whether this is a process of a multi-process launch (torchrun, ``accelerate launch``, ``deepspeed``) other
+    than rank 0. Every rank runs the same command; rank 0 alone prints its summary (``done:``, ``run directory:``)
+    and its user errors, which the same command line and config raise on every rank alike."""
+    import os
+
+    return os.environ.get("RANK", "0").strip() not in ("", "0")
+
+
 def _console():
-    """A rich console, or None when rich is not installed (only verbs that need no extra get that far)."""
+    """A rich console, or None when rich is not installed (only verbs that need no extra get that far); quiet on
+    ranks other than 0 (:func:`other_rank`)."""
     if importlib.util.find_spec("rich") is None:
         return None
     from rich.console import Console
 
-    console = Console(soft_wrap=True)
+    console = Console(soft_wrap=True, quiet=other_rank())
     if not console.is_terminal:  # piped or captured: no wrapping of table cells at 80 columns
-        console = Console(soft_wrap=True, width=200)
+        console = Console(soft_wrap=True, width=200, quiet=other_rank())
     return console
 
 
 def print_error(exc: BaseException) -> None:
     """A user error on stderr, without a traceback: one line, or a header and one line per problem of a recipe
     with several. Red when stderr is a terminal and rich is installed; never wrapped (a wrapped line breaks
-    mid-phrase and cannot be searched for)."""
+    mid-phrase and cannot be searched for). Rank 0 alone prints it under a multi-process launch."""
+    if other_rank():
+        return
     lines = [line for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
     issues = getattr(exc, "issues", None)  # a RecipeError (not imported here: plot and compare run without pydantic)
     several = issues is not None and len(issues) > 1
@@ -606,7 +623,8 @@ def quick_checks(args) -> None:
         smoke = args.smoke or os.environ.get("HF_OPTIM_SMOKE", "0") not in ("", "0")  # smoke.smoke_requested's rule
         plain_run = args.verb == "train" and not args.sweep and args.resume is None and not args.overwrite \
             and not args.random_weights  # which goes to its own directory
-        quick_check(args.recipe, args.overrides, smoke, train_into=args.output_dir if plain_run else False)
+        quick_check(args.recipe, args.overrides, smoke, train_into=args.output_dir if plain_run else False,
+                    as_given=not getattr(args, "random_weights", False))
     elif args.verb in ("plot", "compare"):
         from hf_optim.monitor.runfiles import load_run
 

@@ -65,7 +65,7 @@ def _seed():
 
 
 SLOWEST_MODULES = ("test_gpu_static", "test_triton_kernels", "test_trl_integration", "test_notebooks",
-                   "test_triton_plans", "test_cli", "test_distributed", "test_torch_contract")
+                   "test_triton_plans", "test_cli", "test_distributed", "test_deepspeed", "test_torch_contract")
 """Modules that take a minute or more on a 2-core CPU (pytest's --durations), run first so that, split across
 workers, the last one to start does not end the run alone; the others keep their file order."""
 MAX_WORKERS = 4

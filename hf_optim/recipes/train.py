@@ -13,6 +13,7 @@ import yaml
 
 from hf_optim.checkpoints import checkpoint_problems, last_complete_checkpoint
 from hf_optim.memory import StateMemory, state_memory
+from hf_optim.monitor.accounting import unwrap_optimizer
 from hf_optim.recipes import rundir
 from hf_optim.recipes.build import build_datasets, build_lora_config, build_model, build_sft_config, build_tokenizer
 from hf_optim.recipes.console import quiet_console, quiet_progress, ticking
@@ -80,8 +81,8 @@ def write_recipe(recipe: Recipe, output_dir: Path) -> Path:
 
 
 def class_path(optimizer: torch.optim.Optimizer) -> str:
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
-    cls = type(inner)
+    """``hf_optim.AdamW8bit``: the class that steps, under accelerate's and DeepSpeed's wrappers."""
+    cls = type(unwrap_optimizer(optimizer))
     module = cls.__module__.split(".")[0]
     return f"{module}.{cls.__qualname__}"
 
@@ -100,11 +101,17 @@ def state_dtypes(optimizer: torch.optim.Optimizer) -> list[tuple[int, str]]:
 def _optimizer_reporter(found: dict):
     from transformers import TrainerCallback
 
+    from hf_optim.integrations.launch_check import unapplied_sharding
+
     class OptimizerReport(TrainerCallback):
         """Logs the optimizer class the Trainer built from ``training.optim`` (at train start; hf_optim's classes
-        log their own line when built) and keeps its state footprint (at train end)."""
+        log their own line when built) and keeps its state footprint (at train end). At train start it also says
+        (rank 0, one line) when the launch asked for FSDP and none applied."""
 
-        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        def on_train_begin(self, args, state, control, optimizer=None, model=None, **kwargs):
+            unapplied = unapplied_sharding(args, model, args.world_size)
+            if unapplied and state.is_world_process_zero:
+                logger.warning("%s", unapplied)
             if optimizer is not None:
                 found["optimizer"] = class_path(optimizer)
                 if not found["optimizer"].startswith("hf_optim."):
@@ -112,7 +119,7 @@ def _optimizer_reporter(found: dict):
                                 found["optimizer"])
 
         def on_train_end(self, args, state, control, optimizer=None, **kwargs):
-            inner = getattr(optimizer, "optimizer", optimizer)
+            inner = unwrap_optimizer(optimizer) if optimizer is not None else None
             if inner is None:
                 return
             found["state"] = state_memory(inner)
