@@ -110,7 +110,10 @@ def random_weights_recipe(raw: RawRecipe, options: RandomWeights) -> RawRecipe:
         origins[path] = "random-weights mode"
     for key in forced:
         origins[f"training.{key}"] = "random-weights mode"
-    return RawRecipe(data, raw.source, origins)
+    replaced = ("data", "model.device_map", *(f"training.{key}" for key in forced))
+    words = {path: word for path, word in raw.bool_words.items()  # the words of the values this mode kept
+             if not any(path == key or path.startswith(key + ".") for key in replaced)}
+    return RawRecipe(data, raw.source, origins, words)
 
 
 def load(name_or_path: str | Path, overrides: list[str] | tuple[str, ...], options: RandomWeights) -> Recipe:

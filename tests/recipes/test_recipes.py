@@ -169,6 +169,13 @@ def test_yaml_boolean_words_are_read_by_the_fields_type(tmp_path):
     assert recipe.training["save_strategy"] == "steps" and recipe.training["use_cpu"] is False
     assert load_recipe(child, ["training.save_strategy=off"]).training["save_strategy"] == "off"
     assert load_recipe(in_file, smoke=True).training["save_strategy"] == "no"  # smoke mode's own, a string
+    # random-weights mode keeps the words of the values it does not replace
+    from hf_optim.recipes.loading import load_raw
+    from hf_optim.recipes.real_shape import RandomWeights, random_weights_recipe
+
+    measured = random_weights_recipe(load_raw(in_file), RandomWeights())
+    assert measured.bool_words == {"training.use_cpu": "yes",  # (eval_strategy is its own "no")
+                                   "logging.monitor": "off", "logging.run_name": "on", "peft.target_modules.1": "on"}
     # a number field refuses a boolean (pydantic's lax mode would make it 1.0), naming the word written
     assert errors_of(in_file, "training.learning_rate=yes", "data.seed=off") == [
         "command line: training.learning_rate: expected float, got 'yes'",
