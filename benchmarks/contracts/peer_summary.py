@@ -10,6 +10,8 @@ Each suite runs once per mode, one after another, in its own pytest process (``r
   the kernels compile in the background and load while the tests step (the path of issue 43's crash);
 - ``0``: ``HF_OPTIM_COMPILE=0``, every step eager.
 
+``--report DIR [DIR ...]`` prints the summary again from the logs and JUnit XML that earlier runs left (runs split
+over several DIRs are put side by side; a run's exit code is then read from its XML: 1 with failures, else 0).
 ``--plain`` adds each suite's baseline (the peer's tests against the peer's own classes, no hf_optim). Each run
 leaves its pytest log and JUnit XML in DIR; the summary (DIR/summary.md, also printed) has the counts, every failure
 only the default mode shows, every failure both modes show and every failure only ``HF_OPTIM_COMPILE=0`` shows,
@@ -103,6 +105,27 @@ def run_suite(suite: str, target: str, mode: str, out: Path, classes: str | None
     return run
 
 
+def load_run(xml: Path) -> Run:
+    """A run from the files an earlier run left: its JUnit XML (outcomes, pytest's own time) and its log."""
+    suite, mode = xml.stem.rsplit("-", 1)
+    outcomes, messages = read_junit(xml)
+    suites = list(ET.parse(xml).getroot().iter("testsuite"))
+    wall = sum(float(node.get("time", 0)) for node in suites)
+    log = xml.with_suffix(".log")
+    internal = log.exists() and "INTERNALERROR" in log.read_text(errors="replace")
+    failed = any(outcome in ("failed", "error") for outcome in outcomes.values())
+    return Run(suite, mode, 1 if failed else 0, wall, outcomes, messages, internal)
+
+
+def report(dirs: list[str]) -> int:
+    runs = [load_run(xml) for folder in dirs for xml in sorted(Path(folder).glob("*-*.xml"))
+            if xml.stem.rsplit("-", 1)[-1] in (*MODES, "plain")]
+    if not runs:
+        raise SystemExit(f"error: no SUITE-MODE.xml in {', '.join(dirs)}: give the --out folders of earlier runs")
+    print(summary(runs, [f"report of {', '.join(dirs)} (pytest's own times)"]))
+    return 0
+
+
 def uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -158,7 +181,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--suites", default=",".join(SUITES), help="which of the given suites to run")
     parser.add_argument("--modes", default=",".join(MODES), help="default, 0 or both (default: both)")
     parser.add_argument("--classes", help="torch suite: representative (default), all, or class names")
+    parser.add_argument("--report", nargs="+", metavar="DIR", help="only print the summary of earlier runs' DIRs")
     args = parser.parse_args(argv)
+    if args.report:
+        return report(args.report)
     targets = {suite: getattr(args, suite) for suite in SUITES}
     wanted = [s.strip() for s in args.suites.split(",") if s.strip()]
     bad = [s for s in wanted if s not in SUITES] + [m for m in args.modes.split(",") if m not in MODES]

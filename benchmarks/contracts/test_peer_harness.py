@@ -98,3 +98,13 @@ def test_the_summary_splits_failures_by_mode(tmp_path):
     assert "test_b" in only_default and "GuardManager" in only_default and "test_c" not in only_default
     assert "t.C::test_c" in text.split("Failures in both modes (1)")[1].split("##")[0]
     assert "| torch | 1 / 2 / 1 (1, 1) | 2 / 1 / 1 (1, 1) |" in text
+
+
+def test_a_report_of_earlier_runs_reads_their_files_back(tmp_path, capsys):
+    (tmp_path / "torch-default.xml").write_text(JUNIT)
+    (tmp_path / "torch-0.xml").write_text(JUNIT.replace("<failure message=\"RuntimeError: GuardManager check\">x"
+                                                        "</failure>", ""))
+    assert peer_summary.main(["--report", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "| torch | 1 / 2 / 1 (1, 0) | 2 / 1 / 1 (1, 0) |" in printed
+    assert "default compile mode only (1)" in printed
