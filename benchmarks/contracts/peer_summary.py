@@ -3,6 +3,7 @@
     python benchmarks/contracts/run_peer_suites.py all --bitsandbytes BNB_CHECKOUT \\
         --transformers TRANSFORMERS_CHECKOUT/tests/trainer/test_trainer_optimizers.py --torch PYTORCH_CHECKOUT \\
         [--out DIR] [--plain] [--suites bitsandbytes,transformers,torch] [--modes default,0] [--classes SET]
+        [--select SUITE=EXPR]
 
 Each suite runs once per mode, one after another, in its own pytest process (``run_peer_suites.py SUITE``):
 
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,7 +78,7 @@ def read_junit(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     return outcomes, messages
 
 
-def run_suite(suite: str, target: str, mode: str, out: Path, classes: str | None) -> Run:
+def run_suite(suite: str, target: str, mode: str, out: Path, classes: str | None, select: str | None = None) -> Run:
     label = f"{suite}-{mode}"
     xml, log = out / f"{label}.xml", out / f"{label}.log"
     env = dict(os.environ)
@@ -91,6 +93,8 @@ def run_suite(suite: str, target: str, mode: str, out: Path, classes: str | None
         command.append("--plain")
     if suite == "torch" and classes:
         command += ["--classes", classes]
+    if select:
+        command += ["-k", select]
     command += [f"--junitxml={xml}", "-rfEs"]
     print(f"[{time.strftime('%H:%M:%S')}] {label}: {' '.join(command[1:])}", flush=True)
     start = time.monotonic()
@@ -164,6 +168,9 @@ def summary(runs: list[Run], load: list[str]) -> str:
         )
         for title, tests, source in sections:
             lines += ["", f"## {suite}: {title} ({len(tests)})", ""]
+            tally = Counter(source.messages.get(test, "")[:80] for test in tests)
+            if len(tests) > 3:
+                lines += [f"by message: {'; '.join(f'{n} x `{text}`' for text, n in tally.most_common())}", ""]
             for test in sorted(tests):
                 mark = " (baseline fails too)" if test in baseline else ""
                 lines.append(f"- `{test}`{mark}: {source.messages.get(test, '')}")
@@ -181,6 +188,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--suites", default=",".join(SUITES), help="which of the given suites to run")
     parser.add_argument("--modes", default=",".join(MODES), help="default, 0 or both (default: both)")
     parser.add_argument("--classes", help="torch suite: representative (default), all, or class names")
+    parser.add_argument("--select", action="append", default=[], metavar="SUITE=EXPR",
+                        help="run only the tests of SUITE that pytest's -k EXPR selects (a partial run: say so)")
     parser.add_argument("--report", nargs="+", metavar="DIR", help="only print the summary of earlier runs' DIRs")
     args = parser.parse_args(argv)
     if args.report:
@@ -197,11 +206,15 @@ def main(argv: list[str]) -> int:
     for suite in chosen:
         if not Path(targets[suite]).exists():
             parser.error(f"--{suite} {targets[suite]} does not exist")
+    select = dict(item.split("=", 1) for item in args.select if "=" in item)
+    if any("=" not in item for item in args.select) or set(select) - set(SUITES):
+        parser.error(f"--select takes SUITE=EXPR with SUITE among {', '.join(SUITES)}")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="peer-suites-"))
     out.mkdir(parents=True, exist_ok=True)
     modes = args.modes.split(",") + (["plain"] if args.plain else [])
     load = [f"start {uptime()}"]
-    runs = [run_suite(suite, targets[suite], mode, out, args.classes) for suite in chosen for mode in modes]
+    runs = [run_suite(suite, targets[suite], mode, out, args.classes, select.get(suite))
+            for suite in chosen for mode in modes]
     load.append(f"end {uptime()}")
     text = summary(runs, load)
     (out / "summary.md").write_text(text)
