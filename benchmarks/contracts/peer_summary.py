@@ -186,7 +186,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", help="where the logs, JUnit XML and summary.md go (default: a new temp dir)")
     parser.add_argument("--plain", action="store_true", help="also each suite's baseline, without hf_optim")
     parser.add_argument("--suites", default=",".join(SUITES), help="which of the given suites to run")
-    parser.add_argument("--modes", default=",".join(MODES), help="default, 0 or both (default: both)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="default, 0, plain (the baseline), separated by commas (default: default,0)")
     parser.add_argument("--classes", help="torch suite: representative (default), all, or class names")
     parser.add_argument("--select", action="append", default=[], metavar="SUITE=EXPR",
                         help="run only the tests of SUITE that pytest's -k EXPR selects (a partial run: say so)")
@@ -196,7 +197,7 @@ def main(argv: list[str]) -> int:
         return report(args.report)
     targets = {suite: getattr(args, suite) for suite in SUITES}
     wanted = [s.strip() for s in args.suites.split(",") if s.strip()]
-    bad = [s for s in wanted if s not in SUITES] + [m for m in args.modes.split(",") if m not in MODES]
+    bad = [s for s in wanted if s not in SUITES] + [m for m in args.modes.split(",") if m not in (*MODES, "plain")]
     if bad:
         parser.error(f"unknown suite or mode {', '.join(bad)}; suites: {', '.join(SUITES)}; modes: "
                      f"{', '.join(MODES)}")
@@ -211,7 +212,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--select takes SUITE=EXPR with SUITE among {', '.join(SUITES)}")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="peer-suites-"))
     out.mkdir(parents=True, exist_ok=True)
-    modes = args.modes.split(",") + (["plain"] if args.plain else [])
+    modes = list(dict.fromkeys(args.modes.split(",") + (["plain"] if args.plain else [])))
     load = [f"start {uptime()}"]
     runs = [run_suite(suite, targets[suite], mode, out, args.classes, select.get(suite))
             for suite in chosen for mode in modes]
