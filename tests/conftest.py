@@ -159,3 +159,19 @@ def launched(monkeypatch):
     for module in (triton_step, triton_lamb):
         monkeypatch.setattr(module, "launch_fused", recording)
     return configs
+
+
+@pytest.fixture
+def small_cpu_kernels(monkeypatch, tmp_path):
+    """The CPU kernels' policy on small tensors: an inductor cache of the test's own, chunks of 2048 elements
+    (tensors from 4096 in place), no one-thread variant however busy the machine, and no kernel left from another
+    test."""
+    from hf_optim.kernels.torch_path import cpu_compile, cpu_threads, multi_tensor
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_threads, "adjustable", lambda: False)
+    monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
+    monkeypatch.setattr(multi_tensor, "IN_PLACE_MIN", 4096)
+    cpu_compile.forget()
+    yield
+    cpu_compile.forget()

@@ -20,7 +20,7 @@ import pytest
 import torch
 from format_helpers import build
 
-from hf_optim.kernels.torch_path import cpu_compile, cpu_kernel, cpu_threads, elementwise, multi_tensor
+from hf_optim.kernels.torch_path import cpu_compile, cpu_kernel, elementwise
 from hf_optim.optim import registry
 
 SMALL = [(10, 5), (10,)]
@@ -137,19 +137,8 @@ def run(cls, fmt, steps, after_step=lambda step: None):
     return params
 
 
-@pytest.fixture
-def small_chunks(monkeypatch, tmp_path):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_threads, "adjustable", lambda: False)
-    monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
-    monkeypatch.setattr(multi_tensor, "IN_PLACE_MIN", 4096)
-    cpu_compile.forget()
-    yield
-    cpu_compile.forget()
-
-
 @pytest.mark.parametrize("family, fmt", CASES)
-def test_every_call_has_its_kernels_probe_layout_through_eager_loading_and_loaded(family, fmt, small_chunks,
+def test_every_call_has_its_kernels_probe_layout_through_eager_loading_and_loaded(family, fmt, small_cpu_kernels,
                                                                                    monkeypatch):
     cls = family.base
     with monkeypatch.context() as eager:

@@ -106,15 +106,9 @@ class Warmups:
 
 
 @pytest.fixture
-def stand_in(monkeypatch, tmp_path):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    # no one-thread variant when the machine is busy (the thread-count choice is tested below, on made-up timings)
-    monkeypatch.setattr(cpu_threads, "adjustable", lambda: False)
-    monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
-    monkeypatch.setattr(multi_tensor, "IN_PLACE_MIN", 4096)
-    cpu_compile.forget()
+def stand_in(small_cpu_kernels):
+    """(no one-thread variant: the thread-count choice is tested below, on made-up timings)"""
     yield
-    cpu_compile.forget()
 
 
 class _LogLines:
