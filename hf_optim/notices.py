@@ -4,11 +4,12 @@ Every mute here is narrow: a filter on one logger that drops the records whose m
 or the lines of a native print that match a known pattern. No logger's level, handlers or propagation change, and
 nothing else that logger or the process prints is hidden.
 
-- :data:`OPTIONAL_KERNEL_NOTICES`: notices about fetching an optional accelerated kernel, when everything works
-  without it (bitsandbytes asks the `kernels` package for one at import on CPUs with AVX512-BF16; both log). ``import
-  hf_optim`` hides them for the rest of the process (:func:`hide_optional_kernel_notices`) unless their logger is set
-  to DEBUG, so that ``hf-optim plot``, ``import hf_optim.monitor`` and a training script do not print them;
-  ``hf-optim train -v`` shows them (:func:`show_optional_kernel_notices`).
+- :data:`OPTIONAL_KERNEL_NOTICES`: notices that optional accelerated code is not there, when everything works
+  without it (bitsandbytes asks the `kernels` package for a CPU kernel at import on CPUs with AVX512-BF16, and both
+  log; DeepSpeed logs one when it finds no GPU, at an import accelerate makes whenever DeepSpeed is installed).
+  ``import hf_optim`` hides them for the rest of the process (:func:`hide_optional_kernel_notices`) unless their
+  logger is set to DEBUG, so that ``hf-optim plot``, ``import hf_optim.monitor`` and a training script do not print
+  them; ``hf-optim train -v`` shows them (:func:`show_optional_kernel_notices`).
 - :func:`native_lines_hidden`: lines a library's C++ side writes straight to file descriptor 2 during a block,
   dropped by pattern; every other line written there meanwhile is printed after the block.
 - :func:`one_line_warnings`: hf_optim's own warnings as one ``[hf_optim] warning: ...`` line instead of Python's
@@ -40,6 +41,10 @@ OPTIONAL_KERNEL_NOTICES = {
     # the publisher, and says so before it looks in its local cache (a kernel there was checked when downloaded).
     # Only that one kernel's notice: any other repository's is the user's concern.
     "kernels._internals.hf_hub": (f"Skipping publisher trust check for '{_BNB_CPU_KERNEL}' ",),
+    # DeepSpeed on a machine where torch finds no GPU: it runs on its CPU accelerator (what a CPU run wants). accelerate
+    # imports DeepSpeed in every Trainer run once it is installed (to recognise its engine), so without this the line
+    # appears in runs that do not use DeepSpeed at all.
+    "DeepSpeed": ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it",),
 }
 """Logger name -> message prefixes of the notices :func:`hide_optional_kernel_notices` hides."""
 

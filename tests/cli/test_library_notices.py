@@ -3,9 +3,10 @@ one logger that drops one known message, never a change of a logger's level, han
 logging as a whole; ``-v`` (and that logger at DEBUG) shows them (:mod:`hf_optim.notices`).
 
 The console check is a fresh process that imports hf_optim, then what a training script imports (transformers'
-Trainer, TRL, peft, bitsandbytes, accelerate, datasets) and asks the `kernels` package for the Hub kernel
-bitsandbytes asks it for. bitsandbytes asks on CPUs with AVX512-BF16 only, so the process asks itself: the `kernels`
-notice is then logged on every machine, and bitsandbytes' own notice on AVX512-BF16 machines.
+Trainer, TRL, peft, bitsandbytes, accelerate, datasets, DeepSpeed where installed) and asks the `kernels` package for
+the Hub kernel bitsandbytes asks it for. bitsandbytes asks on CPUs with AVX512-BF16 only, so the process asks itself:
+the `kernels` notice is then logged on every machine, bitsandbytes' own on AVX512-BF16 machines, and DeepSpeed's
+where torch finds no GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ A_TRAINING_SCRIPTS_IMPORTS = textwrap.dedent("""
     from transformers import Trainer
     from trl import SFTTrainer
     try:
+        import deepspeed  # accelerate imports it in a Trainer run once it is installed (the test extra installs it)
+    except ImportError:
+        pass
+    try:
         from kernels import get_kernel
     except ImportError:  # transformers < 5.25 does not install it
         pass
@@ -79,28 +84,44 @@ def test_no_library_notice_reaches_the_console_and_no_logging_setting_changes(tm
     assert after["<root>"] == before["<root>"] and after["<logging.disable>"] == 0
 
 
+class Records(logging.Handler):
+    """The messages that reach one logger's handlers (DeepSpeed's logger does not propagate to pytest's)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 @pytest.mark.parametrize("logger_name", sorted(notices.OPTIONAL_KERNEL_NOTICES))
-def test_each_notice_is_hidden_and_nothing_else_unless_asked(logger_name, caplog):
-    logger = logging.getLogger(logger_name)
-    for prefix in notices.OPTIONAL_KERNEL_NOTICES[logger_name]:
-        text = prefix + "(the rest of the message)."
-        # the same logger's other messages pass: another text, or the known text not at the start
-        others = [f"another {logger_name} warning", "note: " + text]
-        caplog.clear()
-        with caplog.at_level(logging.WARNING):
+def test_each_notice_is_hidden_and_nothing_else_unless_asked(logger_name):
+    logger, records = logging.getLogger(logger_name), Records()
+    level = logger.level
+    logger.addHandler(records)
+    try:
+        for prefix in notices.OPTIONAL_KERNEL_NOTICES[logger_name]:
+            text = prefix + "(the rest of the message)."
+            # the same logger's other messages pass: another text, or the known text not at the start
+            others = [f"another {logger_name} warning", "note: " + text]
+            records.messages.clear()
+            for message in (text, *others):
+                logger.warning(message)
+            assert records.messages == others
+            records.messages.clear()
+            logger.setLevel(logging.DEBUG)  # asking the library for its debug output shows it
             logger.warning(text)
-            for other in others:
-                logger.warning(other)
-        assert [r.getMessage() for r in caplog.records] == others
-        caplog.clear()
-        with caplog.at_level(logging.DEBUG, logger=logger_name.split(".")[0]):  # asking the library for DEBUG
-            logger.warning(text)
-        notices.show_optional_kernel_notices(True)  # hf-optim train -v
-        try:
-            logger.warning(text)
-        finally:
-            notices.show_optional_kernel_notices(False)
-        assert [r.getMessage() for r in caplog.records] == [text, text]
+            logger.setLevel(level)
+            notices.show_optional_kernel_notices(True)  # hf-optim train -v
+            try:
+                logger.warning(text)
+            finally:
+                notices.show_optional_kernel_notices(False)
+            assert records.messages == [text, text]
+    finally:
+        logger.setLevel(level)
+        logger.removeHandler(records)
 
 
 def test_the_kernels_notice_is_hidden_for_bitsandbytes_kernel_only(caplog):
@@ -114,20 +135,29 @@ def test_the_kernels_notice_is_hidden_for_bitsandbytes_kernel_only(caplog):
                                                         message.format(notices._BNB_CPU_KERNEL + "-v2")]
 
 
+WHERE = {"DeepSpeed": ("deepspeed.accelerator.real_accelerator", "deepspeed.utils.logging")}
+"""Logger -> (the module that logs its notice, the module that names the logger), where that is not the module
+whose name the logger has (``logging.getLogger(__name__)``): DeepSpeed logs through one logger it names itself."""
+
+
 def test_the_filters_name_the_loggers_and_messages_the_libraries_use():
     """The filters match the installed libraries' source: a renamed logger or reworded notice fails here too, on
-    machines where the library never logs it (bitsandbytes asks for its kernel on AVX512-BF16 CPUs only)."""
+    machines where the library never logs it (bitsandbytes asks for its kernel on AVX512-BF16 CPUs only; DeepSpeed
+    logs its notice where torch finds no GPU)."""
+    checked = []
     for logger_name, prefixes in notices.OPTIONAL_KERNEL_NOTICES.items():
-        spec = importlib.util.find_spec(logger_name)
-        if spec is None and logger_name.startswith("kernels."):
-            continue  # the `kernels` package is not installed (transformers < 5.25): nothing logs that notice
-        assert spec is not None and spec.origin, f"no module {logger_name}"
-        source = Path(spec.origin).read_text()
-        assert "getLogger(__name__)" in source, logger_name
+        logs, names = WHERE.get(logger_name, (logger_name, logger_name))
+        if importlib.util.find_spec(logs.split(".")[0]) is None:
+            continue  # not installed here (kernels before transformers 5.25): nothing logs that notice
+        source = Path(importlib.util.find_spec(logs).origin).read_text()
+        naming = Path(importlib.util.find_spec(names).origin).read_text()
+        assert ("getLogger(__name__)" if names == logs else f'"{logger_name}"') in naming, logger_name
         for prefix in prefixes:
             # the source holds the text up to its first formatted value (an f-string's {repo_id})
             literal = prefix.split(notices._BNB_CPU_KERNEL)[0]
             assert literal in source, (logger_name, literal)
+        checked.append(logger_name)
+    assert "bitsandbytes.backends.cpu.ops" in checked  # (a test dependency)
     bitsandbytes_cpu_ops = Path(importlib.util.find_spec("bitsandbytes.backends.cpu.ops").origin).read_text()
     assert f'"{notices._BNB_CPU_KERNEL}"' in bitsandbytes_cpu_ops  # the kernel whose `kernels` notice is hidden
 
