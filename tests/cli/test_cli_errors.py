@@ -8,7 +8,6 @@ real processes, as a user meets them.
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -62,6 +61,11 @@ CASES = {
                            "command line: training.max_steps: an override is KEY.PATH=VALUE"),
     "bad value type": (["validate", "quickstart", "training.learning_rate=fast"], {},
                        "command line: training.learning_rate: expected float, got str 'fast'"),
+    "a YAML boolean word for a number": (["validate", "quickstart", "training.max_steps=no"], {},
+                                         "command line: training.max_steps: expected int, got 'no'"),
+    "bad save_strategy": (["train", "quickstart", "training.save_strategy=sometimes"], {},
+                          "command line: training.save_strategy: SFTConfig rejected this value: sometimes is not a "
+                          "valid SaveStrategy, please select one of ['no', 'steps', 'epoch', 'best']"),
     "negative learning rate": (["validate", "quickstart", "training.learning_rate=-1"], {},
                                "command line: training.learning_rate: hf_optim.PagedAdamW8bit refuses "
                                "learning_rate=-1: Invalid learning rate: -1 (lr); expected a value in [0.0, inf)"),
@@ -129,6 +133,13 @@ def test_every_user_error_is_one_line_with_status_2(case, recipes, capsys, monke
         assert not (recipes / "runs").exists()
     if case == "unknown verb":
         assert err[0].endswith("; did you mean 'train'? (see hf-optim --help)")
+
+
+def test_the_value_transformers_documents_for_no_saving_is_accepted(capsys):
+    """`training.save_strategy=no`: YAML reads `no` as False, the field takes the word (issue 43)."""
+    code, err, out = run_cli(["validate", "llama-3.2-1b-full", "training.save_strategy=no", "--no-estimate"], capsys)
+    assert code == 0 and not err, err
+    assert out.startswith("ok ")
 
 
 def test_several_problems_are_a_header_and_one_line_each(capsys):
@@ -235,27 +246,6 @@ def test_fit_table_keeps_optimizer_names_whole_at_100_columns(monkeypatch, capsy
     assert {"paged_adamw_4bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_torch"} <= set(names)
     assert not any("…" in name for name in names)
     assert max(len(line) for line in out.splitlines() if line.startswith(("│", "┃"))) <= 100
-
-
-def test_optional_kernel_notice_is_hidden_after_import_unless_asked(caplog):
-    import hf_optim  # noqa: F401  (installs the filter)
-    from hf_optim.notices import show_optional_kernel_notices
-
-    notices = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    text = "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'."
-    with caplog.at_level(logging.WARNING):
-        notices.warning(text)
-        notices.warning("another bitsandbytes warning")
-    assert [r.getMessage() for r in caplog.records] == ["another bitsandbytes warning"]
-    caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="bitsandbytes"):  # asking bitsandbytes for its debug output shows it
-        notices.warning(text)
-    show_optional_kernel_notices(True)  # hf-optim train -v
-    try:
-        notices.warning(text)
-    finally:
-        show_optional_kernel_notices(False)
-    assert [r.getMessage() for r in caplog.records] == [text, text]
 
 
 def test_available_optimizers_prints_as_a_table():
