@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hf_optim import cli
-from hf_optim.formats import BLOCKWISE4, BLOCKWISE8
+from hf_optim.formats import BLOCKWISE8, STOCHASTIC4
 from hf_optim.recipes import load_recipe
 from hf_optim.recipes.fit import CUDA_CONTEXT_BYTES, FRAGMENTATION_SHARE, parse_memory, plan
 from hf_optim.tiny import TINY_CHAT_SHAPE
@@ -100,8 +100,8 @@ def test_nothing_fits_says_so(capsys):
     assert "Nothing fits on 8.00 GiB" in out and "smallest setup" in out
     result = plan(load_recipe("llama-3.1-8b-full"), 8 * GIB)
     # adamw_torch's 2 setups and 8 per state format (paged x release x checkpointing): fp32, blockwise8, fp8,
-    # blockwise4, rank1_4bit
-    assert not result.fits and len(result.misfits) == 2 + 8 * 5
+    # stochastic4, blockwise4, rank1_4bit
+    assert not result.fits and len(result.misfits) == 2 + 8 * 6
 
 
 def test_8b_bytes_per_param_from_the_formats():
@@ -112,7 +112,7 @@ def test_8b_bytes_per_param_from_the_formats():
     quantized = layers * (matrices + [hidden, hidden]) + [hidden, vocab * hidden]  # norms: 4096, the untied head
     fp32_state = 8 * vocab * hidden  # the input embedding keeps fp32 state
     result = plan(load_recipe("llama-3.1-8b-full"), 80 * GIB)
-    for optim, fmt in (("adamw_8bit", BLOCKWISE8), ("adamw_4bit", BLOCKWISE4)):
+    for optim, fmt in (("adamw_8bit", BLOCKWISE8), ("adamw_4bit", STOCHASTIC4)):
         state = fp32_state + sum(2 * fmt.state_bytes(n) for n in quantized)
         assert row(result, optim).bytes_per_param == pytest.approx((4 * params + state) / params)
         released = row(result, optim, release=True)
