@@ -30,6 +30,8 @@ OPTIMIZERS = {
     "hf_optim AdamW4bit": lambda params: hf_optim.AdamW4bit(params, lr=1e-5),
     "hf_optim Lion4bit": lambda params: hf_optim.Lion4bit(params, lr=1e-5),
     "hf_optim AdEMAMix4bit": lambda params: hf_optim.AdEMAMix4bit(params, lr=1e-5),
+    "hf_optim AdamW4bitBlockwise": lambda params: hf_optim.AdamW4bitBlockwise(params, lr=1e-5),
+    "hf_optim Lion4bitBlockwise": lambda params: hf_optim.Lion4bitBlockwise(params, lr=1e-5),
     "hf_optim AdamW4bitRank1": lambda params: hf_optim.AdamW4bitRank1(params, lr=1e-5),
     "hf_optim AdEMAMix4bitRank1": lambda params: hf_optim.AdEMAMix4bitRank1(params, lr=1e-5),
 }

@@ -105,9 +105,11 @@ def peak_bandwidth(device: str) -> tuple[str, float]:
 
 def bytes_per_element(name: str, param_bytes: int) -> float:
     """Bytes an optimizer step must read and write per parameter element (p read+write, g read, state r+w)."""
-    state = {"4bit": 2 * 0.5 + 2 * 4 / 128, "8bit": 2 * 1.0 + 2 * 4 / 256, "32bit": 2 * 4.0}
+    # read + write of codes and scales: stochastic4 one fp32 scale per 64, blockwise4 per 128, 8-bit per 256
+    state = {"4bitBlockwise": 2 * 0.5 + 2 * 4 / 128, "4bitRank1": 2 * 0.5, "4bit": 2 * 0.5 + 2 * 4 / 64,
+             "8bit": 2 * 1.0 + 2 * 4 / 256, "32bit": 2 * 4.0}
     states = 3 if "AdEMAMix" in name else (1 if ("Lion" in name or "RMSprop" in name) else 2)
-    kind = next((bits for bits in ("4bit", "8bit") if bits in name), "32bit")
+    kind = next((kind for kind in ("4bitBlockwise", "4bitRank1", "4bit", "8bit") if kind in name), "32bit")
     return 3 * param_bytes + states * state[kind]
 
 
