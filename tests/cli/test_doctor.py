@@ -41,7 +41,7 @@ def test_table_on_cpu(capsys):
     assert code == 0
     for title in ("Versions", "Devices", "Caches of compiled kernels", "Self-test on cpu: torch against torch (eager)"):
         assert title in out
-    assert "all 12 cases match on torch" in out  # 32-bit/8-bit/fp8/4-bit x fp32/bf16/fp16
+    assert "all 15 cases match on torch" in out  # 32-bit/8-bit/fp8/4-bit stochastic/4-bit blockwise x fp32/bf16/fp16
     assert "One step on a" not in out  # --quick: no timings
 
 
@@ -64,7 +64,8 @@ def test_json_keys(capsys):
     # RMSprop: 32-bit, 8-bit, fp8 and 4-bit; Adafactor: 32 and 8-bit (its first moment); each in three dtypes
     assert [(c["algorithm"], c["state"]) for c in cases][::3] == [
         ("rmsprop", "32-bit"), ("rmsprop", "8-bit blockwise"), ("rmsprop", "8-bit float (fp8)"),
-        ("rmsprop", "4-bit blockwise"), ("adafactor", "32-bit"), ("adafactor", "8-bit blockwise")]
+        ("rmsprop", "4-bit stochastic"), ("rmsprop", "4-bit blockwise"), ("adafactor", "32-bit"),
+        ("adafactor", "8-bit blockwise")]
     assert {c["dtype"] for c in cases} == {"fp32", "bf16", "fp16"}
     assert all(c["status"] == "exact" for c in cases)
     assert any(c["codes"] > 0 for c in cases)  # the quantized cases compare codes
@@ -98,7 +99,7 @@ def test_exit_1_on_a_mismatch(capsys, monkeypatch):
     assert [(c["state"], c["dtype"], c["status"]) for c in bad] == [("8-bit blockwise", "bf16", "MISMATCH")]
     assert bad[0]["param_ulps"] == 1.0 and bad[0]["detail"] == "after step 1" and report["ok"] is False
     code, out, _ = doctor(capsys, "--algorithms", "lion")
-    assert code == 1 and "MISMATCH" in out and "1 of 12 cases failed: MISMATCH (exit status 1)" in out
+    assert code == 1 and "MISMATCH" in out and "1 of 15 cases failed: MISMATCH (exit status 1)" in out
 
 
 def test_tolerances():
