@@ -102,6 +102,7 @@ class Rules:
                 for label, members in by_label.items():
                     if members:
                         self.runners[label].update_group(effective, group_index, members)
+        self.store.pending.flush()  # sharded parameters' split runs: one all-reduce per shard group
 
     # Slots
     def all_slots(self) -> tuple[StateSpec, ...]:
