@@ -1,8 +1,12 @@
-"""torchrun worker for test_distributed.py: every algorithm under DDP and FSDP2, and sharded checkpoint resume.
+"""torchrun worker for test_distributed.py: every algorithm under DDP and FSDP2, sharded checkpoint resume, and
+optimizer state and checkpoints across world sizes.
 
-Run as ``torchrun --nproc_per_node 2 tests/distributed_worker.py OUT_FILE CHECKPOINT_DIR`` (gloo, CPU). All
-algorithms run inside this one pair of processes (starting processes is the slow part). Rank 0 writes the full
-parameters of every run to OUT_FILE; the test compares them with single-process runs.
+Run as ``torchrun --nproc_per_node W tests/distributed_worker.py OUT_FILE CHECKPOINT_DIR`` (gloo, CPU), once per world
+size W (2, 3, 4): every case of a world size runs inside its one set of processes (starting processes is the slow
+part). At 2 ranks: DDP and FSDP2 against one process, checkpoints, accelerate's FSDP functions, the Trainer under
+torchrun; at every world size the world-size cases of ``elastic_cases``, loading the DCP checkpoint another world size
+wrote (the test launches 4, then 2, then 3: see :data:`LOADS`). Rank 0 writes the full parameters of every run to
+OUT_FILE; the test compares them with single-process runs.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import sys
 import warnings
 
+import elastic_cases as elastic
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -19,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import hf_optim
+from hf_optim.optim import sharding
 
 warnings.filterwarnings("ignore")
 
@@ -141,40 +147,6 @@ def accelerate_resume_runs(checkpoint_dir: str) -> dict:
     return results
 
 
-RESHARD_NAMES = ["adamw_32bit", "lamb_32bit", "adafactor_32bit", "muon_32bit", "adamw_8bit", "adamw_4bit",
-                 "adafactor_8bit", "muon_8bit"]
-
-
-def reshard_runs(checkpoint_dir: str) -> dict:
-    """Load an FSDP2 checkpoint (2 shards) into another layout: HSDP over a (2, 1) mesh, every parameter
-    replicated twice and "sharded" once. 32-bit state reshards; 8-bit state, whose absmax counts the blocks of the
-    saved shards, must be refused."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.device_mesh import init_device_mesh
-
-    data = batches()
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-    results = {}
-    for name in RESHARD_NAMES:
-        path = f"{checkpoint_dir}/reshard-{name}"
-        model = trained_straight_through_a_checkpoint(name, path, data)
-
-        other = Net()
-        fully_shard(other, mesh=mesh)
-        other_optimizer = build_optimizer(name, other.parameters())
-        model_state, optim_state = get_state_dict(other, other_optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        try:
-            dcp.load(state, checkpoint_id=path)
-        except CheckpointException as error:
-            results[name] = {"error": str(error)}
-            continue
-        set_state_dict(other, other_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        train(other, other_optimizer, data[RESUME_AT:])
-        results[name] = {"straight": full_params(model), "resumed": full_params(other)}
-    return results
-
-
 TRAINER_NAMES = ["lamb_8bit", "adafactor_8bit"]
 
 
@@ -219,18 +191,251 @@ def release_refusals(checkpoint_dir: str) -> dict:
     return results
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Across world sizes (elastic_cases)
+
+LOADS = {4: 1, 2: 4, 3: 2}
+"""The world size whose checkpoint each world size loads (1: the test process's single-process checkpoint)."""
+ACCELERATE_NAMES = ["adamw_8bit", "adamw_4bit"]
+ACCELERATE_KINDS = ["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
+
+
+def elastic_checkpoint(checkpoint_dir: str, world_size: int) -> str:
+    return f"{checkpoint_dir}/elastic-{world_size}"
+
+
+def fsdp2_on(mesh=None):
+    def wrap(module):
+        fully_shard(module, mesh=mesh)
+        return module
+
+    return wrap
+
+
+def elastic_runs(checkpoint_dir: str) -> dict:
+    """Every world-size case at this world size: trained straight for all steps; saved after SAVE_AT steps (one DCP
+    checkpoint of every case); and resumed from the checkpoint world size LOADS[W] wrote."""
+    world = dist.get_world_size()
+    straight, saved = {}, {}
+    for name in elastic.CONFIGS:
+        module = fsdp2(elastic.model())
+        optimizer = elastic.build(name, module)
+        elastic.train(module, optimizer, range(elastic.SAVE_AT))
+        model_state, optim_state = get_state_dict(module, optimizer)
+        saved[name] = {"model": model_state, "optim": optim_state}
+        straight[name] = (module, optimizer)
+    dcp.save(saved, checkpoint_id=elastic_checkpoint(checkpoint_dir, world))
+    for module, optimizer in straight.values():
+        elastic.train(module, optimizer, range(elastic.SAVE_AT, elastic.STEPS))
+    results = {"straight": {name: elastic.whole_params(module) for name, (module, _) in straight.items()},
+               "dtypes": {name: state_dtypes(module, optimizer) for name, (module, optimizer) in straight.items()}}
+    results[f"from {LOADS[world]}"] = resumed_runs(elastic_checkpoint(checkpoint_dir, LOADS[world]), fsdp2)
+    if world == 2:  # HSDP: two replicas of one shard; the 2-shard checkpoint loads into shards of 1
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        results["hsdp from 2"] = resumed_runs(elastic_checkpoint(checkpoint_dir, 2), fsdp2_on(mesh))
+    return results
+
+
+def resumed_runs(path: str, wrap) -> dict:
+    """A fresh model (other weights) and optimizer of every case load the checkpoint at ``path`` and train the
+    remaining steps."""
+    built, templates = {}, {}
+    for name in elastic.CONFIGS:
+        module = elastic.model()
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1.0)  # the checkpoint, not the initialization, decides where training resumes
+        module = wrap(module)
+        optimizer = elastic.build(name, module)
+        model_state, optim_state = get_state_dict(module, optimizer)
+        templates[name] = {"model": model_state, "optim": optim_state}
+        built[name] = (module, optimizer)
+    dcp.load(templates, checkpoint_id=path)
+    results = {}
+    for name, (module, optimizer) in built.items():
+        set_state_dict(module, optimizer, model_state_dict=templates[name]["model"],
+                       optim_state_dict=templates[name]["optim"])
+        steps = sorted({s["step"] for s in optimizer.state.values()})
+        elastic.train(module, optimizer, range(elastic.SAVE_AT, elastic.STEPS))
+        results[name] = {"params": elastic.whole_params(module), "loaded_steps": steps}
+    return results
+
+
+def accelerate_elastic_runs(checkpoint_dir: str) -> dict:
+    """accelerate's save_fsdp_optimizer at 2 ranks and load_fsdp_optimizer at 3 (what the Trainer calls under FSDP),
+    sharded (DCP) and full: the loading twin trains the first steps itself (the optimizer checkpoint holds no
+    weights), loads the optimizer and trains on."""
+    from accelerate import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import load_fsdp_optimizer, save_fsdp_optimizer
+
+    state = PartialState(cpu=True)
+    results = {}
+    for kind in ACCELERATE_KINDS:
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind)
+        for name in ACCELERATE_NAMES:
+            path = f"{checkpoint_dir}/accelerate-elastic-{kind}/{name}"
+            module = fsdp2(elastic.model())
+            optimizer = elastic.build(name, module)
+            elastic.train(module, optimizer, range(elastic.SAVE_AT))
+            if dist.get_world_size() == 2:
+                save_fsdp_optimizer(plugin, state, optimizer, module, path)
+                continue
+            module.zero_grad(set_to_none=True)
+            resumed = elastic.build(name, module)
+            load_fsdp_optimizer(plugin, state, resumed, module, path)
+            elastic.train(module, resumed, range(elastic.SAVE_AT, elastic.STEPS))
+            results[f"{name} {kind}"] = elastic.whole_params(module)
+    return results
+
+
+def gathered_8bit_state() -> dict:
+    """The full (gathered) optimizer state dict of AdamW8bit after SAVE_AT steps at this world size."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    module = fsdp2(elastic.model())
+    optimizer = elastic.build("adamw_8bit", module)
+    elastic.train(module, optimizer, range(elastic.SAVE_AT))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(module, optimizer, options=options)
+
+
+def trainer_elastic_resume(checkpoint_dir: str) -> dict:
+    """The Trainer of trainer_ddp_resume_runs (2 ranks), resumed from its step-2 checkpoint at this world size."""
+    from pathlib import Path
+
+    from trainer_helpers import checkpointing_trainer, inner_optimizer, losses
+
+    source = Path(checkpoint_dir) / f"trainer-{TRAINER_NAMES[0]}" / "out" / "checkpoint-2"
+    root = Path(checkpoint_dir) / f"trainer-elastic-{dist.get_world_size()}"
+    snapshot = loaded_state_callback()
+    resumed = checkpointing_trainer(root, TRAINER_NAMES[0], max_steps=4, save_steps=2, seed=1, callbacks=[snapshot])
+    resumed.train(resume_from_checkpoint=str(source))
+    return {"world_size": resumed.args.world_size, "optimizer": type(inner_optimizer(resumed)).__name__,
+            "loaded": snapshot.state, "losses": losses(resumed), "global_step": resumed.state.global_step,
+            "steps": sorted({s["step"] for s in inner_optimizer(resumed).state.values()})}
+
+
+def loaded_state_callback():
+    """A Trainer callback that keeps (a copy of) the optimizer's state dict as training begins: after a resume has
+    loaded it, before any step."""
+    import copy
+
+    from transformers import TrainerCallback
+
+    class LoadedState(TrainerCallback):
+        state = None
+
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            self.state = copy.deepcopy(getattr(optimizer, "optimizer", optimizer).state_dict())
+
+    return LoadedState()
+
+
+PER_SHARD_NAMES = ["adamw_8bit", "adamw_4bit"]
+
+
+def per_shard_runs(checkpoint_dir: str) -> dict:
+    """Checkpoints in hf_optim's earlier per-shard layout (8-bit and 4-bit blocks of each rank's local tensor, absmax
+    as one padded row per shard), written here by the code that still keeps that layout for sharded parameters
+    without a contiguous part (made to apply to every parameter): at 2 ranks they load into the whole-tensor layout
+    (sharded, per-rank files and full state dicts), each shard's values decoded with its own blocks and stored with the
+    whole tensor's; at 3 ranks the full state dict (written here) is refused."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from hf_optim.optim import shard_layout, sharded_blocks
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    results = {}
+    for name in PER_SHARD_NAMES:
+        path = f"{checkpoint_dir}/per-shard-{name}.pt"
+        if dist.get_world_size() == 3:
+            module = fsdp2(elastic.model())
+            optimizer = elastic.build(name, module)
+            try:
+                set_optimizer_state_dict(module, optimizer, torch.load(path, weights_only=False), options=full)
+                results[name] = "loaded"
+            except ValueError as error:
+                results[name] = str(error)
+            continue
+        compute_part = shard_layout._compute_part
+        shard_layout._compute_part = lambda p: shard_layout.Unsupported("the per-shard layout of the test")
+        try:
+            module = fsdp2(elastic.model())
+            optimizer = elastic.build(name, module)
+            elastic.train(module, optimizer, range(elastic.SAVE_AT))
+            sharded = get_optimizer_state_dict(module, optimizer)
+            whole = get_optimizer_state_dict(module, optimizer, options=full)
+            saved = {n: decoded(optimizer, p) for n, p in module.named_parameters()}
+        finally:
+            shard_layout._compute_part = compute_part
+        if dist.get_rank() == 0:  # with cpu_offload the full state dict is rank 0's only: every rank reads the file
+            torch.save(whole, path)
+        dist.barrier()
+        whole = torch.load(path, weights_only=False)
+        loaded = {}
+        for kind, state in (("sharded", sharded), ("full", whole)):
+            twin = fsdp2(elastic.model())
+            resumed = elastic.build(name, twin)
+            set_optimizer_state_dict(twin, resumed, state, options=full if kind == "full" else None)
+            parts = {n: shard_layout.part_of(p) for n, p in twin.named_parameters()}
+            loaded[kind] = {n: decoded(resumed, p, parts[n]) for n, p in twin.named_parameters()}
+            loaded[kind + " steps"] = sorted({s["step"] for s in resumed.state.values()})
+            loaded[kind + " apart"] = sorted(n for n, part in parts.items() if sharded_blocks.steps_apart(
+                part, resumed.state[dict(twin.named_parameters())[n]], resumed._rules.main.slots))
+        results[name] = {"saved": saved, **loaded}
+    return results
+
+
+def decoded(optimizer, param, part=None) -> dict[str, torch.Tensor]:
+    """Each state slot's fp32 values of ``param``, gathered whole (a part's own elements, or the local tensor's)."""
+    from torch.distributed.tensor import DTensor
+
+    from hf_optim.core.state_store import read_slot
+    from hf_optim.optim import sharded_blocks
+
+    state, local = optimizer.state[param], param.to_local()
+    out = {}
+    for spec in optimizer._rules.main.slots:
+        if isinstance(part, sharded_blocks.Part):
+            values = sharded_blocks.read_part(part, state, spec)
+        else:
+            values = read_slot(state, spec, local.numel())
+        values = values.reshape(local.shape if spec.rows == 1 else (spec.rows, *local.shape))
+        dims = (None,) * (spec.rows > 1) + tuple(range(param.dim()))
+        out[spec.key] = DTensor.full_tensor(sharding.distribute_state(values, param, dims))
+    return out
+
+
 def main(out_file: str, checkpoint_dir: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    results = {
-        "ddp": data_parallel_runs(DistributedDataParallel),
-        "fsdp2": data_parallel_runs(fsdp2),
-        "resume": checkpoint_resume_runs(checkpoint_dir),
-        "accelerate": accelerate_resume_runs(checkpoint_dir),
-        "reshard": reshard_runs(checkpoint_dir),
-        "trainer_ddp": trainer_ddp_resume_runs(checkpoint_dir),
-        "release": release_refusals(checkpoint_dir),
-    }
+    world = dist.get_world_size()
+    if world == 2:
+        results = {
+            "ddp": data_parallel_runs(DistributedDataParallel),
+            "fsdp2": data_parallel_runs(fsdp2),
+            "resume": checkpoint_resume_runs(checkpoint_dir),
+            "accelerate": accelerate_resume_runs(checkpoint_dir),
+            "trainer_ddp": trainer_ddp_resume_runs(checkpoint_dir),
+            "release": release_refusals(checkpoint_dir),
+        }
+    else:
+        results = {}
+    results["elastic"] = elastic_runs(checkpoint_dir)
+    if world in (2, 3):
+        results["accelerate_elastic"] = accelerate_elastic_runs(checkpoint_dir)
+    if world in (2, 3):
+        results["per_shard"] = per_shard_runs(checkpoint_dir)
+    if world == 3:
+        results["gathered_8bit"] = gathered_8bit_state()
+        results["trainer_elastic"] = trainer_elastic_resume(checkpoint_dir)
     if dist.get_rank() == 0:
         torch.save(results, out_file)
     dist.barrier()

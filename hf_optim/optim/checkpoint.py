@@ -115,9 +115,12 @@ def loaded_states(opt, state_dict: Mapping) -> dict:
         local = local_tensor(p)
         flat = dict(param_state)
         flat.update(flat.pop(QUANT_STATE_KEY, {}))
-        if isinstance(shard_layout.part_of(p), shard_layout.Part):  # the whole tensor's state, checked whole
-            flat = sharded_state.import_state(opt, flat, p, saved_id)
+        part = shard_layout.part_of(p)
+        if isinstance(part, shard_layout.Part):  # the whole tensor's state, checked whole
+            flat = sharded_state.import_state(opt, flat, p, saved_id, check_loaded)
         else:
+            if part is None:  # one process: a checkpoint in the old per-shard layout cannot load here
+                sharded_state.refuse_per_shard_state(opt, flat, p, saved_id, shards=1)
             flat = sharding.import_state(flat, p, local, functools.partial(opt._rules.state_dims, state=flat))
             check_loaded(opt, local, flat, saved_id)
         # Copy: the loaded optimizer must never share (and mutate) the caller's tensors.

@@ -185,7 +185,7 @@ def step(rule, specs: Sequence[StateSpec], part: Part, param: torch.Tensor, grad
     flat_param = param.view(-1) if param.is_contiguous() else param.contiguous().view(-1)
     slots = _slots(part, state, specs)
     if any(geo is not None and geo.across for _, _, geo, _ in slots):
-        _step_whole(rule, part, slots, flat_param, grad.reshape(-1), hyper, out, stream)
+        _step_whole(rule, part, slots, flat_param, grad.reshape(-1), state, hyper, out, stream)
     else:
         _step_runs(rule, part, slots, flat_param, grad.reshape(-1), hyper, out, stream, pending)
     if not param.is_contiguous():
@@ -276,12 +276,12 @@ def _encoder(fmt: StateFormat, values: torch.Tensor, raw, signed: bool) -> Calla
     return lambda scale: fmt.store(values, raw, signed, [scale])
 
 
-def _step_whole(rule, part: Part, slots: list, param: torch.Tensor, grad: torch.Tensor, hyper, out, stream) -> None:
+def _step_whole(rule, part: Part, slots: list, param: torch.Tensor, grad: torch.Tensor, state: dict, hyper, out,
+                stream) -> None:
     """Step the whole part eagerly, then reduce every split run's and column's scale in one all-reduce."""
     length = part.length
     if not length:  # an empty part still takes its place in the group's all-reduce
-        reduce_whole(part, [(spec.rows, geo, _no_scales(geo, spec.rows, param.device))
-                            for spec, _, geo, _ in slots if geo is not None])
+        _reduce_empty(part, [(spec, geo) for spec, _, geo, _ in slots if geo is not None], state, param.device)
         return
     olds = []
     for spec, fmt, geo, raw in slots:
@@ -299,6 +299,17 @@ def _step_whole(rule, part: Part, slots: list, param: torch.Tensor, grad: torch.
     reduce_whole(part, [(spec.rows, geo, partial) for spec, _, geo, _, _, partial in placed_slots])
     for spec, fmt, _, raw, placed, partial in placed_slots:
         fmt.store(placed, raw, spec.signed, partial)
+
+
+def _reduce_empty(part: Part, slots: list[tuple[StateSpec, SlotGeometry]], state: dict, device) -> None:
+    """An empty part's share of a whole-tensor reduction: zeros in, and the whole tensor's column scales kept, as
+    every rank keeps them (a checkpoint may take them from any rank)."""
+    partial = [_no_scales(geo, spec.rows, device) for spec, geo in slots]
+    reduce_whole(part, [(spec.rows, geo, scales) for (spec, geo), scales in zip(slots, partial)])
+    for (spec, geo), scales in zip(slots, partial):
+        for scale, values in zip(geo.scales, scales):
+            if scale.across:
+                state[scale.key].view(spec.rows, -1).copy_(values)
 
 
 def _no_scales(geo: SlotGeometry, rows: int, device) -> list[torch.Tensor]:
@@ -361,7 +372,7 @@ def write_part(part: Part, state: dict, spec: StateSpec, values: torch.Tensor, p
     length, device = part.length, values.device
     if geo.across:  # every element waits for the columns: reduce now, the way the step does
         if not length:
-            reduce_whole(part, [(spec.rows, geo, _no_scales(geo, spec.rows, device))])
+            _reduce_empty(part, [(spec, geo)], state, device)
             return
         placed = _placed(geo, part, spec, values)
         partial = fmt.scales_of(placed, raw, spec.signed)

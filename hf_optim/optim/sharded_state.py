@@ -115,6 +115,8 @@ def export_slot(fmt: StateFormat, spec: StateSpec, state: dict, param, part: Par
             local = _part_of_slot(value, rows, geo, part)
             shape = tuple(sharding.local_tensor(param).shape)
             local = local.reshape(shape if rows == 1 else (rows, *shape))
+            if geo is not None and geo.spanned:  # a view inside the span: torch.save cannot pickle a DTensor of
+                local = local.clone()  # a view that starts inside its storage (torch 2.13)
             out[key] = sharding.distribute_state(local, param, (None,) * (rows > 1) + tuple(range(param.dim())))
         elif key == spec.key:
             codes = _part_of_slot(fmt.unpack_codes(value.reshape(rows, -1), geo.numel(part)), rows, geo, part)
@@ -242,10 +244,20 @@ def per_shard_rows(fmt: StateFormat, spec: StateSpec, loaded: dict, param) -> in
     return None
 
 
+def refuse_per_shard_state(opt, loaded: dict, param, index, shards: int) -> None:
+    """Refuse, in one line, a parameter's state saved in the per-shard layout for another number of shards."""
+    for spec in _slots(opt._rules, loaded):
+        fmt = loaded_format(loaded, spec)
+        saved = per_shard_rows(fmt, spec, loaded, param) if fmt is not None else None
+        if saved is not None and saved != shards:
+            refuse_per_shard(saved, shards, f"state of parameter {index} (shape {tuple(param.shape)})")
+
+
 def refuse_per_shard(saved: int, shards: int, where: str) -> None:
+    here = "one process" if shards == 1 else f"{shards} shards"
     raise StateDictError(
-        f"{where}: this checkpoint keeps 8-bit/4-bit state per shard of {saved} ranks (the layout of hf_optim "
-        f"before whole-tensor blocks); this run has {shards}. Load it on {saved} ranks and save it again: the new "
+        f"{where}: this checkpoint keeps 8-bit/4-bit state per shard of {saved} ranks (hf_optim's layout before "
+        f"whole-tensor blocks), which cannot load into {here}; resume it on {saved} ranks and save it again: the new "
         "checkpoint loads at any number of ranks"
     )
 
@@ -280,11 +292,10 @@ def _slots(rules, state: dict) -> list[StateSpec]:
     return [spec for spec in rules.slots_of_state(state) if spec.key in state]
 
 
-def import_state(opt, loaded: dict, param, index) -> dict:
+def import_state(opt, loaded: dict, param, index, check_loaded) -> dict:
     """The live state of ``param`` (a sharded parameter with a :class:`Part`) from checkpoint entries ``loaded``
-    (flat), checked against the whole tensor first. Collective over the shard group (see the module)."""
-    from hf_optim.optim import checkpoint
-
+    (flat), checked against the whole tensor first (``check_loaded(opt, param, state, index)``: the optimizer's
+    checks). Collective over the shard group (see the module)."""
     part = part_of(param)
     local = sharding.local_tensor(param)
     where = f"state of parameter {index} (shape {tuple(param.shape)})"
@@ -303,7 +314,7 @@ def import_state(opt, loaded: dict, param, index) -> dict:
             legacy[spec.key] = fmt
     whole = {key: value for key, value in loaded.items()}
     if not legacy:
-        checkpoint.check_loaded(opt, meta_of(param), whole, index)
+        check_loaded(opt, meta_of(param), whole, index)
     done = set()
     for spec in specs:
         fmt = loaded_format(whole, spec)
@@ -335,8 +346,9 @@ def _local_slice(whole: torch.Tensor, param, dims) -> torch.Tensor:
 
 
 def _import_per_shard(fmt: StateFormat, spec: StateSpec, loaded: dict, param, part: Part, device, where: str) -> dict:
-    """A slot saved in the per-shard layout at this number of shards: this shard's row, decoded with the blocks of
-    the shard it was saved for, stored again with the whole tensor's (collective over the shard group)."""
+    """A slot saved in the per-shard layout at this number of shards: this shard's row; where shard boundaries split
+    blocks, decoded with the blocks of the shard it was saved for and stored again with the whole tensor's
+    (collective over the shard group)."""
     local = sharding.local_tensor(param)
     per_shard = {scale.key for scale in fmt.scales(spec, tuple(param.shape))} | ({spec.key} if fmt.packed else set())
     own = {}
@@ -351,6 +363,9 @@ def _import_per_shard(fmt: StateFormat, spec: StateSpec, loaded: dict, param, pa
             value = value.to_local() if sharding.is_dtensor(value) else _local_slice(value, param, dims)
         own[key] = value.to(device) if isinstance(value, torch.Tensor) else value
     fmt.check_loaded(local, own, spec, where)
+    geo = sharded_blocks.geometry(part, fmt, spec)
+    if geo is None or not (geo.spanned or geo.across):  # every shard's blocks are the whole tensor's: as saved
+        return own
     values = fmt.dequantize(fmt.raw(own, spec), spec.signed, local.numel())
     fresh: dict = {}
     fmt.init_slot(fresh, spec, sharded_blocks.stand_in(part, fmt, spec, local), zeroed_buffer)

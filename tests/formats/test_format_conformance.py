@@ -178,11 +178,11 @@ def test_parts_with_max_combined_scales_store_the_whole_tensors_state(fmt, spec)
         partial = fmt.scales_of(placed, fmt.raw(state, spec), spec.signed)
         parts.append((lo, hi, first, runs, state, placed, partial))
     combined = [torch.zeros(spec.rows, run if scale.across else -(-n // run)) for scale in scales]
-    for lo, hi, first, runs, state, placed, partial in parts:
+    for _, _, first, runs, _, _, partial in parts:
         for scale, total, mine in zip(scales, combined, partial):
             window = total if scale.across else total[:, first : first + runs]
             window.copy_(torch.maximum(window, mine))
-    for lo, hi, first, runs, state, placed, partial in parts:
+    for lo, hi, first, runs, state, placed, _ in parts:
         given = [total if scale.across else total[:, first : first + runs] for scale, total in zip(scales, combined)]
         fmt.store(placed, fmt.raw(state, spec), spec.signed, given)
         decoded = fmt.dequantize(fmt.raw(state, spec), spec.signed, runs * run)[:, lo - first * run : hi - first * run]
