@@ -372,18 +372,23 @@ def per_shard_runs(checkpoint_dir: str) -> dict:
             elastic.train(module, optimizer, range(elastic.SAVE_AT))
             sharded = get_optimizer_state_dict(module, optimizer)
             whole = get_optimizer_state_dict(module, optimizer, options=full)
+            dcp.save({"optimizer": sharded}, checkpoint_id=f"{path}.dcp")
             saved = {n: decoded(optimizer, p) for n, p in module.named_parameters()}
         finally:
             shard_layout._compute_part = compute_part
         if dist.get_rank() == 0:  # with cpu_offload the full state dict is rank 0's only: every rank reads the file
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
             torch.save(whole, path)
+            dcp_to_torch_save(f"{path}.dcp", f"{path}.from-dcp")  # the guide's way from an old DCP folder
         dist.barrier()
         whole = torch.load(path, weights_only=False)
+        from_dcp = torch.load(f"{path}.from-dcp", weights_only=False)["optimizer"]
         loaded = {}
-        for kind, state in (("sharded", sharded), ("full", whole)):
+        for kind, state in (("sharded", sharded), ("full", whole), ("dcp", from_dcp)):
             twin = fsdp2(elastic.model())
             resumed = elastic.build(name, twin)
-            set_optimizer_state_dict(twin, resumed, state, options=full if kind == "full" else None)
+            set_optimizer_state_dict(twin, resumed, state, options=None if kind == "sharded" else full)
             parts = {n: shard_layout.part_of(p) for n, p in twin.named_parameters()}
             loaded[kind] = {n: decoded(resumed, p, parts[n]) for n, p in twin.named_parameters()}
             loaded[kind + " steps"] = sorted({s["step"] for s in resumed.state.values()})

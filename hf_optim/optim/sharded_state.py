@@ -25,6 +25,7 @@ with the whole tensor's blocks; at another number they are refused.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -230,18 +231,26 @@ def meta_of(param) -> torch.Tensor:
 
 
 def per_shard_rows(fmt: StateFormat, spec: StateSpec, loaded: dict, param) -> int | None:
-    """The number of shards a checkpoint in the per-shard layout of earlier hf_optim saved slot ``spec`` for (its
-    absmax has one padded row per shard in front of the whole tensor's dimensions), else None."""
-    scales = fmt.scales(spec, tuple(param.shape))
-    if not scales:
+    """The number of shards a checkpoint in the per-shard layout of earlier hf_optim saved slot ``spec`` for, else
+    None. That layout's absmax has one padded row per shard in front of the whole tensor's dimensions, and its main
+    tensor is the parameter's shape (8-bit, fp8) or, packed, has such rows too, each shorter than the whole tensor's
+    (which tells it from a stacked AdEMAMix slot of another algorithm, refused by the format's checks)."""
+    shape = tuple(param.shape)
+    scales = fmt.scales(spec, shape)
+    if not scales or scales[0].across:
         return None
-    value = loaded.get(scales[0].key)
-    if not isinstance(value, torch.Tensor):
+    absmax, main = loaded.get(scales[0].key), loaded.get(spec.key)
+    if not isinstance(absmax, torch.Tensor) or not isinstance(main, torch.Tensor):
         return None
-    expected = 1 if spec.rows == 1 else 2
-    if value.dim() == expected + 1 and not scales[0].across:
-        return int(value.shape[0])
-    return None
+    lead = () if spec.rows == 1 else (spec.rows,)
+    if absmax.dim() != len(lead) + 2:
+        return None
+    if fmt.packed:
+        whole = fmt.main_length(math.prod(shape))
+        per_shard = main.dim() == len(lead) + 2 and main.shape[0] == absmax.shape[0] and main.shape[-1] < whole
+    else:
+        per_shard = tuple(main.shape) == (*lead, *shape)
+    return int(absmax.shape[0]) if per_shard else None
 
 
 def refuse_per_shard_state(opt, loaded: dict, param, index, shards: int) -> None:

@@ -448,11 +448,12 @@ def largest_gap(name: str, key: str) -> float:
 
 @pytest.mark.parametrize("name", PER_SHARD_NAMES)
 def test_per_shard_checkpoint_loads_at_its_own_world_size(results, name):
-    """An earlier hf_optim's per-shard 8-bit/4-bit checkpoint (per-rank sharded state dict, and full state dict) loads
-    at the 2 ranks that saved it: tensors whose shards are whole blocks keep every value; the others, re-quantized from
-    their shards' blocks to the whole tensor's, move by less than one step of the map."""
+    """An earlier hf_optim's per-shard 8-bit/4-bit checkpoint (per-rank sharded state dict, full state dict, and a DCP
+    folder turned into a full state dict as docs/guide/distributed.md says) loads at the 2 ranks that saved it: tensors
+    whose shards are whole blocks keep every value; the others, re-quantized from their shards' blocks to the whole
+    tensor's, move by less than one step of the map."""
     run = results["per_shard"][name]
-    for kind in ("sharded", "full"):
+    for kind in ("sharded", "full", "dcp"):
         assert run[f"{kind} steps"] == [elastic.SAVE_AT]
         assert run[f"{kind} apart"] == ["odd", "thin", "unaligned"]
         for param, slots in run["saved"].items():
