@@ -4,9 +4,10 @@ checkpoints that move between world sizes (test_distributed.py, one torchrun per
 The model's tensors are sharded by FSDP2 (dimension 0, torch.chunk) so that shard boundaries fall inside the blocks
 of every quantized format at 2, 3 and 4 ranks: uneven shards, a 1-D tensor whose boundaries are odd (inside a packed
 4-bit byte), a (600, 1) tensor whose parts at 4 ranks (150 elements) are smaller than a block (one block spans three
-ranks), and a 3-D tensor. The gradients are given, not computed: each step's whole gradient is the same tensor at every
-world size (each rank takes its part of it), so what differs between world sizes is the optimizer alone. The
-single-process run is the reference.
+ranks); and a 3-D tensor whose boundaries fall on block boundaries (its 5 slices of 1024 elements: 3 + 2, 2 + 2 + 1,
+and at 4 ranks an empty part), and a small vector with fp32 state. The gradients are given, not computed: each step's
+whole gradient is the same tensor at every world size (each rank takes its part of it), so what differs between world
+sizes is the optimizer alone. The single-process run is the reference.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import torch
 
 import hf_optim
 
-SHAPES = {"aligned": (33, 256), "unaligned": (37, 130), "odd": (4099,), "thin": (600, 1), "cube": (5, 8, 128),
-          "bias": (33,)}
+SHAPES = {"unaligned": (37, 130), "odd": (4099,), "thin": (600, 1), "cube": (5, 8, 128), "bias": (33,)}
 MIN_8BIT = 512
 """min_8bit_size: every tensor but the bias gets quantized state (the whole tensor's size decides, not a part's)."""
 STEPS, SAVE_AT = 5, 2
@@ -39,20 +39,23 @@ def _config(algorithm: str, precision: str):
 CONFIGS = {f"{algorithm}_{precision}": _config(algorithm, precision)
            for algorithm in ELEMENTWISE for precision in QUANTIZED}
 CONFIGS.update({
-    "adamw_32bit": _config("adamw", "32bit"),
     "adamw_rank1": _config("adamw", "rank1"),
-    "ademamix_rank1": _config("ademamix", "rank1"),
-    "lamb_32bit": _config("lamb", "32bit"),
     "lamb_8bit": _config("lamb", "8bit"),
-    "lamb_4bit": _config("lamb", "4bit"),
-    "lamb_rank1": _config("lamb", "rank1"),
-    "adafactor_32bit": (hf_optim.Adafactor, dict(beta1=0.9, weight_decay=0.01)),
     "adafactor_8bit": (hf_optim.Adafactor, dict(beta1=0.9, weight_decay=0.01, optim_bits=8)),
-    "muon_32bit": _config("muon", "32bit"),
-    "muon_8bit": _config("muon", "8bit"),
-    "muon_fp8": _config("muon", "fp8"),
     "muon_4bit": _config("muon", "4bit"),
 })
+"""Every case runs at 2, 3 and 4 ranks, and resumes from 2 ranks in one process: every algorithm, every format (fp32
+state too: the small vector keeps it in every case)."""
+FEW = ("adamw_8bit", "adamw_fp8", "adamw_4bit", "adamw_rank1", "ademamix_4bit", "lamb_8bit", "adafactor_8bit",
+       "muon_4bit")
+"""The cases of the other resumes (1 -> 4, 4 -> 2, 2 -> 3, 2 -> HSDP): one per format, and the algorithms whose state
+is not just elementwise slots, or has stacked rows (a checkpoint's layout follows the format, not the algorithm's
+update; each case costs every rank CPU time in the suite)."""
+REFERENCE_ONLY = {
+    "lamb_32bit": _config("lamb", "32bit"),
+    "adafactor_32bit": (hf_optim.Adafactor, dict(beta1=0.9, weight_decay=0.01)),
+}
+"""Single-process runs only: how far the quantized LAMB and Adafactor runs are from 32-bit (their tolerance)."""
 SUMMED = ("lamb", "adafactor")
 """Algorithms with sums over the whole tensor (all-reduced across shards in another order: equal up to it)."""
 
@@ -74,7 +77,7 @@ def gradients(step: int) -> dict[str, torch.Tensor]:
 
 
 def build(name: str, module: torch.nn.Module):
-    cls, kwargs = CONFIGS[name]
+    cls, kwargs = CONFIGS[name] if name in CONFIGS else REFERENCE_ONLY[name]
     return cls(module.parameters(), min_8bit_size=MIN_8BIT, **kwargs)
 
 
@@ -84,10 +87,10 @@ def train(module: torch.nn.Module, optimizer, steps) -> None:
         whole = gradients(step)
         for name, p in module.named_parameters():
             grad = whole[name]
-            if hasattr(p, "device_mesh"):
+            if hasattr(p, "device_mesh"):  # every rank holds the whole gradient: its part, without communication
                 from torch.distributed.tensor import distribute_tensor
 
-                grad = distribute_tensor(grad, p.device_mesh, p.placements)
+                grad = distribute_tensor(grad, p.device_mesh, p.placements, src_data_rank=None)
             p.grad = grad
         optimizer.step()
 

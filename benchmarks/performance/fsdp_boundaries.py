@@ -17,10 +17,10 @@ block of every matrix, the work this tree adds where shapes do not align.
 Each tree runs in its own ``torchrun`` (``--ranks`` processes, one thread each, eager PyTorch path:
 ``HF_OPTIM_COMPILE=0``): FSDP2 (``fully_shard``) over the tensors, fixed gradients, ``--warmup`` steps, then
 ``--repeats`` rounds of ``--steps`` steps. Prints per optimizer and tree: ms per step on rank 0 (median round; wall
-clock, and the thread's CPU time, which on a busy machine leaves out time other processes had the core), the
-collectives per step (all-reduces and point-to-point batches hf_optim called), and the tensors with a split block. The
-parameters after the run are compared between the trees (``same``: bit for bit; they differ only where blocks
-are split, which the baseline quantizes per shard).
+clock, and the thread's CPU time, which on a busy machine leaves out time other processes had the core; ``--runs``
+runs per tree, alternating, the median of their medians), the collectives per step (all-reduces and point-to-point
+batches hf_optim called), the tensors that step apart (a split block, or rank-1's column scales), and whether each
+tree's parameters after the run equal, bit for bit, what one process reaches with the same steps.
 """
 
 from __future__ import annotations
@@ -49,8 +49,43 @@ def _parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=2, help="runs of each tree, alternating (baseline, this, ...)")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def tensor_set(cap: int) -> list[tuple[int, ...]]:
+    sys.path.insert(0, str(HERE))
+    from step_time import LLAMA_3_2_1B, llama_shapes
+
+    return [tuple(min(d, cap) for d in shape) for shape in llama_shapes(LLAMA_3_2_1B)]
+
+
+def tensors_and_grads(shapes):
+    """The parameters (a ParameterList) and their whole gradients, the same in every process."""
+    import torch
+
+    module = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(i)) * 0.1)
+        for i, shape in enumerate(shapes))
+    gen = torch.Generator().manual_seed(1)
+    return module, [torch.randn(p.shape, generator=gen) * 0.01 for p in module]
+
+
+def one_process(name: str, args):
+    """The parameters one process reaches with the same steps (this tree's hf_optim)."""
+    import torch
+
+    import hf_optim
+
+    torch.set_num_threads(1)
+    module, grads = tensors_and_grads(tensor_set(args.cap))
+    optimizer = getattr(hf_optim, name)(module.parameters(), lr=1e-3)
+    for p, g in zip(module, grads):
+        p.grad = g
+    for _ in range(args.warmup + args.repeats * args.steps):
+        optimizer.step()
+    return [p.detach() for p in module]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -63,14 +98,11 @@ def worker(args) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    sys.path.insert(0, str(HERE))
-    from step_time import LLAMA_3_2_1B, llama_shapes
-
     import hf_optim
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    shapes = [tuple(min(d, args.cap) for d in shape) for shape in llama_shapes(LLAMA_3_2_1B)]
+    shapes = tensor_set(args.cap)
     calls = {"all_reduce": 0, "p2p": 0}
     all_reduce, batch = dist.all_reduce, dist.batch_isend_irecv
 
@@ -85,13 +117,9 @@ def worker(args) -> None:
     dist.all_reduce, dist.batch_isend_irecv = counted_all_reduce, counted_batch
     results = {"hf_optim": str(Path(hf_optim.__file__).parent)}
     for name in args.optimizers.split(","):
-        module = torch.nn.ParameterList(
-            torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(i)) * 0.1)
-            for i, shape in enumerate(shapes))
+        module, whole_grads = tensors_and_grads(shapes)
         fully_shard(module)
-        gen = torch.Generator().manual_seed(1)
-        grads = [distribute_tensor(torch.randn(p.shape, generator=gen) * 0.01, p.device_mesh, p.placements)
-                 for p in module]
+        grads = [distribute_tensor(g, p.device_mesh, p.placements) for p, g in zip(module, whole_grads)]
         optimizer = getattr(hf_optim, name)(module.parameters(), lr=1e-3)
         for p, g in zip(module, grads):
             p.grad = g
@@ -157,6 +185,16 @@ def run_tree(tree: Path, args, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def merged(runs: list[dict]) -> dict:
+    """One tree's runs: the median of their medians."""
+    out = dict(runs[0])
+    for name, first in runs[0].items():
+        if isinstance(first, dict):
+            out[name] = {**first, **{key: statistics.median(run[name][key] for run in runs)
+                                     for key in ("wall_ms", "cpu_ms")}}
+    return out
+
+
 def main() -> None:
     args = _parse()
     if args.worker:
@@ -164,26 +202,33 @@ def main() -> None:
         return
     import torch
 
+    os.environ["HF_OPTIM_COMPILE"] = "0"
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         (scratch / "baseline").mkdir()
-        base = run_tree(baseline_tree(args.baseline, scratch / "baseline"), args, scratch / "base.json")
-        ours = run_tree(ROOT, args, scratch / "ours.json")
+        baseline = baseline_tree(args.baseline, scratch / "baseline")
+        bases, ourses = [], []
+        for run in range(args.runs):  # alternating, so that a change in the machine's load hits both
+            bases.append(run_tree(baseline, args, scratch / f"base{run}.json"))
+            ourses.append(run_tree(ROOT, args, scratch / f"ours{run}.json"))
+        base, ours = merged(bases), merged(ourses)
         print(f"FSDP2, {args.ranks} gloo ranks, Llama-3.2-1B tensors capped at {args.cap} "
-              f"({ours[args.optimizers.split(',')[0]]['tensors']} tensors); {args.steps} steps x {args.repeats} "
-              "rounds, median; ms per optimizer step on rank 0")
+              f"({ours[args.optimizers.split(',')[0]]['tensors']} tensors); {args.runs} runs per tree, alternating, "
+              f"each {args.repeats} rounds of {args.steps} steps: median; ms per optimizer step on rank 0")
         print(f"  baseline: {base['hf_optim']}\n  this tree: {ours['hf_optim']}")
         header = ("optimizer", "baseline wall", "this wall", "ratio", "baseline cpu", "this cpu", "ratio",
-                  "collectives/step", "tensors apart", "params")
+                  "collectives/step", "tensors apart", "= one process (baseline, this)")
         rows = [header]
         for name in args.optimizers.split(","):
             b, o = base[name], ours[name]
-            same = all(torch.equal(x, y) for x, y in zip(torch.load(f"{scratch}/base.json.{name}.pt"),
-                                                         torch.load(f"{scratch}/ours.json.{name}.pt")))
+            reference = one_process(name, args)
+            exact = ["yes" if all(torch.equal(x, y) for x, y in zip(torch.load(f"{scratch}/{tree}0.json.{name}.pt"),
+                                                                   reference)) else "no"
+                     for tree in ("base", "ours")]
             calls = " + ".join(f"{count:g} {kind}" for kind, count in o["calls"].items() if count) or "0"
             rows.append((name, f"{b['wall_ms']:.2f}", f"{o['wall_ms']:.2f}", f"{o['wall_ms'] / b['wall_ms']:.2f}",
                          f"{b['cpu_ms']:.2f}", f"{o['cpu_ms']:.2f}", f"{o['cpu_ms'] / b['cpu_ms']:.2f}", calls,
-                         f"{o['apart']}/{o['tensors']}", "same" if same else "differ"))
+                         f"{o['apart']}/{o['tensors']}", ", ".join(exact)))
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
         for row in rows:
             print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())

@@ -60,10 +60,11 @@ def single(workspace):
 
     with one_thread():
         saved, references = {}, {}
-        for name in elastic.CONFIGS:
+        for name in [*elastic.CONFIGS, *elastic.REFERENCE_ONLY]:
             module, optimizer = elastic.single_process(name, range(elastic.SAVE_AT))
-            model_state, optim_state = get_state_dict(module, optimizer)
-            saved[name] = {"model": model_state, "optim": optim_state}
+            if name in elastic.FEW:
+                model_state, optim_state = get_state_dict(module, optimizer)
+                saved[name] = {"model": model_state, "optim": optim_state}
             references[name] = {"module": module, "optimizer": optimizer}
         dcp.save(saved, checkpoint_id=workspace / "checkpoints" / "elastic-1")
         for built in references.values():
@@ -195,8 +196,10 @@ def test_fsdp2_sharded_checkpoint_resumes_exactly(results, name):
         assert torch.equal(run["resumed"][param], expected), (param, max_diff(run["resumed"][param], expected))
 
 
+ACCELERATE_OPTIMIZERS = ["adamw_32bit", "adamw_8bit", "adamw_4bit", "lamb_8bit", "adafactor_8bit", "muon_8bit"]
+"""distributed_worker.ACCELERATE_OPTIMIZERS: one per kind of state (every algorithm's DCP resume is tested above)."""
 ACCELERATE_RUNS = [f"{name} {kind}" for kind in ["SHARDED_STATE_DICT use_dcp=True", "SHARDED_STATE_DICT use_dcp=False",
-                                                 "FULL_STATE_DICT use_dcp=True"] for name in OPTIMIZERS]
+                                                 "FULL_STATE_DICT use_dcp=True"] for name in ACCELERATE_OPTIMIZERS]
 
 
 @pytest.mark.parametrize("run", ACCELERATE_RUNS)
@@ -306,16 +309,18 @@ def test_fsdp2_state_does_not_depend_on_the_world_size(request, single, world_si
     assert run["dtypes"][name] == single[name]["dtypes"]
 
 
-RESUMES = [("1", "4"), ("4", "2"), ("2", "3"), ("2", "1"), ("2", "hsdp")]
+OTHER_RESUMES = (("1", "4"), ("4", "2"), ("2", "3"), ("2", "hsdp"))
+RESUMES = [("2", "1", name) for name in elastic.CONFIGS] + [
+    (saved, loaded, name) for saved, loaded in OTHER_RESUMES for name in elastic.FEW]
 
 
-@pytest.mark.parametrize("saved,loaded", RESUMES, ids=[f"{n}-to-{m}" for n, m in RESUMES])
-@pytest.mark.parametrize("name", elastic.CONFIGS)
+@pytest.mark.parametrize("saved,loaded,name", RESUMES, ids=[f"{name}-{n}-to-{m}" for n, m, name in RESUMES])
 def test_dcp_checkpoint_resumes_at_another_world_size(request, single, saved, loaded, name):
     """Trained SAVE_AT steps at N ranks and saved with DCP (get_state_dict + dcp.save); a model of other weights and a
     fresh optimizer at M ranks load it (dcp.load + set_state_dict) and train the remaining steps: the run that trained
     every step at M (one process's, by the test above). M = 1 is a plain optimizer without FSDP; "hsdp" is 2 ranks
-    as 2 replicas of 1 shard."""
+    as 2 replicas of 1 shard. Every case from 2 ranks to 1; one per format and the non-elementwise algorithms for the
+    others (elastic_cases.FEW)."""
     if loaded == "1":
         run = request.getfixturevalue("single_resumed")[name]
     elif loaded == "hsdp":
