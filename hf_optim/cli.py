@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 EXAMPLES = """examples:
-  hf-optim train quickstart                                   # the tiny offline QLoRA run (CPU, about 18 s)
+  hf-optim train quickstart                                   # the tiny offline QLoRA run (CPU, about 45 s)
   hf-optim run -- trl sft --optim lamb_8bit ...               # another command line, with hf_optim's names
   hf-optim validate llama-3.1-8b-full training.optim=adamw_torch
   hf-optim validate llama-3.1-8b-full --fit 24GiB                # which setups fit a 24 GB card, largest batch
@@ -214,7 +214,7 @@ def _uncut_table(title: str, columns: list[tuple[str, str]], rows: list[tuple[st
 
 def _print_fit(recipe, card_bytes: int, console) -> int:
     """The --fit table: every setup that fits, ranked, with its largest batch; or why nothing does."""
-    from hf_optim.recipes.fit import gib, nothing_fits_message, plan, state_label
+    from hf_optim.recipes.fit import gib, nothing_fits_message, plan, release_note, state_label
 
     try:
         result = plan(recipe, card_bytes)
@@ -260,6 +260,9 @@ def _print_fit(recipe, card_bytes: int, console) -> int:
                   "state is in CUDA managed memory, which stays on the GPU while there is room and moves to host "
                   "memory when the GPU is short (steps slow down then); the plan counts it as off the GPU. ckpt: "
                   "activation (gradient) checkpointing", highlight=False)
+    note = release_note(result)
+    if note:
+        console.print(note, highlight=False)
     for assumption in result.assumptions:
         console.print(f"assumption: {assumption}", highlight=False)
     return 0
@@ -295,14 +298,16 @@ def cmd_train(args, console) -> int:
             table.add_row(str(result.output_dir), result.status, result.optimizer or "-",
                           "-" if loss is None else f"{loss:.4f}")
         console.print(table)
-        if results[-1].status == "interrupted":
-            print(interrupted_line(results[-1], args), file=sys.stderr)
-            return EXIT_STATUS
+        if results[-1].status in ("interrupted", "killed"):
+            if not other_rank():
+                print(interrupted_line(results[-1], args), file=sys.stderr)
+            return results[-1].exit_status or EXIT_STATUS
         console.print(f"comparison: {report}")
         return 0 if all(r.status == "ok" for r in results) else 3
-    if result.status == "interrupted":
-        print(interrupted_line(result, args), file=sys.stderr)
-        return EXIT_STATUS
+    if result.status in ("interrupted", "killed"):
+        if not other_rank():
+            print(interrupted_line(result, args), file=sys.stderr)
+        return result.exit_status or EXIT_STATUS
     if result.status == "oom":
         console.print(f"[red]out of memory[/red]; recorded in {result.output_dir / 'summary.json'}")
         return 3
@@ -352,19 +357,21 @@ def rerun_command(argv: list[str] | None, resume_value: str | None, flag: str) -
 
 
 def interrupted_line(result, args) -> str:
-    """The one line ``hf-optim train`` prints after Ctrl-C: where it stopped and the command that goes on."""
+    """The one line ``hf-optim train`` prints after Ctrl-C or SIGTERM: where it stopped and the command that goes
+    on."""
+    stopped = f"killed by {result.signal}" if result.status == "killed" else "interrupted"
     if result.global_step is None:
-        return "interrupted before training started"
+        return f"{stopped} before training started"
     argv, resume_value = getattr(args, "argv", None), getattr(args, "resume", None)
     if result.checkpoint is not None:
         where = Path(result.checkpoint).name
         behind = "" if where == f"checkpoint-{result.global_step}" else f" (it goes on from {where})"
-        return (f"interrupted at step {result.global_step}; resume with: "
+        return (f"{stopped} at step {result.global_step}; resume with: "
                 f"{rerun_command(argv, resume_value, '--resume')}{behind}")
     from hf_optim.recipes.rundir import inspect
 
     flag = "--overwrite" if inspect(result.output_dir).holds_a_run else ""
-    return (f"interrupted at step {result.global_step}, before any checkpoint; start again with: "
+    return (f"{stopped} at step {result.global_step}, before any checkpoint; start again with: "
             f"{rerun_command(argv, resume_value, flag)}")
 
 
@@ -426,17 +433,29 @@ def cmd_cp(args, console) -> int:
     return 0
 
 
+def _print_status_notes(run_dirs: list[str]) -> None:
+    """One line per run that did not finish (still running, killed, failed, or whose process is gone)."""
+    from hf_optim.monitor.runfiles import load_run, status_note
+
+    for run_dir in run_dirs:
+        note = status_note(load_run(Path(run_dir)))
+        if note:
+            print(f"note: {note}")
+
+
 def cmd_plot(args, console) -> int:
     from hf_optim.monitor.plots import plot_run
 
     for path in plot_run(Path(args.run_dir)):
         print(path)  # plain print: plot and compare run with the monitor extra alone, which has no rich
+    _print_status_notes([args.run_dir])
     return 0
 
 
 def cmd_compare(args, console) -> int:
     from hf_optim.monitor.compare import compare_runs
 
+    _print_status_notes(args.run_dirs)
     baseline = Path(args.baseline) if args.baseline else None
     report = compare_runs([Path(d) for d in args.run_dirs], Path(args.out or "."), baseline=baseline)
     print(f"comparison: {report}")
@@ -500,22 +519,34 @@ def missing_extra(verb: str) -> str | None:
             f"pip install -e \".[{extra}]\")")
 
 
+def other_rank() -> bool:
+    """Whether this is a process of a multi-process launch (torchrun, ``accelerate launch``, ``deepspeed``) other
+    than rank 0. Every rank runs the same command; rank 0 alone prints its summary (``done:``, ``run directory:``)
+    and its user errors, which the same command line and config raise on every rank alike."""
+    import os
+
+    return os.environ.get("RANK", "0").strip() not in ("", "0")
+
+
 def _console():
-    """A rich console, or None when rich is not installed (only verbs that need no extra get that far)."""
+    """A rich console, or None when rich is not installed (only verbs that need no extra get that far); quiet on
+    ranks other than 0 (:func:`other_rank`)."""
     if importlib.util.find_spec("rich") is None:
         return None
     from rich.console import Console
 
-    console = Console(soft_wrap=True)
+    console = Console(soft_wrap=True, quiet=other_rank())
     if not console.is_terminal:  # piped or captured: no wrapping of table cells at 80 columns
-        console = Console(soft_wrap=True, width=200)
+        console = Console(soft_wrap=True, width=200, quiet=other_rank())
     return console
 
 
 def print_error(exc: BaseException) -> None:
     """A user error on stderr, without a traceback: one line, or a header and one line per problem of a recipe
     with several. Red when stderr is a terminal and rich is installed; never wrapped (a wrapped line breaks
-    mid-phrase and cannot be searched for)."""
+    mid-phrase and cannot be searched for). Rank 0 alone prints it under a multi-process launch."""
+    if other_rank():
+        return
     lines = [line for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
     issues = getattr(exc, "issues", None)  # a RecipeError (not imported here: plot and compare run without pydantic)
     several = issues is not None and len(issues) > 1
@@ -545,8 +576,12 @@ def main(argv: list[str] | None = None) -> int:
 
     A user error (:class:`hf_optim.errors.UserError`) is printed as one line per problem, without a traceback;
     any other exception is a bug and keeps its traceback."""
+    from hf_optim._autoimport import replace_namespace_package
     from hf_optim.errors import OFFLINE_HINT, UserError, hub_unreachable
 
+    shadowed = replace_namespace_package()  # a folder named hf_optim on PYTHONPATH came before the package
+    if shadowed:
+        print(shadowed, file=sys.stderr)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # everything after `run` belongs to the command it runs: --help, its errors
         from hf_optim import run
@@ -588,7 +623,8 @@ def quick_checks(args) -> None:
         smoke = args.smoke or os.environ.get("HF_OPTIM_SMOKE", "0") not in ("", "0")  # smoke.smoke_requested's rule
         plain_run = args.verb == "train" and not args.sweep and args.resume is None and not args.overwrite \
             and not args.random_weights  # which goes to its own directory
-        quick_check(args.recipe, args.overrides, smoke, train_into=args.output_dir if plain_run else False)
+        quick_check(args.recipe, args.overrides, smoke, train_into=args.output_dir if plain_run else False,
+                    as_given=not getattr(args, "random_weights", False))
     elif args.verb in ("plot", "compare"):
         from hf_optim.monitor.runfiles import load_run
 

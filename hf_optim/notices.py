@@ -1,7 +1,8 @@
 """What hf_optim does about console noise that is not the user's concern, wherever hf_optim runs.
 
-- :data:`OPTIONAL_KERNEL_NOTICES`: notices that an optional accelerated kernel is not installed, when everything works
-  without it (bitsandbytes logs one at import on CPUs with AVX512-BF16). ``import hf_optim`` hides them for the
+- :data:`OPTIONAL_KERNEL_NOTICES`: notices that optional accelerated code is not there, when everything works
+  without it (bitsandbytes logs one at import on CPUs with AVX512-BF16; DeepSpeed one when it finds no GPU, at an
+  import accelerate makes whenever DeepSpeed is installed). ``import hf_optim`` hides them for the
   rest of the process (:func:`hide_optional_kernel_notices`) unless their logger is set to DEBUG, so that
   ``hf-optim plot``, ``import hf_optim.monitor`` and a training script do not print them;
   ``hf-optim train -v`` shows them (:func:`show_optional_kernel_notices`).
@@ -23,6 +24,10 @@ OPTIONAL_KERNEL_NOTICES = {
     # bitsandbytes >= 0.49 on CPUs with AVX512-BF16: a faster 4-bit matmul fetched from the Hub by the `kernels`
     # package; without it bitsandbytes runs its own CPU kernel (and the message is logged once per import).
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+    # DeepSpeed on a machine where torch finds no GPU: it runs on its CPU accelerator (what a CPU run wants). accelerate
+    # imports DeepSpeed in every Trainer run once it is installed (to recognise its engine), so without this the line
+    # appears in runs that do not use DeepSpeed at all.
+    "DeepSpeed": ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it",),
 }
 """Logger name -> message prefixes of the notices :func:`hide_optional_kernel_notices` hides."""
 

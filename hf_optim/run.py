@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from hf_optim import _startup
+from hf_optim._autoimport import replace_namespace_package
 from hf_optim.errors import suggest
 from hf_optim.integrations.name_table import HF_OPTIM_OPTIMIZER_NAMES
 from hf_optim.notices import one_line_warnings
@@ -140,6 +141,9 @@ def run(command: list[str]) -> int:
     hf_optim imported and exported to the processes it starts. Returns its exit status (a ``SystemExit`` it raises
     propagates)."""
     kind, target, argv = resolve(command)
+    shadowed = replace_namespace_package()  # `import hf_optim` found a folder named hf_optim on PYTHONPATH first
+    if shadowed:
+        print(shadowed, file=sys.stderr)
     _startup.finish()  # `import hf_optim` in full (in the hf-optim command it waits until the command is found)
     export_to_child_processes()
     one_line_warnings()  # as the processes it starts do (hf_optim/_autoimport/sitecustomize.py)

@@ -65,7 +65,7 @@ def _seed():
 
 
 SLOWEST_MODULES = ("test_gpu_static", "test_triton_kernels", "test_trl_integration", "test_notebooks",
-                   "test_triton_plans", "test_cli", "test_distributed", "test_torch_contract")
+                   "test_triton_plans", "test_cli", "test_distributed", "test_deepspeed", "test_torch_contract")
 """Modules that take a minute or more on a 2-core CPU (pytest's --durations), run first so that, split across
 workers, the last one to start does not end the run alone; the others keep their file order."""
 MAX_WORKERS = 4
@@ -159,3 +159,19 @@ def launched(monkeypatch):
     for module in (triton_step, triton_lamb):
         monkeypatch.setattr(module, "launch_fused", recording)
     return configs
+
+
+@pytest.fixture
+def small_cpu_kernels(monkeypatch, tmp_path):
+    """The CPU kernels' policy on small tensors: an inductor cache of the test's own, chunks of 2048 elements
+    (tensors from 4096 in place), no one-thread variant however busy the machine, and no kernel left from another
+    test."""
+    from hf_optim.kernels.torch_path import cpu_compile, cpu_threads, multi_tensor
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_threads, "adjustable", lambda: False)
+    monkeypatch.setattr(multi_tensor, "CHUNK", 2048)
+    monkeypatch.setattr(multi_tensor, "IN_PLACE_MIN", 4096)
+    cpu_compile.forget()
+    yield
+    cpu_compile.forget()

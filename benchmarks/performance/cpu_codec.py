@@ -30,7 +30,7 @@ import torch
 
 from hf_optim.formats import quant8
 from hf_optim.formats.dynamic_map import ZERO_CODE_SIGNED, dynamic_map, encoder_table
-from hf_optim.kernels.torch_path.cpu_compile import INDUCTOR_OPTIONS
+from hf_optim.kernels.torch_path.cpu_kernel import INDUCTOR_OPTIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "proofs"))
 import codebook8  # noqa: E402  (research beside its proof, not part of the library)

@@ -25,14 +25,22 @@ def _run_shadowed_sitecustomize() -> None:
 
 def _import_hf_optim() -> None:
     try:
-        import hf_optim  # noqa: F401
+        import hf_optim
     except ModuleNotFoundError as exc:
         if exc.name != "hf_optim":
             raise
         # hf_optim ran from a directory that is not on this process's path (a source checkout): append that
         # directory, after everything else, so it never shadows an installed package.
         sys.path.append(os.path.dirname(os.path.dirname(_HERE)))
-        import hf_optim  # noqa: F401
+        import hf_optim
+    if getattr(hf_optim, "__file__", None) is None:  # a folder named hf_optim without __init__.py came first
+        spec = importlib.util.spec_from_file_location("_hf_optim_autoimport", os.path.join(_HERE, "__init__.py"))
+        helpers = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(helpers)
+        note = helpers.replace_namespace_package()
+        if note:
+            sys.stderr.write(note + "\n")
+        import hf_optim
     hf_optim.notices.one_line_warnings()  # as `hf-optim run` prints them in its own process
 
 

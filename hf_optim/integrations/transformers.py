@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_optim.integrations.deepspeed import check_under_deepspeed, zero_state_note
 from hf_optim.integrations.names import OPTIMIZER_NAMES, OptimizerName, suggest
 from hf_optim.integrations.optim_args import parse_optim_args, typed_optim_args
 from hf_optim.kernels import backend as kernel_backend
@@ -104,6 +105,7 @@ def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None, name: st
     if entry is None:
         raise ValueError(unknown_name_message(name))
     kwargs = optimizer_kwargs(entry, args)
+    check_under_deepspeed(entry.class_label, entry.algorithm, entry.state_format, args)
     if kwargs.get("release_gradients"):
         check_release_arguments(args)
     partition = entry.algorithm.partition  # a hybrid: mark which rule each parameter takes
@@ -113,7 +115,10 @@ def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None, name: st
         warning = split.warning()
         if warning:
             logger.warning("optim=%r: %s", name, warning)
-    if model is not None and entry.state_format.quantized:
+    zero_note = zero_state_note(entry.state_format, args)
+    if zero_note:
+        logger.info("%s", zero_note)
+    elif model is not None and entry.state_format.quantized:
         skipped = keep_embeddings_32bit(model)
         if skipped:
             logger.info("%d embedding parameters keep 32-bit state", skipped)  # the handler adds "[hf_optim]"
@@ -358,8 +363,17 @@ class _PostImportHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.hooks.pop(module.__name__)(module)
 
 
+def _rank_zero_info(record: logging.LogRecord) -> bool:
+    """Under a multi-process launch every rank builds the same optimizer and runs the same recipe: hf_optim's INFO
+    lines show on rank 0 only (warnings and errors on every rank, where they may differ). A filter of the logger,
+    not of a handler: ``hf-optim train`` swaps the handlers for ones that write above the progress bar."""
+    return record.levelno >= logging.WARNING or os.environ.get("RANK", "0").strip() in ("", "0")
+
+
 def _ensure_log_handler() -> None:
     """Show hf_optim's INFO lines (the one line per optimizer creation) unless the user configured the logger."""
+    if _rank_zero_info not in logger.filters:
+        logger.addFilter(_rank_zero_info)
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[hf_optim] %(message)s"))

@@ -43,12 +43,17 @@ def trainable_gradient_estimate(model: torch.nn.Module) -> dict[str, int]:
 
 
 def unwrap_optimizer(optimizer):
-    """The optimizer that holds the state, under wrappers such as accelerate's ``AcceleratedOptimizer``."""
-    seen = set()
-    while id(optimizer) not in seen and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+    """The optimizer that holds the state and steps, under wrappers such as accelerate's ``AcceleratedOptimizer``
+    and DeepSpeed's ZeRO optimizers (``DeepSpeedOptimizerWrapper`` -> ``DeepSpeedZeroOptimizer`` -> the client
+    optimizer; DeepSpeed's are no torch optimizers): the innermost ``torch.optim.Optimizer`` along
+    the ``.optimizer`` chain, else ``optimizer`` itself."""
+    found, seen = optimizer, set()
+    while optimizer is not None and id(optimizer) not in seen:
         seen.add(id(optimizer))
-        optimizer = optimizer.optimizer
-    return optimizer
+        if isinstance(optimizer, torch.optim.Optimizer):
+            found = optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    return found
 
 
 def optimizer_info(optimizer) -> dict | None:

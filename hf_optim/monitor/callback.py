@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
+import signal
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,6 +41,11 @@ _FINAL_KEY = "train_loss"
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:4000]
 
 
 def _state_fields(optimizer) -> dict:
@@ -134,6 +143,9 @@ class TrainingMonitor(TrainerCallback):
         self._time_offset = 0.0
         self._tokens_offset = 0
         self._end_status = "ok"
+        self._signal: str | None = None
+        self._process: dict | None = None
+        self._open = False  # summary.json says "running": the atexit hook records how the process ended
 
     # ---- Trainer events ---------------------------------------------------------------------------------------
 
@@ -162,6 +174,8 @@ class TrainingMonitor(TrainerCallback):
         self._time_offset, self._tokens_offset = 0.0, 0
         self.started_at = _now()
         self._t_start = time.perf_counter()
+        self._signal = None
+        self._process = runfiles.this_process()
         if self.writer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self._start_metrics_file(state.global_step)
@@ -170,7 +184,7 @@ class TrainingMonitor(TrainerCallback):
             self._phase("resumed", state)
         else:
             self._phase("train_begin", state)
-        self._write_summary("running")
+        self._write_summary(runfiles.RUNNING)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._t_step = time.perf_counter()
@@ -227,6 +241,11 @@ class TrainingMonitor(TrainerCallback):
 
     # ---- outside the Trainer's events ---------------------------------------------------------------------------
 
+    @property
+    def in_progress(self) -> bool:
+        """summary.json says ``running``: training began and no end has been recorded yet."""
+        return self._open
+
     def mark_interrupted(self) -> None:
         """Training is being stopped before its last step (Ctrl-C): the summary written when it ends says
         ``"status": "interrupted"`` instead of ``"ok"``."""
@@ -237,6 +256,24 @@ class TrainingMonitor(TrainerCallback):
         ``summary.json`` gets ``"status": "interrupted"``, the last step that ended and a memory snapshot; plots are
         drawn from the steps logged so far. Returns the summary's path."""
         return self._record_stop("interrupted", self._global_step)
+
+    def record_failure(self, exc: BaseException) -> Path:
+        """Record that training stopped on an exception: ``summary.json`` gets ``"status": "failed"`` and the error
+        (type and first line; ``"interrupted"`` for a ``KeyboardInterrupt``), the last step that ended, a memory
+        snapshot and the plots. Returns the summary's path. A process that ends on an uncaught exception while the
+        summary says ``running`` records this itself (at exit), so a script need not call it."""
+        if isinstance(exc, KeyboardInterrupt):
+            return self.record_interrupt()
+        self.error = {"type": type(exc).__name__, "message": _first_line(exc)}
+        return self._record_stop("failed", self._global_step)
+
+    def record_signal(self, signum: int) -> Path:
+        """Record that a signal (SIGTERM, SIGHUP) ended training: ``summary.json`` gets ``"status": "killed"`` and
+        ``"signal": "SIGTERM"``, the last step that ended, a memory snapshot and the plots. Returns the summary's
+        path. (SIGKILL cannot be caught: a reader tells that case by the process being gone,
+        :func:`hf_optim.monitor.runfiles.effective_status`.)"""
+        self._signal = signal.Signals(signum).name
+        return self._record_stop("killed", self._global_step)
 
     def record_oom(self, exc: BaseException) -> Path:
         """Record that training ran out of memory: ``summary.json`` gets ``"status": "oom"``, the error, a memory
@@ -265,6 +302,21 @@ class TrainingMonitor(TrainerCallback):
         self._write_summary(status)
         self._draw()
         return self.output_dir / runfiles.SUMMARY
+
+    def _at_exit(self) -> None:
+        """The process is ending while summary.json still says ``running`` (a script whose ``train()`` raised, or
+        that exited inside training): record how, from the exception Python is reporting, if any."""
+        if not self._open or self._process is None or self._process.get("pid") != os.getpid():
+            return  # finished, or a forked child that inherited the hook
+        exc = getattr(sys, "last_value", None)
+        try:
+            if isinstance(exc, BaseException):
+                self.record_failure(exc)
+            else:
+                self.error = {"type": "exit", "message": "the process exited during training without an exception"}
+                self._record_stop("failed", self._global_step)
+        except Exception:  # noqa: BLE001 - at exit, a failure to record must not hide the error being reported
+            logger.debug("could not record how the run ended", exc_info=True)
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
@@ -403,6 +455,8 @@ class TrainingMonitor(TrainerCallback):
             "run_name": self.run_name,
             "status": status,
             "error": self.error,
+            "signal": self._signal if status == "killed" else None,
+            "process": self._process,
             "started_at": self.started_at,
             "resumed_at_step": self._resumed_at,
             "updated_at": _now(),
@@ -437,6 +491,12 @@ class TrainingMonitor(TrainerCallback):
         if self.writer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             runfiles.write_json(self.output_dir / runfiles.SUMMARY, self._summary(status))
+            opening = status == runfiles.RUNNING
+            if opening and not self._open:
+                atexit.register(self._at_exit)
+            elif not opening and self._open:
+                atexit.unregister(self._at_exit)
+            self._open = opening
 
     def _draw(self) -> None:
         if not (self.plots and self.writer):

@@ -75,9 +75,7 @@ def logged_loss_mean(run_dir) -> float | None:
     (the monitor keeps them and appends), whereas the Trainer's ``train_loss`` (``train_loss_run_mean`` in
     summary.json) covers only the steps the last process ran: two identical runs, one of them resumed, have the same
     mean here and different ones there."""
-    run = load_run(run_dir)
-    losses = [r["loss"] for r in run.train if r.get("loss") is not None]
-    return math.fsum(losses) / len(losses) if losses else None
+    return load_run(run_dir).logged_loss_mean
 
 
 def _labels(runs: list[RunData]) -> list[str]:

@@ -91,8 +91,10 @@ def _marker(count: int) -> str | None:
 
 def _title(run: RunData, what: str) -> str:
     title = f"{run.name}: {what}   [{run.optimizer_label}]"
-    if run.status == "oom":
-        title += "   (OUT OF MEMORY)"
+    ended = {"oom": "OUT OF MEMORY", "killed": f"KILLED by {run.summary.get('signal') or 'a signal'}",
+             "failed": "FAILED", "died": "PROCESS GONE without recording how it ended", "running": "still running"}
+    if run.status in ended:
+        title += f"   ({ended[run.status]})"
     return title
 
 
@@ -117,22 +119,23 @@ def _draw_loss(ax, run: RunData, *, detailed: bool) -> None:
     if eval_steps:
         ax.plot(eval_steps, eval_losses, "s-" if len(eval_steps) > 1 else "s", color="#d9711c", ms=6, lw=1.2,
                 label="eval_loss")
-    mean = run.summary.get("train_loss_run_mean")
+    mean, mean_label = run_mean(run)
     resumed_at = run.summary.get("resumed_at_step")
     if mean is not None and detailed:
-        steps_meant = "all steps" if not resumed_at else f"the steps after {resumed_at} (this resumed part)"
-        ax.axhline(mean, color="#555555", ls="--", lw=1.2,
-                   label=f"train_loss = {mean:.4g}: the RUN MEAN of {steps_meant} (not the final loss)")
+        ax.axhline(mean, color="#555555", ls="--", lw=1.2, label=f"{mean_label} = {mean:.4f} (not the final loss)")
     oom_step = run.summary.get("oom_step") if run.status == "oom" else None
     if oom_step is not None:
         ax.axvline(oom_step, color="#c0392b", ls=":", lw=1.5, label=f"OOM at step {oom_step}")
     if resumed_at:
         ax.axvline(resumed_at, color="#777777", ls=":", lw=1.2, label=f"resumed from the step-{resumed_at} checkpoint")
-    if run.status == "interrupted" and run.summary.get("global_step") is not None:
-        step = run.summary["global_step"]
-        ax.axvline(step, color="#d4a017", ls=":", lw=1.5, label=f"interrupted at step {step}")
+    stopped = {"interrupted": "interrupted", "killed": f"killed by {run.summary.get('signal') or 'a signal'}",
+               "failed": "failed", "died": "process gone"}.get(run.status)
+    if stopped and run.last_step is not None:
+        step = run.last_step
+        ax.axvline(step, color="#d4a017", ls=":", lw=1.5, label=f"{stopped} at step {step}")
     if detailed and losses:
-        final = run.summary.get("final_loss", losses[-1])
+        final = run.summary.get("final_loss")
+        final = losses[-1] if final is None else final  # a summary written when training began has none yet
         ema_final = run.summary.get("ema_loss")
         text = f"final loss {final:.4g}" + (f"\nEMA loss {ema_final:.4g}" if ema_final is not None else "")
         ax.text(0.99, 0.97, text, transform=ax.transAxes, ha="right", va="top", fontsize=9,
@@ -142,6 +145,20 @@ def _draw_loss(ax, run: RunData, *, detailed: bool) -> None:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper right" if not detailed else "center right", fontsize=8)
+
+
+def run_mean(run: RunData) -> tuple[float | None, str]:
+    """(mean training loss, what it is the mean of): the Trainer's ``train_loss`` over all steps, which
+    ``hf-optim train`` prints as the run mean; for a resumed run, whose ``train_loss`` covers only the steps after
+    the resume, the mean of every logged loss, before the resume included (what ``hf-optim train`` prints then)."""
+    resumed_at = run.summary.get("resumed_at_step")
+    trainer_mean = run.summary.get("train_loss_run_mean")
+    if resumed_at or trainer_mean is None:
+        logged = run.logged_loss_mean
+        if logged is not None:
+            what = ", those before the resume included" if resumed_at else ""
+            return logged, f"mean of all logged steps{what}"
+    return trainer_mean, "train_loss: the RUN MEAN of all steps"
 
 
 def loss_figure(run: RunData):
@@ -166,7 +183,10 @@ def _is_cuda(run: RunData) -> bool:
     return any(r.get("cuda_allocated_bytes") is not None for r in _memory_points(run))
 
 
-def _mark_phases(ax, run: RunData, *, labels: bool) -> None:
+def _mark_phases(ax, run: RunData, *, labels: bool, key_inside: bool = False) -> None:
+    """A dotted line at each phase snapshot's step; with ``labels``, a numbered tag on each and a key naming them:
+    right of the axes (memory.png, which leaves room there), or inside them, bottom right (the dashboard's
+    panel, whose right neighbour is the summary)."""
     by_step: dict[int, list[str]] = {}
     for name, snapshot in (run.summary.get("phases") or {}).items():
         if _phase_label(name) and snapshot.get("step") is not None:
@@ -189,7 +209,11 @@ def _mark_phases(ax, run: RunData, *, labels: bool) -> None:
                     va="top", fontsize=8, color=color, zorder=5,
                     bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor=color, lw=0.6))
         key.append(f"{number}: {' / '.join(names)} (step {step})")
-    if key:
+    if key and key_inside:
+        ax.text(0.99, 0.03, "phases (dotted lines)\n" + "\n".join(key), transform=ax.transAxes, ha="right",
+                va="bottom", multialignment="left", fontsize=7, color="#333333", zorder=6,
+                bbox=dict(boxstyle="round,pad=0.3", facecolor="white", edgecolor="#bbbbbb", alpha=0.9))
+    elif key:
         ax.text(1.01, 0.0, "phases\n" + "\n".join(key), transform=ax.transAxes, ha="left", va="bottom", fontsize=8,
                 color="#333333")
 
@@ -230,7 +254,7 @@ def _draw_process_memory(ax, run: RunData, *, detailed: bool) -> None:
     top = max(largest, capacity or 0) / size
     ax.set_ylim(0, top * 1.25 if top else 1)  # headroom for the phase labels and the legend
     ax.grid(alpha=0.3)
-    _mark_phases(ax, run, labels=detailed)
+    _mark_phases(ax, run, labels=True, key_inside=not detailed)
     if ax.get_legend_handles_labels()[0]:
         if detailed:
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
@@ -299,13 +323,16 @@ def _summary_text(run: RunData) -> str:
     def num(value, fmt=".4g"):
         return "-" if value is None else format(value, fmt)
 
+    error = s.get("error") or {}
+    status = {"oom": f"OOM at step {s.get('oom_step')}", "killed": f"killed by {s.get('signal') or 'a signal'}",
+              "failed": f"failed ({error.get('type', 'error')})",
+              "died": "died (process gone, no end recorded)"}.get(run.status, run.status)
     lines = [
-        (f"status: OOM at step {s.get('oom_step')}" if run.status == "oom" else f"status: {run.status}")
-        + f"   steps done: {s.get('global_step', '-')}",
+        f"status: {status}   steps done: {'-' if run.last_step is None else run.last_step}",
         f"optimizer: {optimizer.get('module', '?')}.{optimizer.get('name', '?')}",
         f"device: {gpu['name'] if gpu else (s.get('hardware') or {}).get('device', '?')}",
         f"final loss: {num(s.get('final_loss'))}   EMA: {num(s.get('ema_loss'))}",
-        f"run-mean train_loss: {num(s.get('train_loss_run_mean'))}",
+        f"{run_mean(run)[1]}: {num(run_mean(run)[0], '.4f')}",
         f"tokens/s (mean): {num(s.get('mean_tokens_per_s'), ',.0f')}",
         f"peak ({breakdown.get('basis', '?')}): {format_bytes(breakdown.get('peak_bytes'))}",
         f"  weights {format_bytes(breakdown.get('weights_bytes'))}, "

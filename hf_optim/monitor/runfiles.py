@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,90 @@ RECIPE = "recipe.yaml"
 LOSS_PNG = "loss.png"
 MEMORY_PNG = "memory.png"
 DASHBOARD_PNG = "dashboard.png"
+
+RUNNING = "running"
+DIED = "died"
+"""The status a reader gives a run whose summary still says ``running`` but whose process is gone: it ended without
+writing how (SIGKILL, the kernel's out-of-memory killer, a power cut, or a crash that Python could not catch)."""
+
+
+# ---- which process writes a run ----------------------------------------------------------------------------------
+
+def process_start_time(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch, psutil's ``create_time``), None when there is no such
+    process or psutil cannot tell."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.Error, OSError, ValueError):
+        return None
+
+
+def this_process() -> dict:
+    """The ``process`` entry of summary.json: what a reader needs to tell a running run from one whose process is
+    gone (a pid alone could be reused by another process: its start time tells them apart)."""
+    pid = os.getpid()
+    return {"pid": pid, "host": socket.gethostname(), "started": process_start_time(pid)}
+
+
+def process_alive(process: dict | None) -> bool | None:
+    """Whether the process a summary's ``process`` entry names still runs: True, False, or None when this machine
+    cannot tell (another host, or no pid recorded)."""
+    if not isinstance(process, dict) or not isinstance(process.get("pid"), int):
+        return None
+    if process.get("host") != socket.gethostname():
+        return None
+    pid = process["pid"]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        pass
+    except OSError:
+        return None
+    started, now = process.get("started"), process_start_time(pid)
+    if isinstance(started, (int, float)) and now is not None and abs(now - started) > 1.0:
+        return False  # the pid now belongs to a process that started later: the run's own process is gone
+    return True
+
+
+def effective_status(summary: dict) -> str:
+    """A summary's status as a reader should show it: ``running`` only while the process that wrote it is still
+    there (or on another host, where this machine cannot check), :data:`DIED` once it is gone; any other status
+    as written (``ok``, ``interrupted``, ``killed``, ``failed``, ``oom``)."""
+    status = summary.get("status", "unknown")
+    if status == RUNNING and process_alive(summary.get("process")) is False:
+        return DIED
+    return status
+
+
+def status_note(run: RunData) -> str | None:
+    """One line about a run that has not finished normally, for ``plot`` and ``compare``; None for a finished
+    run."""
+    run_dir, summary, status, step = run.run_dir, run.summary, run.status, run.last_step
+    at = f" at step {step}" if step is not None else ""
+    process = summary.get("process") or {}
+    if status == DIED:
+        after = f" after step {step}" if step is not None else ""
+        return (f"{run_dir}: its process (pid {process.get('pid')} on this host) is gone: it ended{after} without "
+                "recording how (killed with SIGKILL, stopped by the out-of-memory killer, or crashed; summary.json "
+                "says running)")
+    if status == RUNNING and process_alive(process) is None and process.get("host"):
+        return f"{run_dir}: summary.json says running{at}, on host {process['host']} (this machine cannot check it)"
+    if status == RUNNING:
+        return f"{run_dir}: still running{at} (pid {process.get('pid', '?')})"
+    if status == "failed":
+        error = summary.get("error") or {}
+        return f"{run_dir}: failed{at}: {error.get('type', 'error')}: {error.get('message', '')}".rstrip(": ")
+    if status == "killed":
+        return f"{run_dir}: killed by {summary.get('signal') or 'a signal'}{at}"
+    if status == "interrupted":
+        return f"{run_dir}: interrupted{at}"
+    return None
 
 
 def _jsonable(value):
@@ -103,7 +188,25 @@ class RunData:
 
     @property
     def status(self) -> str:
-        return self.summary.get("status", "unknown")
+        """How the run ended (:func:`effective_status`): a summary left at ``running`` by a process that is gone
+        reads :data:`DIED`."""
+        return effective_status(self.summary)
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step that ended: the summary's, or, while the summary is the one written when training began
+        (running, or a process that died), the last step logged in ``metrics.jsonl``."""
+        step = self.summary.get("global_step")
+        if self.summary.get("status") == RUNNING:
+            step = max([step or 0] + [r["step"] for r in self.train if isinstance(r.get("step"), int)])
+        return step
+
+    @property
+    def logged_loss_mean(self) -> float | None:
+        """The mean of every training loss logged in ``metrics.jsonl``: for a resumed run, the steps before the
+        checkpoint it resumed from included (the Trainer's ``train_loss`` covers only the steps after it)."""
+        losses = [r["loss"] for r in self.train if r.get("loss") is not None]
+        return math.fsum(losses) / len(losses) if losses else None
 
     @property
     def optimizer_label(self) -> str:

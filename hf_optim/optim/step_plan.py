@@ -33,12 +33,21 @@ Plan = list[tuple[int, dict, list[tuple]]]
 class Positions:
     """Per-parameter attributes recorded by position in ``param_groups`` when a group is added: overrides
     (:data:`PARAM_OVERRIDES_ATTR`) and a hybrid's route mark. accelerate's FSDP2 preparation swaps each parameter for
-    a new DTensor parameter at the same place, and the attributes stay behind on the old one."""
+    a new DTensor parameter at the same place, and the attributes stay behind on the old one.
+
+    A recorded attribute passes only to a parameter of the recorded shape (a DTensor's shape is the whole
+    tensor's): DeepSpeed's ZeRO puts one flat partition of many tensors where a group's first parameter was, and
+    that parameter's settings (an embedding's 32-bit state) would otherwise cover every tensor of the partition."""
 
     def __init__(self, mark_attr: str | None = None) -> None:
         self.mark_attr = mark_attr
         self.overrides: dict[tuple[int, int], dict] = {}
         self.marks: dict[tuple[int, int], str] = {}
+        self.shapes: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("shapes", {})  # pickled before shapes were recorded: no shape check for those
 
     def record(self, group_index: int, params: list) -> None:
         for index, p in enumerate(params):
@@ -48,12 +57,20 @@ class Positions:
             mark = getattr(p, self.mark_attr, None) if self.mark_attr else None
             if mark is not None:
                 self.marks[group_index, index] = mark
+            if overrides or mark is not None:
+                self.shapes[group_index, index] = tuple(p.shape)
+
+    def holds(self, group_index: int, index: int, p) -> bool:
+        """Whether ``p`` may take what was recorded at its place: it has the recorded parameter's shape."""
+        shape = self.shapes.get((group_index, index))
+        return shape is None or tuple(p.shape) == shape
 
     def restore_marks(self, param_groups: list[dict]) -> None:
-        """Mark parameters that replaced marked ones (same group, same index) with the recorded mark."""
+        """Mark parameters that replaced marked ones (same group, same index, same shape) with the recorded mark."""
         for (group_index, index), mark in self.marks.items():
             params = param_groups[group_index]["params"] if group_index < len(param_groups) else []
-            if index < len(params) and getattr(params[index], self.mark_attr, None) is None:
+            if index < len(params) and getattr(params[index], self.mark_attr, None) is None \
+                    and self.holds(group_index, index, params[index]):
                 setattr(params[index], self.mark_attr, mark)
 
 
@@ -124,7 +141,7 @@ class StepPlan:
         """``p``'s per-parameter settings (see :mod:`hf_optim.optim.overrides`): its attribute, else those recorded
         at its position when the optimizer was built; then bitsandbytes' manager's, if it has any."""
         overrides = getattr(p, PARAM_OVERRIDES_ATTR, None)
-        if overrides is None and self.positions.overrides:
+        if overrides is None and self.positions.overrides and self.positions.holds(group_index, index, p):
             overrides = self.positions.overrides.get((group_index, index))
         if manager is None:
             return overrides

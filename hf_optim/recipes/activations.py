@@ -24,7 +24,8 @@ The peak is not only the saved tensors: at the start of backward the loss head h
 ``8V`` besides its saved log-softmax, and gradients build up while activations are
 freed. :func:`backward_peak_bytes` walks the backward stage by stage (head, then each layer from the last one) and
 takes the largest sum of what is alive, with all gradients kept or with gradient release (a released gradient is
-freed once its parameter has stepped: see :func:`backward_peak_bytes`).
+freed once its parameter has stepped: see :func:`backward_peak_bytes`; nothing is released before backward has made
+a gradient, so at the loss head, where a long sequence's peak often is, release saves nothing).
 
 Calibrated in ``tests/recipes/test_activation_estimate.py`` against the tensors a CPU forward of the tiny model really
 saves
@@ -113,48 +114,55 @@ class DecoderShape:
         h = self.hidden
         return 2 * h * h + 2 * h * self.kv_width + 3 * h * self.intermediate + 2 * h
 
-    def largest_tensor(self) -> int:
-        """Elements of the largest parameter tensor (the embedding, for every Llama 3.x)."""
-        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+    def released_gradient_bytes(self) -> int:
+        """Gradient bytes alive at once with gradient release, at most (at the embedding's backward; the out-of-place
+        sum of a tied weight's two contributions, a moment's copy, is a transient of that stage). Each hook steps
+        its parameter and frees the gradient as soon as backward has made it, except a tied weight's: autograd holds
+        the output head's contribution until the embedding's arrives, and only then is that gradient complete. So:
+        tied, the held contribution and the embedding's dense gradient; untied, the embedding's (the output head's
+        was stepped and freed before the layers' backward). Measured on CPU in
+        ``tests/recipes/test_activation_estimate.py``."""
+        embedding = self.element_size * self.vocab * self.hidden
+        return 2 * embedding if self.tied else embedding
 
 
 def backward_peak_bytes(shape: DecoderShape, tokens: int, checkpointing: bool, release: bool) -> int:
     """Peak of activations + gradients during one forward and backward over ``tokens`` tokens (weights and
     optimizer state excluded).
 
-    Stages, from the first one backward reaches: the loss head (all saved tensors, the head's transients, the output
-    head's gradient), then each layer from the last (saved tensors of the layers not yet reached, with
-    checkpointing that layer's recomputed activations, and the gradients produced so far), then the end (all
-    gradients). Gradients kept: they accumulate. Gradient release: each parameter steps as soon as its gradient is
-    complete and the gradient is freed, so at most two are alive (a tied embedding's gradient collects its two
-    contributions across the whole backward, and one more is being produced); we count the two largest tensors.
+    Stages, from the first one backward reaches: the loss head (all saved tensors and the head's transients; no
+    gradient exists yet), the output head (its weight's gradient is made), then each layer from the last (saved
+    tensors of the layers not yet reached, with checkpointing that layer's recomputed activations, and the gradients
+    alive), then the embedding. Gradients kept: they accumulate. Gradient release (:mod:`hf_optim.optim.release`):
+    a gradient lives from the moment backward makes it until its parameter's hook has stepped it, so between hooks
+    only a tied weight's gradient is alive (:meth:`DecoderShape.released_gradient_bytes`). Release only ever frees:
+    no stage is higher released than kept.
     """
     e = shape.element_size
     head_grad = e * shape.vocab * shape.hidden
     layer_grad = e * shape.layer_params()
-    released = 2 * e * shape.largest_tensor()
+    held = head_grad if release and shape.tied else 0  # see released_gradient_bytes
     base = tokens * INDEX_BYTES  # input ids and labels stay to the end
     per_layer_saved = tokens * (e * shape.hidden if checkpointing else shape.layer_bytes())
     saved = tokens * shape.saved_bytes(checkpointing)
-    grads = released if release else 0
-    loss_stage = saved + tokens * shape.head_transient_bytes() + grads
-    # the output head's backward: the fp32 log-softmax is gone, the logits' gradient is in the activation dtype
-    head_stage = saved - tokens * (FP32 - e) * shape.vocab + (released if release else head_grad)
+    loss_stage = saved + tokens * shape.head_transient_bytes()
+    # the output head's backward: the fp32 log-softmax is gone, the logits' gradient is in the activation dtype; the
+    # head's weight gradient exists in both modes (released, untied, its hook frees it before the layers' backward)
+    head_stage = saved - tokens * (FP32 - e) * shape.vocab + head_grad
     peaks = [loss_stage, head_stage]
-    grads = released if release else head_grad
     for remaining in range(shape.layers, 0, -1):  # backward through layer ``remaining`` (1-based)
         alive = base + remaining * per_layer_saved + tokens * shape.layer_transient_bytes()
         if checkpointing:
             alive += tokens * shape.layer_bytes()
-        if not release:  # the layer's own gradients come at the end of its backward, as its activations go
-            grads = head_grad + (shape.layers - remaining) * layer_grad
+        # the layer's own gradients come at the end of its backward, as its activations go
+        grads = held if release else head_grad + (shape.layers - remaining) * layer_grad
         peaks.append(alive + grads)
     total_grads = head_grad + shape.layers * layer_grad + e * shape.hidden + (0 if shape.tied else head_grad)
     # the embedding's backward makes a dense gradient; tied, it is added to the output head's out of place, so
     # three embedding-sized gradients exist for a moment (measured on CPU)
     tied_sum = 2 * head_grad if shape.tied else 0
-    embedding_stage = base + tokens * e * shape.hidden + (released + tied_sum if release else total_grads + tied_sum)
-    peaks.append(embedding_stage)
+    embedding_grads = (held + head_grad + (head_grad if shape.tied else 0)) if release else total_grads + tied_sum
+    peaks.append(base + tokens * e * shape.hidden + embedding_grads)
     return max(peaks)
 
 

@@ -104,7 +104,7 @@ def sweep(name_or_path: str | Path, spec: str, overrides: list[str] | tuple[str,
         recipe.logging.run_name = value  # in a sweep a run is named by its value, whatever the recipe calls it
         results.append(run(recipe, out, quiet=quiet, resume=member_resume, overwrite=member_overwrite))
         free_memory()
-        if results[-1].status == "interrupted":
+        if results[-1].status in ("interrupted", "killed"):
             return results, None
     report = compare_runs([r.output_dir for r in results], parent, baseline=results[0].output_dir, title=title)
     return results, Path(report)

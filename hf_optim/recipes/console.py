@@ -20,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from hf_optim.notices import hf_optim_line, warning_source
 
@@ -101,20 +102,60 @@ def quiet_console(enabled: bool = True) -> Iterator[None]:
         _active["depth"] -= 1
 
 
-def quiet_progress(trainer) -> None:
+def quiet_progress(trainer):
     """Replace the Trainer's progress output (a bar with a printed dict per logging step, or only the dicts when
-    ``disable_tqdm``) with one bar that shows the latest loss (no bar when ``disable_tqdm``)."""
+    ``disable_tqdm``) with one bar that shows the latest loss (no bar when ``disable_tqdm``). Returns that bar's
+    callback (None without a bar), for :func:`ticking`."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     class LossProgressBar(ProgressCallback):
         """The Trainer's progress bar with the latest training loss in it, instead of a printed dict per log."""
 
+        loss_text: str | None = None
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
                 with contextlib.suppress(TypeError, ValueError):
-                    self.training_bar.set_postfix(loss=f"{float(logs['loss']):.4g}")
+                    self.loss_text = f"loss={float(logs['loss']):.4g}"
+                    self.training_bar.set_postfix_str(self.loss_text)
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
-    if not trainer.args.disable_tqdm:
-        trainer.add_callback(LossProgressBar)
+    if trainer.args.disable_tqdm:
+        return None
+    bar = LossProgressBar()
+    trainer.add_callback(bar)
+    return bar
+
+
+@contextlib.contextmanager
+def ticking(progress, detail: Callable[[], str | None] | None = None, every: float = 1.0) -> Iterator[None]:
+    """Within the block, redraw ``progress``'s bar (from :func:`quiet_progress`; None: nothing) every ``every``
+    seconds, so that its clock moves during a long step, as it does not when the bar is redrawn only when a step
+    ends (a step of a billion-parameter model on a CPU takes minutes); ``detail``, when given, returns what the
+    step under way has done so far (shown after the loss). A daemon thread, stopped when the block ends however it
+    ends."""
+    if progress is None:
+        yield
+        return
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every):
+            bar = progress.training_bar
+            if bar is None or bar.disable:
+                continue
+            with contextlib.suppress(Exception):  # a redraw is cosmetic: never let it end the run
+                extra = detail() if detail is not None else None
+                text = ", ".join(t for t in (progress.loss_text, extra) if t)
+                if extra is not None or text:
+                    bar.set_postfix_str(text, refresh=False)
+                bar.refresh()
+
+    thread = threading.Thread(target=tick, name="hf_optim progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=5)

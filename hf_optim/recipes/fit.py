@@ -12,8 +12,11 @@ setup's peak is the larger of two moments:
 Assumptions, printed with the table: a fixed reserve for the CUDA context and cuBLAS workspaces
 (:data:`CUDA_CONTEXT_BYTES`) plus a share of the card for allocator fragmentation (:data:`FRAGMENTATION_SHARE`);
 paged state counts as not on the GPU (it moves to host memory when the GPU is short, which slows steps); with
-gradient release, gradients are freed as they are produced, so about the two largest tensors' gradients are alive
-(instead of 2 bytes per parameter in bf16), and release rules out gradient accumulation and global-norm clipping.
+gradient release, each gradient is freed once its parameter has stepped, so at most one or two embedding-sized
+gradients are alive (:meth:`~hf_optim.recipes.activations.DecoderShape.released_gradient_bytes`, instead of 2 bytes
+per parameter in bf16), and release rules out gradient accumulation and global-norm clipping. Release lowers the
+peaks after backward has made its first gradients and at the step; the loss head's, before any gradient exists, it
+leaves as it is.
 """
 
 from __future__ import annotations
@@ -148,12 +151,12 @@ def plan(recipe: Recipe, card_bytes: int, batches: tuple[int, ...] = ()) -> FitP
     seq_len = int(recipe.training.get("max_length") or recipe.training.get("max_seq_length") or 1024)
     recipe_batch = int(recipe.training.get("per_device_train_batch_size") or 8)
     usable = int(card_bytes * (1 - FRAGMENTATION_SHARE)) - CUDA_CONTEXT_BYTES
-    largest_two = sum(sorted((t.numel * t.element_size for t in est.tensors), reverse=True)[:2])
+    released_grads = shape.released_gradient_bytes()
     results = []
     for setup in setups(recipe.optim):
         state = state_bytes(setup.optim, est.tensors, recipe.training.get("optim_args"))
         state_gpu = 0 if setup.paged else state
-        gradients = largest_two if setup.release else est.gradient_bytes
+        gradients = released_grads if setup.release else est.gradient_bytes
         foreach_temporary = est.gradient_bytes if setup.optim in TORCH_STATE_COUNT else 0
         step = est.weights_bytes + state_gpu + (0 if setup.release else est.gradient_bytes) + foreach_temporary
         def peak(batch: int, setup=setup, state_gpu=state_gpu, step=step) -> int:
@@ -172,8 +175,9 @@ def plan(recipe: Recipe, card_bytes: int, batches: tuple[int, ...] = ()) -> FitP
         f"unpadded sequences of {seq_len} tokens (training.max_length), calibrated on CPU against the tiny model "
         "(hf_optim/recipes/activations.py)",
         "gradients kept: one per parameter in the weights' dtype; released: freed once their parameter has stepped "
-        f"(about the two largest tensors' gradients alive, {largest_two / 2**30:.2f} GiB); release rules out "
-        "gradient accumulation and global-norm clipping",
+        f"(at most {released_grads / 2**30:.2f} GiB alive at once: {_released_what(shape)}), which lowers the "
+        "peaks from the first gradient on, not the loss head's before it; release rules out gradient accumulation "
+        "and global-norm clipping",
         "paged state counts as not on the GPU: it moves to host memory when the GPU is short (slower steps)",
         "adamw_torch (torch's foreach AdamW) keeps its two states in the weights' dtype and makes one "
         "parameter-sized temporary at the step; hf_optim's kernels update in place",
@@ -203,6 +207,12 @@ def _rank(result: SetupFit, recipe_batch: int) -> tuple:
     return (result.max_batch < recipe_batch, s.paged, s.release, s.checkpointing, precision, -result.max_batch)
 
 
+def _released_what(shape: DecoderShape) -> str:
+    if shape.tied:
+        return "the tied embedding's two parts, the output head's held until the input embedding's is made"
+    return "one embedding-sized gradient"
+
+
 def _dtype_name(element_size: int) -> str:
     return {2: "bf16/fp16", 4: "fp32"}.get(element_size, f"{element_size}-byte elements")
 
@@ -223,9 +233,25 @@ def nothing_fits_message(result: FitPlan) -> str:
             " GiB. Try a shorter training.max_length, LoRA/QLoRA, or a larger card.")
 
 
+def release_note(result: FitPlan) -> str | None:
+    """The line that says why gradient release leaves some setups' peak where gradients kept put it (the peak is
+    the loss head's, before backward has made any gradient); None when release lowers every setup's peak."""
+    fits = result.fits + result.misfits
+    kept = {(f.setup.optim, f.setup.checkpointing): f for f in fits if not f.setup.release}
+    batch = result.recipe_batch
+    same = [f for f in fits if f.setup.release and (twin := kept.get((f.setup.optim, f.setup.checkpointing)))
+            and f.batch_bytes[batch] == twin.batch_bytes[batch]]
+    if not same:
+        return None
+    which = "every setup" if len(same) == len(fits) - len(kept) else f"{len(same)} setups"
+    return (f"released = kept at batch {batch} for {which}: the peak comes at the loss head (full logits of "
+            f"{result.seq_len}-token sequences), before release has freed any gradient; release lowers the later "
+            "stages of backward and the optimizer step (B/param)")
+
+
 def gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:,.2f}"
 
 
 __all__ = ["CUDA_CONTEXT_BYTES", "FRAGMENTATION_SHARE", "FitPlan", "Setup", "SetupFit", "family_names", "gib",
-           "nothing_fits_message", "parse_memory", "plan", "setups", "state_label"]
+           "nothing_fits_message", "parse_memory", "plan", "release_note", "setups", "state_label"]

@@ -232,7 +232,12 @@ def _check_optimizer(recipe: Recipe, args, issues: list[RecipeIssue], found: lis
     try:
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
     except (ValueError, TypeError, ImportError, RuntimeError) as exc:
-        key = "training.optim_args" if recipe.training.get("optim_args") else "training.optim"
+        from hf_optim.integrations.deepspeed import DeepSpeedConflict
+
+        if isinstance(exc, DeepSpeedConflict):  # the launch's DeepSpeed config against the optimizer or precision
+            key = f"training.{exc.setting}"
+        else:
+            key = "training.optim_args" if recipe.training.get("optim_args") else "training.optim"
         issues.append(RecipeIssue(recipe.origin(key), key, _one_line(exc)))
         return
     device = _target_device(args)

@@ -10,8 +10,19 @@ checkpointing, precision, the monitor's logging. What changes:
   the architecture's full size) and the data is the bundled chat data, tokenized once and cut into rows of exactly
   ``max_length`` tokens (no padding, so every step has batch x sequence tokens);
 - ``max_steps`` (default 3), no checkpoints, no evaluation, no warmup (a few steps with warmup barely move the
-  weights), and no saved model at the end (random weights are not worth the disk);
+  weights), and no saved model at the end (random weights are not worth the disk); Ctrl-C stops after the step
+  under way without a checkpoint;
+- gradient accumulation 1: a step is one batch, measured in an eighth of the time a recipe with
+  ``gradient_accumulation_steps: 8`` takes. Accumulating keeps the gradients alive through the next micro-batch's
+  forward, so the recipe's own peak can be higher by up to the gradients' size (small under LoRA, as large as the
+  trainable weights in a full fine-tune); the estimate beside the measurement is for the same settings, and
+  ``training.gradient_accumulation_steps=N`` on the command line measures N (N times the time);
 - ``--seq-len`` and ``--batch-size`` set ``training.max_length`` and ``per_device_train_batch_size``.
+
+The one line the run prints first says all of this with the numbers of this run (steps, batch x tokens,
+accumulation, and the recipe's accumulation when it is not applied). On a CPU a step of a billion-parameter model
+takes minutes: the progress bar's clock moves every second, and it shows where the step under way is, layer by
+layer (:meth:`ComponentProbe.progress_detail`).
 
 Besides the monitor's files the run directory gets :data:`MEMORY_FILE`: the measured peak memory by component
 beside the planner's estimate for the same settings (:func:`estimate_components`):
@@ -81,7 +92,9 @@ def random_weights_recipe(raw: RawRecipe, options: RandomWeights) -> RawRecipe:
     data = copy.deepcopy(raw.data)
     training = {k: v for k, v in (data.get("training") or {}).items() if k not in _DROP_TRAINING}
     forced = {"max_steps": options.steps, "save_strategy": "no", "eval_strategy": "no", "logging_steps": 1,
-              "warmup_steps": 0, "report_to": "none"}
+              "warmup_steps": 0, "report_to": "none", "gradient_accumulation_steps": 1}
+    if not torch.cuda.is_available():
+        forced["dataloader_pin_memory"] = False  # nothing to pin to: torch warns at every run otherwise
     if options.seq_len is not None:
         forced["max_length"] = options.seq_len
     if options.batch_size is not None:
@@ -97,7 +110,10 @@ def random_weights_recipe(raw: RawRecipe, options: RandomWeights) -> RawRecipe:
         origins[path] = "random-weights mode"
     for key in forced:
         origins[f"training.{key}"] = "random-weights mode"
-    return RawRecipe(data, raw.source, origins)
+    replaced = ("data", "model.device_map", *(f"training.{key}" for key in forced))
+    words = {path: word for path, word in raw.bool_words.items()  # the words of the values this mode kept
+             if not any(path == key or path.startswith(key + ".") for key in replaced)}
+    return RawRecipe(data, raw.source, origins, words)
 
 
 def load(name_or_path: str | Path, overrides: list[str] | tuple[str, ...], options: RandomWeights) -> Recipe:
@@ -108,16 +124,34 @@ def load(name_or_path: str | Path, overrides: list[str] | tuple[str, ...], optio
     from hf_optim.recipes.preflight import preflight
     from hf_optim.recipes.schema import validate
 
-    raw = random_weights_recipe(load_raw(name_or_path), options)
+    original = load_raw(name_or_path)
+    raw = random_weights_recipe(original, options)
     recipe = validate(apply_overrides(raw, list(overrides)))
     preflight(recipe)
     try:
         load_config(str(recipe.model["id"]))
     except LookupError as exc:
         raise RecipeError([RecipeIssue(recipe.origin("model.id"), "model.id", str(exc))]) from None
-    recipe.notes.append(f"random-weights mode: {recipe.model['id']} built from its architecture with random weights, "
-                        f"bundled tokenizer and data, {recipe.training['max_steps']} steps, no warmup, no model saved")
+    recipe.notes.append(what_runs(recipe, original.data.get("training") or {}))
     return recipe
+
+
+def what_runs(recipe: Recipe, recipe_training: dict) -> str:
+    """The one line a random-weights run prints first: what it builds and what it runs (``recipe_training``: the
+    recipe file's own ``training`` section, to name the accumulation it does not apply)."""
+    accumulation = accumulation_of(recipe)
+    said = recipe_training.get("gradient_accumulation_steps")
+    if recipe.origin("training.gradient_accumulation_steps") == COMMAND_LINE:
+        accumulation_text = f"gradient accumulation {accumulation} (command line)"
+    elif isinstance(said, int) and said != accumulation:
+        accumulation_text = (f"gradient accumulation {accumulation} (the recipe's {said} is not applied: "
+                             f"training.gradient_accumulation_steps={said} applies it)")
+    else:
+        accumulation_text = f"gradient accumulation {accumulation}"
+    steps = recipe.training["max_steps"]
+    return (f"random-weights mode: {recipe.model['id']} built from its architecture with random weights, bundled "
+            f"tokenizer and data; {steps} step{'s' if steps != 1 else ''} of batch {batch_of(recipe)} x "
+            f"{seq_len_of(recipe)} tokens, {accumulation_text}; no warmup, evaluation, checkpoint or saved model")
 
 
 # -- building ------------------------------------------------------------------------------------------------------
@@ -171,7 +205,12 @@ def build_random_model(recipe: Recipe, tokenizer, seq_len: int):
               if k not in ("revision", "token", "local_files_only", "trust_remote_code", "cache_dir")}
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
-    logger.info("random weights: %s (%s), %s", recipe.model["id"], source, str(dtype).removeprefix("torch."))
+    with torch.device("meta"):
+        count = sum(p.numel() for p in
+                    MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config).parameters())  # a tied weight once
+    size = count * torch.empty((), dtype=dtype).element_size()
+    logger.info("random weights: %s, %.2fB parameters (%.1f GiB in %s), architecture from %s", recipe.model["id"],
+                count / 1e9, size / 2**30, str(dtype).removeprefix("torch."), source)
     state = random_state_dict(config, dtype)
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, config=config, state_dict=state, **kwargs)
 
@@ -391,12 +430,33 @@ def _trainer_callback_base():
     return TrainerCallback
 
 
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's decoder layers, in order: transformers' ``GradientCheckpointingLayer`` modules (every decoder
+    layer of transformers 5), else the children of its longest ``nn.ModuleList``."""
+    with contextlib.suppress(ImportError):
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        found = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        if found:
+            return found
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
 class ComponentProbe:
     """A TrainerCallback that measures a random-weights run by component (see the module docstring); built by
-    :func:`probe` so that transformers is imported only when a run starts."""
+    :func:`probe` so that transformers is imported only when a run starts. It also follows the step under way layer
+    by layer (:meth:`progress_detail`): on a CPU one step of a billion-parameter model takes minutes."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, checkpointing: bool = False, accumulation: int = 1):
         self.device = device
+        self.checkpointing = checkpointing
+        self.accumulation = accumulation
+        self._layers = 0
+        self._forwards = self._backwards = 0
+        self._hooks: list = []
+        self._step: int | None = None
+        self._in_optimizer = False
         self.weights = self.adapters = 0
         self.gradients = 0
         self.state = None
@@ -417,6 +477,14 @@ class ComponentProbe:
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.model, self.optimizer = model, optimizer
         self.weights, self.adapters = model_bytes(model)
+        layers = decoder_layers(model)
+        self._layers = len(layers)
+        # forward: a pre-hook (transformers' checkpointing wraps a layer's forward, so its recompute in the backward
+        # does not call the hook again); backward: a full backward pre-hook, called when the gradient reaches the
+        # layer's output (identity functions on the outputs: no copy, no change to the math)
+        self._hooks = [hook for layer in layers for hook in (layer.register_forward_pre_hook(self._forward_called),
+                                                             layer.register_full_backward_pre_hook(
+                                                                 self._backward_called))]
         if self.device.type == "cuda":
             from hf_optim.monitor.nvml_memory import NvmlMemory
 
@@ -433,7 +501,35 @@ class ComponentProbe:
         found = state_memory(unwrap_optimizer(self.optimizer))
         return found.total_bytes, found.paged_bytes
 
+    def _forward_called(self, module, args) -> None:
+        self._forwards += 1
+
+    def _backward_called(self, module, grad_output) -> None:
+        self._backwards += 1
+
+    def progress_detail(self) -> str | None:
+        """Where the step under way is: ``step 1: forward 9/16 layers`` (the layer whose forward runs),
+        ``step 1: backward 3/16 layers`` (counted from the last layer, as the backward runs; with gradient
+        checkpointing each layer's forward is recomputed there), ``step 1: optimizer step``; with accumulation the
+        micro-batch too. None before the first step."""
+        if self._step is None or not self._layers:
+            return None
+        if self._in_optimizer:
+            return f"step {self._step}: optimizer step"
+        micro = max(self._forwards - 1, 0) // self._layers
+        forward, backward = self._forwards - micro * self._layers, self._backwards - micro * self._layers
+        where = f"backward {backward}/{self._layers} layers" if backward > 0 else \
+            f"forward {forward}/{self._layers} layers"
+        batch = f", micro-batch {micro + 1}/{self.accumulation}" if self.accumulation > 1 else ""
+        return f"step {self._step}{batch}: {where}"
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
     def on_step_begin(self, args, state, control, **kwargs):
+        self._step, self._forwards, self._backwards, self._in_optimizer = state.global_step + 1, 0, 0, False
         self._sync()
         self._opt_seconds = 0.0
         if self.device.type == "cpu":
@@ -447,6 +543,7 @@ class ComponentProbe:
         self._t_step = time.perf_counter()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._in_optimizer = True
         self._sync()
         self._t_opt = time.perf_counter()
 
@@ -476,10 +573,10 @@ class ComponentProbe:
         self.steps.append(record)
 
 
-def probe(device: torch.device):
+def probe(device: torch.device, checkpointing: bool = False, accumulation: int = 1):
     """A :class:`ComponentProbe` that is a ``transformers.TrainerCallback``."""
     cls = type("ComponentProbeCallback", (ComponentProbe, _trainer_callback_base()), {})
-    return cls(device)
+    return cls(device, checkpointing, accumulation)
 
 
 def report(recipe: Recipe, measured: ComponentProbe, estimated: ComponentEstimate, losses: list[float],
@@ -548,7 +645,7 @@ class RandomWeightsRun:
         use_cpu = bool(recipe.training.get("use_cpu")) or not torch.cuda.is_available()
         self.device = torch.device("cpu") if use_cpu else torch.device("cuda", torch.cuda.current_device())
         self.estimate = estimate_components(recipe, self.device)
-        self.probe = probe(self.device)
+        self.probe = probe(self.device, checkpointing_of(recipe), accumulation_of(recipe))
 
     def build(self):
         return build(self.recipe)
@@ -576,12 +673,16 @@ def cli_train(args, console, quiet: bool) -> int:
                                  f"with {flag}")
     options = check_options(args.steps, args.seq_len, args.batch_size)
     result = train(args.recipe, args.overrides, options, args.output_dir, quiet=quiet, overwrite=args.overwrite)
-    if result.status == "interrupted":
-        print("interrupted", file=sys.stderr)
-        return 130
     data = result.memory or {}
-    for line in table_lines(data) if data else []:
+    for line in table_lines(data) if data.get("steps") else []:
         console.print(line, highlight=False)
+    if result.status in ("interrupted", "killed"):
+        stopped = f"killed by {result.signal}" if result.status == "killed" else "interrupted"
+        at = "" if result.global_step is None else f" at step {result.global_step}"
+        measured = f" (measured so far: {MEMORY_FILE})" if data.get("steps") else ""
+        print(f"{stopped}{at}{measured}; a random-weights run keeps no checkpoint: run it again with --overwrite",
+              file=sys.stderr)
+        return result.exit_status or 130
     losses = ", ".join(f"{loss:.4f}" for loss in data.get("losses", []))
     console.print(f"{data.get('seq_len')} tokens x batch {data.get('batch_size')} on {data.get('device_name')}; "
                   f"losses: {losses or '-'}", highlight=False)

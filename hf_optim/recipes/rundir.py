@@ -50,7 +50,10 @@ class RunDirectory:
         checkpoints: its ``checkpoint-N`` folders, newest first (complete or not).
         logged_steps: the training records in ``metrics.jsonl``.
         final_model: the Trainer saved a model there (the end of a finished run).
-        status: ``summary.json``'s status (``running``, ``ok``, ``interrupted``, ``oom``), None without one.
+        status: ``summary.json``'s status as a reader shows it (``running``, ``ok``, ``interrupted``, ``killed``,
+            ``failed``, ``oom``; ``died`` for a summary left at ``running`` by a process that is gone:
+            :func:`hf_optim.monitor.runfiles.effective_status`), None without one.
+        process: ``summary.json``'s ``process`` entry (pid, host, start time of the process that wrote it).
     """
 
     path: Path
@@ -58,6 +61,18 @@ class RunDirectory:
     logged_steps: int = 0
     final_model: bool = False
     status: str | None = None
+    process: dict | None = None
+
+    @property
+    def in_use(self) -> bool:
+        """Another process on this machine is still training into this directory (this process's own earlier run,
+        in a notebook whose ``train()`` raised, is not in use)."""
+        import os
+
+        from hf_optim.monitor import runfiles
+
+        return (self.status == runfiles.RUNNING and runfiles.process_alive(self.process) is True
+                and self.process.get("pid") != os.getpid())
 
     @property
     def holds_a_run(self) -> bool:
@@ -73,7 +88,9 @@ class RunDirectory:
             parts.append(f"{self.logged_steps} logged step{'s' if self.logged_steps != 1 else ''}")
         if self.final_model and self.status != "ok":
             parts.append("a saved model")
-        if self.status:
+        if self.status == "died":
+            parts.append("its process ended without recording how (killed with SIGKILL, or crashed)")
+        elif self.status:
             parts.append("finished" if self.status == "ok" else f"status {self.status}")
         return ", ".join(parts)
 
@@ -89,15 +106,16 @@ def inspect(path: str | Path) -> RunDirectory:
         records = runfiles.read_records(path)
     except ValueError:  # a damaged metrics.jsonl still means something was logged there
         records = [{"kind": "train"}]
-    status = None
+    status = process = None
     summary = path / runfiles.SUMMARY
     if summary.is_file():
         try:
-            status = json.loads(summary.read_text(encoding="utf-8")).get("status")
+            data = json.loads(summary.read_text(encoding="utf-8"))
+            status, process = runfiles.effective_status(data), data.get("process")
         except (ValueError, AttributeError):
             status = None
     return RunDirectory(path, checkpoints(path), sum(r.get("kind") == "train" for r in records),
-                        (path / FINAL_MODEL_MARKER).is_file(), status)
+                        (path / FINAL_MODEL_MARKER).is_file(), status, process)
 
 
 def resolve_checkpoint(output_dir: Path, resume: str) -> str:
@@ -144,14 +162,19 @@ def prepare(output_dir: str | Path, resume: str | None = None, overwrite: bool =
         overwrite (bool, default False): a directory that holds a run may be started again from step 0.
 
     Raises:
-        RunDirectoryError: ``output_dir`` holds a run and neither ``resume`` nor ``overwrite`` says what to do with
-            it; ``resume`` finds no complete checkpoint; ``resume`` and ``overwrite`` are both given.
+        RunDirectoryError: a process on this machine is still training into ``output_dir`` (whatever the flags
+            say); ``output_dir`` holds a run and neither ``resume`` nor ``overwrite`` says what to do with it;
+            ``resume`` finds no complete checkpoint; ``resume`` and ``overwrite`` are both given.
     """
     output_dir = Path(output_dir)
     if resume is not None and overwrite:
         raise RunDirectoryError("--resume continues the run in the output directory and --overwrite starts it again: "
                                 "give one of them")
     found = inspect(output_dir)
+    if found.in_use:
+        raise RunDirectoryError(f"{output_dir} is in use: a run is training into it now (pid {found.process['pid']}, "
+                                f"{found.describe() or 'no step logged yet'}); wait for it to end or stop it, or "
+                                "choose another --output-dir")
     if resume is not None:
         checkpoint = resolve_checkpoint(output_dir, resume)
         if found.holds_a_run and Path(checkpoint).resolve().parent != output_dir.resolve():

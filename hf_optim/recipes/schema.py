@@ -1,78 +1,35 @@
 """Validating a merged recipe: every problem collected, each reported with file, key path and a did-you-mean.
 
-The sections hf_optim owns (the top level, ``data``, ``logging``) are pydantic models; the pass-through sections
-are checked against the installed Hugging Face classes (:mod:`hf_optim.recipes.targets`).
+The checks themselves are :func:`hf_optim.recipes.checks.collect`, run here against the installed Hugging Face
+classes (:mod:`hf_optim.recipes.targets`) and hf_optim's optimizer registry; a recipe they pass is then built once
+with the classes that check combinations themselves (``BitsAndBytesConfig``, ``LoraConfig``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter, ValidationError
-
-from hf_optim.errors import did_you_mean
-from hf_optim.integrations.names import OPTIMIZER_NAMES, suggest
+from hf_optim.integrations.names import OPTIMIZER_NAMES
 from hf_optim.recipes.blame import blamed, culprit_keys
+from hf_optim.recipes.checks import (  # noqa: F401  (re-exported: the schema's names)
+    AUTO_KEYS,
+    MODEL_OWN_KEYS,
+    OWN_SECTIONS,
+    TOP_LEVEL,
+    CheckedAgainst,
+    DataSection,
+    Header,
+    LoggingSection,
+    check_value,
+    collect,
+    optimizer_issue,
+    read_by_type,
+)
 from hf_optim.recipes.errors import RecipeError, RecipeIssue
 from hf_optim.recipes.loading import RawRecipe, origin_of
-from hf_optim.recipes.targets import Target, pass_through_targets
-
-AUTO_KEYS = {("model", "dtype"), ("model", "torch_dtype"), ("training", "bf16"), ("training", "fp16"),
-             ("quantization", "bnb_4bit_compute_dtype")}
-"""Keys that accept ``auto``: resolved to what the hardware supports (:mod:`hf_optim.recipes.hardware`)."""
-
-
-class DataSection(BaseModel):
-    """The ``data`` section.
-
-    Attributes:
-        path: ``builtin:tiny-chat`` (shipped with hf_optim), a local ``.jsonl``/``.json``/``.csv``/``.parquet``
-            file, or a Hub dataset id. Rows in any format SFTTrainer reads (``messages``, ``text``,
-            ``prompt``/``completion``).
-        name: dataset configuration name (Hub datasets).
-        split: split to train on.
-        max_samples: keep only the first N rows (None: all).
-        eval_fraction: fraction of rows held out for evaluation (0: no evaluation set).
-        seed: seed of the evaluation split.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-    path: str
-    name: str | None = None
-    split: str = "train"
-    max_samples: PositiveInt | None = None
-    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    seed: int = 0
-
-
-class LoggingSection(BaseModel):
-    """The ``logging`` section.
-
-    Attributes:
-        run_name: name shown in plots and comparisons (None: the output directory's name).
-        monitor: attach hf_optim's TrainingMonitor (metrics.jsonl, summary.json, plots).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-    run_name: str | None = None
-    monitor: bool = True
-
-
-class Header(BaseModel):
-    """Top-level keys besides the sections: free text that documents the recipe."""
-
-    model_config = ConfigDict(extra="forbid")
-    description: str | None = None
-    hardware: str | None = Field(None, description="the hardware the recipe targets, e.g. '1x A100 80GB'")
-
-
-OWN_SECTIONS: dict[str, type[BaseModel]] = {"data": DataSection, "logging": LoggingSection}
-TOP_LEVEL = ["model", "quantization", "peft", "training", "data", "logging", *Header.model_fields]
-MODEL_OWN_KEYS = {"id": str, "tokenizer": str | None}
-"""Keys of ``model`` that hf_optim reads itself: the model id/path and an optional tokenizer id/path."""
+from hf_optim.recipes.targets import pass_through_targets
 
 
 @dataclass
@@ -143,100 +100,10 @@ def default_optim() -> str:
     return str(getattr(default, "value", default))
 
 
-@functools.cache
-def _adapter(annotation: Any) -> TypeAdapter | None:
-    try:
-        return TypeAdapter(annotation)
-    except Exception:  # a type pydantic cannot check (torch.dtype, classes): the HF class checks it when built
-        return None
-
-
-def _type_name(annotation: Any) -> str:
-    name = getattr(annotation, "__name__", None)
-    return name if name and not getattr(annotation, "__args__", None) else str(annotation).replace("typing.", "")
-
-
-def check_value(annotation: Any, value: Any) -> tuple[bool, Any]:
-    """(ok, value) for ``value`` against ``annotation``. Number strings YAML left unparsed (``2e-4``) come back
-    converted; any other value comes back unchanged."""
-    adapter = _adapter(annotation) if annotation is not None else None
-    if adapter is None:
-        return True, value
-    try:
-        converted = adapter.validate_python(value)
-    except ValidationError:
-        return False, value
-    except Exception:  # a validator that cannot run on this value: leave it to the class
-        return True, value
-    if isinstance(value, str) and type(converted) in (int, float, bool):
-        return True, converted
-    return True, value
-
-
-def _check_pass_through(raw: RawRecipe, name: str, values: dict, target: Target, issues: list[RecipeIssue],
-                        extra_keys: dict[str, Any] | None = None) -> dict:
-    accepted = dict(target.fields)
-    accepted.update(extra_keys or {})
-    checked = {}
-    for key, value in values.items():
-        path = f"{name}.{key}"
-        replacement = target.aliases.get(key)
-        if replacement is not None:
-            if replacement in values:
-                issues.append(RecipeIssue(raw.origin(path), path, f"deprecated alias of {replacement!r}, which is "
-                                          "set too: keep only one of them"))
-                continue
-            key = replacement  # the installed class deprecates the old name: pass the new one
-        if key not in accepted:
-            issues.append(RecipeIssue(raw.origin(path), path,
-                                      f"unknown {target.label}{did_you_mean(str(key), list(accepted))}"))
-            continue
-        if (name, key) in AUTO_KEYS and value == "auto":
-            checked[key] = value
-            continue
-        ok, converted = check_value(accepted[key], value)
-        if not ok:
-            issues.append(RecipeIssue(raw.origin(path), path,
-                                      f"expected {_type_name(accepted[key])}, got {type(value).__name__} {value!r}"))
-            continue
-        checked[key] = converted
-    return checked
-
-
-def _check_own(raw: RawRecipe, name: str, values: dict, model: type[BaseModel], issues: list[RecipeIssue]):
-    known = list(model.model_fields)
-    clean = {}
-    for key, value in values.items():
-        if key not in model.model_fields:
-            path = f"{name}.{key}" if name else str(key)
-            issues.append(RecipeIssue(raw.origin(path), path, f"unknown key{did_you_mean(str(key), known)}"))
-        else:
-            clean[key] = value
-    try:
-        return model.model_validate(clean)
-    except ValidationError as exc:
-        for error in exc.errors():
-            path = ".".join(str(p) for p in ((name,) if name else ()) + tuple(error["loc"]))
-            issues.append(RecipeIssue(raw.origin(path), path, error["msg"]))
-    return None
-
-
 def transformers_optimizer_names() -> list[str]:
     from transformers.training_args import OptimizerNames
 
     return [member.value for member in OptimizerNames]
-
-
-def check_optimizer(raw: RawRecipe, name: Any, issues: list[RecipeIssue]) -> None:
-    valid = sorted(set(transformers_optimizer_names()) | set(OPTIMIZER_NAMES))
-    name = str(getattr(name, "value", name))
-    if name in valid:
-        return
-    close = suggest(name, valid)
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    issues.append(RecipeIssue(raw.origin("training.optim"), "training.optim",
-                              f"unknown optimizer {name!r}{hint} (`hf-optim optimizers` lists hf_optim's names; "
-                              "transformers' are in transformers.training_args.OptimizerNames)"))
 
 
 def check_optim_args(raw: RawRecipe, name: Any, optim_args: Any, issues: list[RecipeIssue],
@@ -279,68 +146,34 @@ def _construct(raw: RawRecipe, name: str, factory, values: dict, label: str, iss
                                   f": {exc}"))
 
 
+def check_optimizer(raw: RawRecipe, name: Any, issues: list[RecipeIssue]) -> None:
+    problem = optimizer_issue(raw, name, set(transformers_optimizer_names()) | set(OPTIMIZER_NAMES))
+    if problem is not None:
+        issues.append(problem)
+
+
+def installed_classes() -> CheckedAgainst:
+    """What the full check checks against: the installed classes, transformers' and hf_optim's optimizer names."""
+    return CheckedAgainst(pass_through_targets(), set(transformers_optimizer_names()) | set(OPTIMIZER_NAMES),
+                          check_optim_args)
+
+
 def validate(raw: RawRecipe) -> Recipe:
     """Check every section of ``raw``; raise :class:`RecipeError` listing every problem, else the Recipe."""
-    issues: list[RecipeIssue] = []
-    data = raw.data
-    for key in data:
-        if key not in TOP_LEVEL:
-            issues.append(RecipeIssue(raw.origin(str(key)), str(key),
-                                      f"unknown section{did_you_mean(str(key), TOP_LEVEL)}"))
-    header = _check_own(raw, "", {k: v for k, v in data.items() if k in Header.model_fields}, Header, issues)
-
-    sections: dict[str, dict | None] = {}
-    for name in ("model", "quantization", "peft", "training", "data", "logging"):
-        value = data.get(name)
-        if value is None:
-            sections[name] = None
-        elif not isinstance(value, dict):
-            issues.append(RecipeIssue(raw.origin(name), name, f"must be a mapping of keys, got {type(value).__name__} "
-                                      f"{value!r}"))
-            sections[name] = None
-        else:
-            sections[name] = value
-
-    targets = pass_through_targets()
-    model = sections["model"]
-    if model is None:
-        if "model" not in data:
-            issues.append(RecipeIssue(raw.source, "model", "missing section (needs at least `id`)"))
-        model = {}
-    elif "id" not in model:
-        issues.append(RecipeIssue(raw.origin("model"), "model.id", "missing: the model id or path to fine-tune"))
-    model = _check_pass_through(raw, "model", model, targets["model"], issues, MODEL_OWN_KEYS)
-
-    quantization = sections["quantization"]
-    if quantization is not None:
-        quantization = _check_pass_through(raw, "quantization", quantization, targets["quantization"], issues)
-    peft = sections["peft"]
-    if peft is not None:
-        peft = _check_pass_through(raw, "peft", peft, targets["peft"], issues)
-    training = _check_pass_through(raw, "training", sections["training"] or {}, targets["training"], issues)
-    if "optim" in training:
-        check_optimizer(raw, training["optim"], issues)
-        check_optim_args(raw, training["optim"], training.get("optim_args"), issues, training)
-
-    data_section = sections["data"]
-    if data_section is None and "data" not in data:
-        issues.append(RecipeIssue(raw.source, "data", "missing section (needs at least `path`)"))
-    data_model = _check_own(raw, "data", data_section or {}, DataSection, issues) if data_section is not None \
-        else None
-    logging_model = _check_own(raw, "logging", sections["logging"] or {}, LoggingSection, issues)
-
-    if quantization is not None and not issues:
+    found = collect(raw, installed_classes())
+    issues = found.issues
+    no_adapters = issues.pop() if found.quantization is not None and found.peft is None else None
+    if found.quantization is not None and not issues:
         from transformers import BitsAndBytesConfig
 
-        _construct(raw, "quantization", BitsAndBytesConfig, quantization, "BitsAndBytesConfig", issues)
-    if peft is not None and not issues:
+        _construct(raw, "quantization", BitsAndBytesConfig, found.quantization, "BitsAndBytesConfig", issues)
+    if found.peft is not None and not issues:
         from peft import LoraConfig
 
-        _construct(raw, "peft", LoraConfig, peft, "LoraConfig", issues)
-    if quantization is not None and peft is None:
-        issues.append(RecipeIssue(raw.source, "peft", "a quantized model trains through adapters: add a peft "
-                                  "section (QLoRA), or remove the quantization section (full fine-tune)"))
+        _construct(raw, "peft", LoraConfig, found.peft, "LoraConfig", issues)
+    if no_adapters is not None:
+        issues.append(no_adapters)
     if issues:
         raise RecipeError(issues)
-    return Recipe(raw.source, model, quantization, peft, training, data_model, logging_model,
-                  header.description, header.hardware, origins=dict(raw.origins))
+    return Recipe(raw.source, found.model, found.quantization, found.peft, found.training, found.data,
+                  found.logging, found.header.description, found.header.hardware, origins=dict(raw.origins))

@@ -43,11 +43,12 @@ def smoke_recipe(raw: RawRecipe) -> RawRecipe:
         data["quantization"] = quantization
     training = data.get("training") if isinstance(data.get("training"), dict) else {}
     training = {k: v for k, v in training.items() if k not in _DROP_TRAINING}
-    data["training"] = deep_merge(training, {
+    set_by_smoke = {
         "max_steps": SMOKE_STEPS, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
         "max_length": 128, "logging_steps": 1, "save_strategy": "no", "eval_strategy": "no", "report_to": "none",
         "use_cpu": True, "warmup_steps": 0, "dataloader_num_workers": 0, "disable_tqdm": True,
-    })
+    }
+    data["training"] = deep_merge(training, set_by_smoke)
     real_run = training.get("output_dir") or Path("runs") / Path(raw.source).stem  # train.default_output_dir's
     data["training"]["output_dir"] = str(smoke_dir(real_run))  # its own directory: the real run's stays free
     logging = data.get("logging") if isinstance(data.get("logging"), dict) else {}
@@ -57,4 +58,7 @@ def smoke_recipe(raw: RawRecipe) -> RawRecipe:
     for key in ("model", "data"):
         for path in [p for p in origins if p == key or p.startswith(key + ".")]:
             origins[path] = "smoke mode"
-    return RawRecipe(data, raw.source, origins)
+    replaced = ("model", "data", "quantization.bnb_4bit_compute_dtype", *(f"training.{k}" for k in set_by_smoke))
+    words = {path: word for path, word in raw.bool_words.items()  # the words of the values smoke mode kept
+             if not any(path == key or path.startswith(key + ".") for key in replaced)}
+    return RawRecipe(data, raw.source, origins, words)

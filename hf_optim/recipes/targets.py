@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _NO_TYPE = None
+UNREAD = object()
+"""A field type read from source that could not be evaluated (:mod:`hf_optim.recipes.source_targets`): no value of
+that field can be vouched for without the installed class."""
 
 
 @dataclass(frozen=True)
@@ -32,12 +35,18 @@ class Target:
         label: how errors name the class (``LoraConfig``).
         fields: accepted key -> type annotation (``None``: any value).
         aliases: deprecated key -> the key that replaces it, both accepted.
+        exact: the fields are the installed class's own; False: read from its source file
+            (:mod:`hf_optim.recipes.source_targets`), where a value that cannot be vouched for is left to the full
+            check.
+        unread_aliases: keys whose source does not say whether they are deprecated aliases (read from source).
     """
 
     section: str
     label: str
     fields: dict[str, Any]
     aliases: dict[str, str] = field(default_factory=dict)
+    exact: bool = True
+    unread_aliases: frozenset[str] = frozenset()
 
 
 _ALIAS_HELP = re.compile(r"Deprecated alias of `(\w+)`")

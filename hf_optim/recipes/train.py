@@ -13,9 +13,10 @@ import yaml
 
 from hf_optim.checkpoints import checkpoint_problems, last_complete_checkpoint
 from hf_optim.memory import StateMemory, state_memory
+from hf_optim.monitor.accounting import unwrap_optimizer
 from hf_optim.recipes import rundir
 from hf_optim.recipes.build import build_datasets, build_lora_config, build_model, build_sft_config, build_tokenizer
-from hf_optim.recipes.console import quiet_console, quiet_progress
+from hf_optim.recipes.console import quiet_console, quiet_progress, ticking
 from hf_optim.recipes.errors import RecipeError, RecipeIssue
 from hf_optim.recipes.hardware import resolve_auto
 from hf_optim.recipes.loading import COMMAND_LINE
@@ -30,7 +31,8 @@ class RunResult:
 
     Attributes:
         output_dir: the run directory (recipe.yaml, the monitor's files, the saved model or adapter).
-        status: ``"ok"``, ``"oom"`` or ``"interrupted"`` (Ctrl-C; see :mod:`hf_optim.recipes.interrupt`).
+        status: ``"ok"``, ``"oom"``, ``"interrupted"`` (Ctrl-C) or ``"killed"`` (SIGTERM, SIGHUP; see
+            :mod:`hf_optim.recipes.interrupt`).
         optimizer: the optimizer class that ran (``hf_optim.PagedAdamW8bit``), None when it never got built.
         train_loss: the Trainer's mean training loss over the steps this call ran (all of them unless it resumed),
             None after an OOM or a forced stop.
@@ -42,6 +44,9 @@ class RunResult:
             the last complete one), None when there is none.
         memory: a random-weights run's measured memory by component beside the estimate (the contents of
             ``memory_by_component.json``, :mod:`hf_optim.recipes.real_shape`), None for other runs.
+        signal: the signal that stopped a ``"killed"`` run (``"SIGTERM"``), else None.
+        exit_status: the exit status a command reports for a run that was stopped (130 after Ctrl-C, 128 + the
+            signal's number after SIGTERM or SIGHUP), else None.
     """
 
     output_dir: Path
@@ -54,6 +59,8 @@ class RunResult:
     resumed_from: str | None = None
     checkpoint: str | None = None
     memory: dict | None = None
+    signal: str | None = None
+    exit_status: int | None = None
 
 
 def default_output_dir(recipe: Recipe) -> Path:
@@ -74,8 +81,8 @@ def write_recipe(recipe: Recipe, output_dir: Path) -> Path:
 
 
 def class_path(optimizer: torch.optim.Optimizer) -> str:
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
-    cls = type(inner)
+    """``hf_optim.AdamW8bit``: the class that steps, under accelerate's and DeepSpeed's wrappers."""
+    cls = type(unwrap_optimizer(optimizer))
     module = cls.__module__.split(".")[0]
     return f"{module}.{cls.__qualname__}"
 
@@ -94,11 +101,17 @@ def state_dtypes(optimizer: torch.optim.Optimizer) -> list[tuple[int, str]]:
 def _optimizer_reporter(found: dict):
     from transformers import TrainerCallback
 
+    from hf_optim.integrations.launch_check import unapplied_sharding
+
     class OptimizerReport(TrainerCallback):
         """Logs the optimizer class the Trainer built from ``training.optim`` (at train start; hf_optim's classes
-        log their own line when built) and keeps its state footprint (at train end)."""
+        log their own line when built) and keeps its state footprint (at train end). At train start it also says
+        (rank 0, one line) when the launch asked for FSDP and none applied."""
 
-        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        def on_train_begin(self, args, state, control, optimizer=None, model=None, **kwargs):
+            unapplied = unapplied_sharding(args, model, args.world_size)
+            if unapplied and state.is_world_process_zero:
+                logger.warning("%s", unapplied)
             if optimizer is not None:
                 found["optimizer"] = class_path(optimizer)
                 if not found["optimizer"].startswith("hf_optim."):
@@ -106,7 +119,7 @@ def _optimizer_reporter(found: dict):
                                 found["optimizer"])
 
         def on_train_end(self, args, state, control, optimizer=None, **kwargs):
-            inner = getattr(optimizer, "optimizer", optimizer)
+            inner = unwrap_optimizer(optimizer) if optimizer is not None else None
             if inner is None:
                 return
             found["state"] = state_memory(inner)
@@ -153,8 +166,9 @@ def run(recipe: Recipe, output_dir: str | Path | None = None, quiet: bool = Fals
     A directory that holds a run (checkpoints, logged steps or a saved model) is never written over without
     ``resume`` or ``overwrite``: :class:`~hf_optim.recipes.rundir.RunDirectoryError` says so, before anything is
     loaded. A CUDA out-of-memory error is recorded by the monitor and returned as ``status="oom"``; Ctrl-C returns
-    ``status="interrupted"`` (:mod:`hf_optim.recipes.interrupt`); any other error propagates, and removes the
-    directory if this call created it and nothing was logged in it yet.
+    ``status="interrupted"``, SIGTERM or SIGHUP ``status="killed"`` (:mod:`hf_optim.recipes.interrupt`); any other
+    error is recorded in ``summary.json`` as ``"status": "failed"`` with its first line once training has begun,
+    propagates, and removes the directory if this call created it and nothing was logged in it yet.
     """
     with quiet_console(quiet):
         return _run(recipe, output_dir, quiet, resume, overwrite, measure)
@@ -175,7 +189,7 @@ def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool, resume: str
     from trl import SFTTrainer
 
     from hf_optim.monitor import TrainingMonitor
-    from hf_optim.recipes.interrupt import GracefulStop
+    from hf_optim.recipes.interrupt import EXIT_STATUS, GracefulStop, Terminated, handling_termination
 
     class RecipeTrainer(KeepAdapterDtypes, SFTTrainer):
         """SFTTrainer whose resume keeps the adapter's dtype."""
@@ -199,9 +213,10 @@ def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool, resume: str
     if recipe.logging.monitor:
         monitor = TrainingMonitor(out, run_name=recipe.logging.run_name, recipe=recipe.to_dict())
         callbacks.insert(0, monitor)
-    stop = GracefulStop(monitor)
-    callbacks.append(stop)
     measuring = measure(recipe) if measure is not None else None
+    # a random-weights run saves nothing: Ctrl-C stops it after the step under way, without a checkpoint
+    stop = GracefulStop(monitor, checkpoint=measuring is None)
+    callbacks.append(stop)
     if measuring is not None:
         callbacks.append(measuring.probe)
     try:
@@ -216,19 +231,27 @@ def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool, resume: str
                                 eval_dataset=eval_data, processing_class=tokenizer,
                                 peft_config=build_lora_config(recipe), callbacks=callbacks)
         del model
-        if quiet:
-            quiet_progress(trainer)
-        with stop.handling_sigint():
+        progress = quiet_progress(trainer) if quiet else None
+        detail = measuring.probe.progress_detail if measuring is not None else None
+        with stop.handling_sigint(), handling_termination(), ticking(progress, detail):
             try:
                 output = trainer.train(resume_from_checkpoint=checkpoint)
-            except KeyboardInterrupt:  # a second Ctrl-C: the step under way is lost, the files are kept
+            except (KeyboardInterrupt, Terminated) as end:  # a second Ctrl-C, or SIGTERM: the step under way is lost
                 step = trainer.state.global_step
+                what = end.name if isinstance(end, Terminated) else "Ctrl-C"
                 if rundir.remove_partial_checkpoint(out, step):
-                    logger.warning("removed checkpoint-%d: Ctrl-C cut its writing short", step)
+                    logger.warning("removed checkpoint-%d: %s cut its writing short", step, what)
+                if isinstance(end, Terminated):
+                    if monitor is not None:
+                        monitor.record_signal(end.signum)
+                    return RunResult(out, "killed", found.get("optimizer"), global_step=step, resumed_from=checkpoint,
+                                     checkpoint=last_complete_checkpoint(out), signal=end.name,
+                                     exit_status=end.exit_status)
                 if monitor is not None:
                     monitor.record_interrupt()
                 return RunResult(out, "interrupted", found.get("optimizer"), global_step=step,
-                                 resumed_from=checkpoint, checkpoint=last_complete_checkpoint(out))
+                                 resumed_from=checkpoint, checkpoint=last_complete_checkpoint(out),
+                                 exit_status=EXIT_STATUS)
     except torch.OutOfMemoryError as exc:
         logger.error("out of memory: %s", str(exc).splitlines()[0] if str(exc) else "CUDA out of memory")
         if monitor is not None:
@@ -237,8 +260,10 @@ def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool, resume: str
         return RunResult(out, "oom", found.get("optimizer"), resumed_from=checkpoint, memory=memory)
     except KeyboardInterrupt:  # before training began: nothing to keep
         rundir.remove_failed_attempt(out, created)
-        return RunResult(out, "interrupted", resumed_from=checkpoint)
-    except BaseException:
+        return RunResult(out, "interrupted", resumed_from=checkpoint, exit_status=EXIT_STATUS)
+    except BaseException as exc:
+        if monitor is not None and monitor.in_progress:  # summary.json says running: say how it ended instead
+            monitor.record_failure(exc)
         rundir.remove_failed_attempt(out, created)
         raise
     done = (output.training_loss, found.get("state"), found.get("state_dtypes", []), trainer.state.global_step,
@@ -247,13 +272,21 @@ def _run(recipe: Recipe, output_dir: str | Path | None, quiet: bool, resume: str
         saved = out / f"checkpoint-{stop.stopped_at}"
         resume_point = str(saved) if saved.is_dir() and not checkpoint_problems(saved) else \
             last_complete_checkpoint(out)
-        return RunResult(out, "interrupted", found.get("optimizer"), *done, checkpoint=resume_point)
+        memory = None
+        if measuring is not None:  # what the steps that ran measured is still worth its report
+            memory = measuring.finish(out, _logged_losses(trainer), "interrupted")
+        return RunResult(out, "interrupted", found.get("optimizer"), *done, checkpoint=resume_point, memory=memory,
+                         exit_status=EXIT_STATUS)
     if measuring is not None:  # random weights: nothing worth saving, the measurement is the result
-        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        return RunResult(out, "ok", found.get("optimizer"), *done, memory=measuring.finish(out, losses, "ok"))
+        return RunResult(out, "ok", found.get("optimizer"), *done,
+                         memory=measuring.finish(out, _logged_losses(trainer), "ok"))
     trainer.save_model(str(out))
     return RunResult(out, "ok", found.get("optimizer"), *done)
 
+
+
+def _logged_losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 def sweep_values(spec: str) -> tuple[str, list[str]]:

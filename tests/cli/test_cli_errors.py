@@ -62,6 +62,11 @@ CASES = {
                            "command line: training.max_steps: an override is KEY.PATH=VALUE"),
     "bad value type": (["validate", "quickstart", "training.learning_rate=fast"], {},
                        "command line: training.learning_rate: expected float, got str 'fast'"),
+    "a YAML boolean word for a number": (["validate", "quickstart", "training.max_steps=no"], {},
+                                         "command line: training.max_steps: expected int, got 'no'"),
+    "bad save_strategy": (["train", "quickstart", "training.save_strategy=sometimes"], {},
+                          "command line: training.save_strategy: SFTConfig rejected this value: sometimes is not a "
+                          "valid SaveStrategy, please select one of ['no', 'steps', 'epoch', 'best']"),
     "negative learning rate": (["validate", "quickstart", "training.learning_rate=-1"], {},
                                "command line: training.learning_rate: hf_optim.PagedAdamW8bit refuses "
                                "learning_rate=-1: Invalid learning rate: -1 (lr); expected a value in [0.0, inf)"),
@@ -129,6 +134,13 @@ def test_every_user_error_is_one_line_with_status_2(case, recipes, capsys, monke
         assert not (recipes / "runs").exists()
     if case == "unknown verb":
         assert err[0].endswith("; did you mean 'train'? (see hf-optim --help)")
+
+
+def test_the_value_transformers_documents_for_no_saving_is_accepted(capsys):
+    """`training.save_strategy=no`: YAML reads `no` as False, the field takes the word (issue 43)."""
+    code, err, out = run_cli(["validate", "llama-3.2-1b-full", "training.save_strategy=no", "--no-estimate"], capsys)
+    assert code == 0 and not err, err
+    assert out.startswith("ok ")
 
 
 def test_several_problems_are_a_header_and_one_line_each(capsys):

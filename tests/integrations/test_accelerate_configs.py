@@ -1,4 +1,5 @@
-"""The accelerate configs in recipes/accelerate/ as accelerate reads them (no GPU here: nothing is launched).
+"""The accelerate configs in recipes/accelerate/ as accelerate reads them (nothing is launched here; the DeepSpeed
+configs run for real in test_deepspeed.py).
 
 What they promise is checked where it can be on CPU: the FSDP2 config turns into the plugin settings whose
 optimizer checkpointing test_distributed.py runs (FSDP2, sharded state dict); the DeepSpeed configs give DeepSpeed
@@ -22,7 +23,7 @@ CONFIGS = ROOT / "recipes" / "accelerate"
 
 def test_every_config_is_valid_for_accelerate():
     files = sorted(CONFIGS.glob("*.yaml"))
-    assert [f.name for f in files] == ["deepspeed_zero2.yaml", "deepspeed_zero2_offload.yaml",
+    assert [f.name for f in files] == ["deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero2_offload.yaml",
                                        "deepspeed_zero3.yaml", "fsdp2.yaml"]
     for file in files:
         config = load_config_from_file(str(file))  # rejects unknown keys
@@ -47,10 +48,12 @@ def test_fsdp2_config_launches_fsdp2_with_sharded_checkpoints(monkeypatch):
     assert plugin.fsdp_version == 2 and plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
 
 
-@pytest.mark.parametrize("name,stage", [("deepspeed_zero2.yaml", 2), ("deepspeed_zero3.yaml", 3)])
+@pytest.mark.parametrize("name,stage", [("deepspeed_zero1.yaml", 1), ("deepspeed_zero2.yaml", 2),
+                                        ("deepspeed_zero3.yaml", 3)])
 def test_deepspeed_configs_use_the_trainers_optimizer(name, stage):
     config = load_config_from_file(str(CONFIGS / name))
     assert config.distributed_type == "DEEPSPEED"
+    assert config.num_processes == 2  # a default that runs anywhere; the comments say to pass the GPU count
     assert config.deepspeed_config["zero_stage"] == stage
     assert "deepspeed_config_file" not in config.deepspeed_config  # inline: DeepSpeed gets no "optimizer" section
     assert config.deepspeed_config["offload_optimizer_device"] == "none"

@@ -307,7 +307,9 @@ def generic_error_inputs(cls):
 def own_error_inputs(cls):
     """The argument checks torch's namesake has, all with params=None."""
     if issubclass(cls, hf_optim.Adafactor):
-        return [(None, {"eps": (-1e-30, 1e-3)}, ValueError, r"Invalid epsilon1: -1e-30 \(eps\[0\]\)")]
+        return [(None, {"eps": (-1e-30, 1e-3)}, ValueError, r"epsilon1 should be >= 0 but is: -1e-30 \(eps\[0\]\)"),
+                (None, {"eps": (1e-30, 0.0)}, ValueError, r"Invalid epsilon2: 0.0 \(eps\[1\]\); expected a value in "
+                 r"\(0.0")]
     cases = [(None, relative(cls, lr=1e-2, weight_decay=-1), ValueError, "Invalid weight_decay value: -1")]
     if issubclass(cls, hf_optim.RMSprop):
         return cases + [(None, {"lr": 1e-2, "momentum": -1.0}, ValueError, "Invalid momentum value: -1.0")]

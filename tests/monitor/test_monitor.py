@@ -131,6 +131,9 @@ def test_run_writes_every_file_with_readable_plots(tmp_path):
     memory_text = figure_texts(memory_figure(run))
     assert "host RSS" in memory_text and "after step 1" in memory_text and "GPU capacity" not in memory_text
     assert "too few" not in memory_text + loss_text
+    # the dashboard's small memory panel names its phase lines too (issue 43: they were unlabelled)
+    dashboard_text = figure_texts(dashboard_figure(run))
+    assert "1: model loaded / train begin (step 0)" in dashboard_text and "after step 1" in dashboard_text
 
 
 def test_too_few_points_are_said_on_the_figures(tmp_path):
@@ -216,6 +219,14 @@ def test_resume_from_checkpoint_continues_the_same_files(tmp_path):
     # time and tokens go on from the last record kept (step 2), not from zero
     assert all(a["time_s"] <= b["time_s"] and a["tokens_seen"] < b["tokens_seen"] for a, b in zip(records, records[1:]))
     assert summary["tokens_seen"] == records[-1]["tokens_seen"]
+    # loss.png's mean is the one `hf-optim train` prints after a resume: every logged step, not the Trainer's
+    # train_loss of the resumed part alone (issue 43: the plot said 3.451 beside the terminal's 3.7624)
+    logged_mean = sum(r["loss"] for r in records) / len(records)
+    resumed_part = summary["train_loss_run_mean"]
+    assert f"{resumed_part:.4f}" != f"{logged_mean:.4f}"
+    loss_text = figure_texts(loss_figure(load_run(run_dir)))
+    assert f"mean of all logged steps, those before the resume included = {logged_mean:.4f}" in loss_text
+    assert f"{resumed_part:.4f}" not in loss_text
 
 
 def test_tokens_come_from_the_trainer_when_it_counts_them(tmp_path):

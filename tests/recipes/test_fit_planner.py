@@ -1,7 +1,16 @@
-"""``hf-optim validate --fit``: memory sizes, fit decisions against a hand computation, "nothing fits", and bytes
-per parameter of Llama-3.1-8B against the state formats' own byte counts."""
+"""``hf-optim validate --fit``: memory sizes, fit decisions against a hand computation, "nothing fits", bytes per
+parameter of Llama-3.1-8B against the state formats' own byte counts, gradient release never planned above
+gradients kept, and the tables docs/guide/recipes.md shows are what the command prints now.
+
+    python tests/recipes/test_fit_planner.py --write   # rewrite docs/guide/recipes.md's --fit outputs
+"""
 
 from __future__ import annotations
+
+import io
+import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +116,69 @@ def test_8b_bytes_per_param_from_the_formats():
         state = fp32_state + sum(2 * fmt.state_bytes(n) for n in quantized)
         assert row(result, optim).bytes_per_param == pytest.approx((4 * params + state) / params)
         released = row(result, optim, release=True)
-        assert released.gradient_bytes == 2 * 2 * vocab * hidden  # the embedding's and the head's
-        assert released.bytes_per_param == pytest.approx((2 * params + 4 * vocab * hidden + state) / params)
+        # untied: the output head's gradient is stepped and freed before the input embedding's is made, so one
+        # embedding-sized bf16 gradient is the most alive at once
+        assert released.gradient_bytes == 2 * vocab * hidden
+        assert released.bytes_per_param == pytest.approx((2 * params + 2 * vocab * hidden + state) / params)
     assert row(result, "adamw_torch").bytes_per_param == pytest.approx(8.0)  # bf16 weights, grads, m, v
+
+
+def test_release_is_never_planned_above_gradients_kept():
+    """The planner once put llama-3.2-1b-full's released setups above their kept twins (adamw_8bit, checkpointing,
+    24 GiB: 19.45 GiB and batch 4 against 18.47 GiB and batch 5). Release only frees gradients: a released setup
+    never needs more than its twin, and when the peak is the loss head's (long sequences) the table says why both
+    are equal."""
+    from hf_optim.recipes.fit import release_note
+
+    for overrides, equal in (([], True), (["training.max_length=64"], False)):
+        result = plan(load_recipe("llama-3.2-1b-full", overrides), 24 * GIB)
+        setups = result.fits + result.misfits
+        for released in (f for f in setups if f.setup.release):
+            kept = row(result, released.setup.optim, release=False, checkpointing=released.setup.checkpointing)
+            for batch, peak in released.batch_bytes.items():
+                assert peak <= kept.batch_bytes[batch]
+            assert released.max_batch >= kept.max_batch
+            assert released.gradient_bytes < kept.gradient_bytes
+            assert (released.batch_bytes[4] == kept.batch_bytes[4]) is equal
+        assert (release_note(result) is not None) is equal
+
+
+RECIPES_DOC = Path(__file__).resolve().parents[2] / "docs" / "guide" / "recipes.md"
+DOC_OUTPUT = re.compile(r"(`hf-optim validate (?P<recipe>\S+) --fit (?P<card>\S+)` \(bundled architecture values, "
+                        r"offline\):\n\n```\n)(?P<body>.*?)(```)", re.S)
+DOC_ASSUMPTIONS = re.compile(r"(The planner's assumptions, as it prints them:\n\n```\n)(?P<body>.*?)(```)", re.S)
+
+
+def fit_output(recipe: str, card: str) -> list[str]:
+    """What ``hf-optim validate RECIPE --fit CARD`` prints from its plan on, as a pipe or file gets it (200 columns)."""
+    from rich.console import Console
+
+    out = io.StringIO()
+    cli._print_fit(load_recipe(recipe), parse_memory(card), Console(file=out, width=200, soft_wrap=True))
+    return [line.rstrip() for line in out.getvalue().splitlines()]
+
+
+def documented(text: str) -> str:
+    """docs/guide/recipes.md with every --fit output as the command prints it now: the table and the lines after it
+    but the legend and the assumptions, which the page shows once (those of its first command)."""
+    assumptions = []
+
+    def table(match: re.Match) -> str:
+        lines = fit_output(match["recipe"], match["card"])
+        assumptions.append([f"- {line.removeprefix('assumption: ')}" for line in lines
+                            if line.startswith("assumption: ")])
+        body = [line for line in lines if not line.startswith(("assumption: ", "B/param: "))]
+        return match.group(1) + "\n".join(body) + "\n" + match.group(5)
+
+    text = DOC_OUTPUT.sub(table, text)
+    return DOC_ASSUMPTIONS.sub(lambda m: m.group(1) + "\n".join(assumptions[0]) + "\n" + m.group(3), text)
+
+
+def test_the_guide_shows_what_fit_prints_now():
+    text = RECIPES_DOC.read_text()
+    assert len(DOC_OUTPUT.findall(text)) == 4 and DOC_ASSUMPTIONS.search(text)
+    assert documented(text) == text, "run: python tests/recipes/test_fit_planner.py --write"
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    RECIPES_DOC.write_text(documented(RECIPES_DOC.read_text()))

@@ -70,3 +70,68 @@ def test_random_weights_options_are_checked_in_one_line():
 
     with pytest.raises(RecipeError, match="--seq-len: must be a positive integer, got 0"):
         real_shape.check_options(steps=None, seq_len=0, batch_size=None)
+
+
+def test_a_random_weights_run_takes_one_batch_per_step_unless_told_and_says_what_it_runs():
+    """Issue 43: the 1B LoRA recipe's ``gradient_accumulation_steps: 8`` still applied, so on a CPU no step ended
+    within 580 s, and nothing said so. The run's first line names its steps, shape and accumulation."""
+    options = real_shape.check_options(steps=3, seq_len=64, batch_size=None)
+    recipe = real_shape.load("llama-3.2-1b-lora", [], options)
+    assert recipe.training["gradient_accumulation_steps"] == 1
+    assert recipe.notes[-1] == (
+        "random-weights mode: meta-llama/Llama-3.2-1B-Instruct built from its architecture with random weights, "
+        "bundled tokenizer and data; 3 steps of batch 4 x 64 tokens, gradient accumulation 1 (the recipe's 8 is not "
+        "applied: training.gradient_accumulation_steps=8 applies it); no warmup, evaluation, checkpoint or saved "
+        "model")
+    asked = real_shape.load("llama-3.2-1b-lora", ["training.gradient_accumulation_steps=8"], options)
+    assert asked.training["gradient_accumulation_steps"] == 8
+    assert "3 steps of batch 4 x 64 tokens, gradient accumulation 8 (command line);" in asked.notes[-1]
+
+
+def test_the_progress_detail_follows_the_step_layer_by_layer_through_checkpointed_forward_and_backward():
+    """What the progress bar shows during a long step comes from hooks on the real decoder layers, also when
+    gradient checkpointing recomputes each layer's forward in the backward."""
+    from transformers import TrainerControl, TrainerState
+
+    from hf_optim.tiny import tiny_llama
+
+    model = tiny_llama(layers=3)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    probe = real_shape.probe(torch.device("cpu"), checkpointing=True)
+    probe.on_train_begin(None, TrainerState(), TrainerControl(), model=model)
+    seen = []
+    for layer in real_shape.decoder_layers(model):  # registered after the probe's: they see its count
+        layer.register_forward_pre_hook(lambda module, args: seen.append(probe.progress_detail()))
+        layer.register_full_backward_pre_hook(lambda module, grads: seen.append(probe.progress_detail()))
+    assert probe.progress_detail() is None  # no step yet
+    probe.on_step_begin(None, TrainerState(global_step=4), TrainerControl())
+    ids = torch.randint(0, 512, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert seen == [f"step 5: forward {i}/3 layers" for i in (1, 2, 3)] + \
+        [f"step 5: backward {i}/3 layers" for i in (1, 2, 3)]
+    probe.on_pre_optimizer_step(None, TrainerState(global_step=4), TrainerControl())
+    assert probe.progress_detail() == "step 5: optimizer step"
+    probe.on_train_end(None, TrainerState(), TrainerControl())
+
+
+def test_the_progress_bar_is_redrawn_with_the_step_detail_while_a_step_runs():
+    """A bar redrawn only when a step ends looks frozen (``0/3 [00:00<?, ?it/s]``) for a step of minutes: the
+    ticker redraws it, with the clock and the detail of the step under way."""
+    import io
+    import time
+
+    from tqdm import tqdm
+
+    from hf_optim.recipes.console import ticking
+
+    class Progress:
+        loss_text = "loss=12.13"
+        training_bar = tqdm(total=3, file=io.StringIO(), mininterval=0)
+
+    with ticking(Progress, detail=lambda: "step 2: forward 7/16 layers", every=0.05):
+        time.sleep(0.6)
+    drawn = Progress.training_bar.fp.getvalue()
+    Progress.training_bar.close()
+    redraws = drawn.split("\r")
+    assert sum("loss=12.13, step 2: forward 7/16 layers" in part for part in redraws) >= 3, drawn

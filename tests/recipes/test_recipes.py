@@ -140,6 +140,50 @@ def test_yaml_number_strings_become_numbers(tmp_path):
     assert parse_value("null") is None and parse_value("true") is True and parse_value("lamb_8bit") == "lamb_8bit"
 
 
+def test_yaml_boolean_words_are_read_by_the_fields_type(tmp_path):
+    """YAML 1.1 reads no/yes/on/off as booleans. A string or enum field keeps the word (transformers documents
+    save_strategy="no"); a bool field takes the boolean; a number field refuses it. The same on the command line,
+    in a file, and through extends, where a child's value replaces the parent's word."""
+    import yaml
+    from transformers.trainer_utils import SaveStrategy
+    from trl import SFTConfig
+
+    words = ["training.save_strategy=no", "training.eval_strategy=No", "training.use_cpu=yes", "logging.monitor=off",
+             "logging.run_name=on", "peft.target_modules=[q_proj, on]"]
+    in_file = write(tmp_path, GOOD.replace("max_steps: 2}", "max_steps: 2, save_strategy: no, eval_strategy: No, "
+                                           "use_cpu: yes}") + "logging: {monitor: off, run_name: on}\n", "words.yaml")
+    in_file.write_text(in_file.read_text().replace("target_modules: [q_proj, v_proj]", "target_modules: [q_proj, on]"))
+    for recipe in (load_recipe(write(tmp_path, GOOD), words), load_recipe(in_file)):
+        assert recipe.training["save_strategy"] == "no" and recipe.training["eval_strategy"] == "No"
+        assert recipe.training["use_cpu"] is True
+        assert recipe.logging.monitor is False and recipe.logging.run_name == "on"
+        assert recipe.peft["target_modules"] == ["q_proj", "on"]
+        recipe.training["eval_strategy"] = "no"  # "No" is a string to the schema; transformers wants lower case
+        built = build_sft_config(recipe, tmp_path / "out")
+        reference = SFTConfig(output_dir=str(tmp_path), save_strategy="no", use_cpu=True)
+        assert built.save_strategy == reference.save_strategy == SaveStrategy.NO
+        # recipe.yaml keeps the word a word
+        assert yaml.safe_load(yaml.safe_dump(recipe.to_dict()))["training"]["save_strategy"] == "no"
+    child = write(tmp_path, "extends: words.yaml\ntraining: {save_strategy: steps, use_cpu: no}\n", "child.yaml")
+    recipe = load_recipe(child)
+    assert recipe.training["save_strategy"] == "steps" and recipe.training["use_cpu"] is False
+    assert load_recipe(child, ["training.save_strategy=off"]).training["save_strategy"] == "off"
+    assert load_recipe(in_file, smoke=True).training["save_strategy"] == "no"  # smoke mode's own, a string
+    # random-weights mode keeps the words of the values it does not replace
+    from hf_optim.recipes.loading import load_raw
+    from hf_optim.recipes.real_shape import RandomWeights, random_weights_recipe
+
+    measured = random_weights_recipe(load_raw(in_file), RandomWeights())
+    assert measured.bool_words == {"training.use_cpu": "yes",  # (eval_strategy is its own "no")
+                                   "logging.monitor": "off", "logging.run_name": "on", "peft.target_modules.1": "on"}
+    # a number field refuses a boolean (pydantic's lax mode would make it 1.0), naming the word written
+    assert errors_of(in_file, "training.learning_rate=yes", "data.seed=off") == [
+        "command line: training.learning_rate: expected float, got 'yes'",
+        "command line: data.seed: expected int, got 'off'"]
+    assert errors_of(write(tmp_path, GOOD + "logging: {run_name: [x, no]}\n")) == [
+        f"{tmp_path / 'r.yaml'}: logging.run_name: Input should be a valid string"]
+
+
 def test_overrides(tmp_path):
     path = write(tmp_path, GOOD)
     recipe = load_recipe(path, ["training.optim=lamb_8bit", "training.learning_rate=1e-4", "peft.r=64",

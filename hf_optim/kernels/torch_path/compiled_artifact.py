@@ -1,11 +1,12 @@
-"""A compiled CPU kernel saved whole by the background compiler, and loaded beside the steps by the training process.
+"""A compiled CPU kernel saved whole by the background compiler, and loaded between two steps by the training process.
 
 Why: loading a kernel through ``torch.compile`` from inductor's warm cache still traces the update with dynamo in
-the calling thread (1-2 s on an idle 2-core machine, 10 s and more on a busy one), and dynamo must not run beside
-the training in another thread: it sets the process's random state back after tracing. torch's ahead-of-time
-compilation (``torch.compile(fn).aot_compile``, torch 2.10 and later) saves the traced graph, its guards and
-inductor's code in one file; loading it (:func:`torch.compiler.load_compiled_function`) traces nothing and touches no
-random state, so it runs in a thread of its own while the steps go on eagerly.
+the calling thread (1-2 s on an idle 2-core machine, 10 s and more on a busy one), and dynamo sets the process's
+random state back after tracing. torch's ahead-of-time compilation (``torch.compile(fn).aot_compile``, torch 2.10 and
+later) saves the traced graph, its guards and inductor's code in one file; loading it
+(:func:`torch.compiler.load_compiled_function`) traces nothing, touches no random state and takes about 0.2 s. The
+training process loads it in the thread that steps, between two kernels' runs (:func:`load`): hf_optim runs no thread
+of its own beside the user's.
 
 The file is written by the background worker next to the kernel's warm marker (``<key>.aot`` beside
 ``<key>.ready``); where torch lacks the API, or a file is missing or fails to load, the training process falls back
@@ -16,11 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ logger = logging.getLogger("hf_optim")
 
 SUFFIX = ".aot"
 FORMAT = 1
-"""Part of a kernel's cache key (``cpu_compile.kernel_key``): a warm marker left by a worker that saved no file, or
+"""Part of a kernel's cache key (``compile_requests.kernel_key``): a warm marker left by a worker that saved no file, or
 an older kind of file, names another key, so the kernel is compiled once more and saved."""
 
 
@@ -67,71 +67,38 @@ def save(compiled: Callable, args: tuple, path: Path, options: dict) -> None:
             os.unlink(temporary)
 
 
-SWITCH_INTERVAL_S = 1e-4
-"""Python's thread switch interval while a kernel loads (the default is 5 ms). The loading thread is busy in Python
-(imports, unpickling) and the training thread gives up the GIL in every torch operation; it then waits up to the
-switch interval to get it back, which made a 15 ms eager step of the quickstart's optimizer take up to 0.8-1.1 s
-beside a load. With 0.1 ms its longest step was 0.25-0.4 s and the load took 2.5-3 s instead of 2 s
-(docs/performance.md#first-step-and-compilation-cpu)."""
+@dataclass
+class Loaded:
+    """A saved kernel read back (:func:`load`): the function, or None with :attr:`error` saying why."""
 
-_one_load_at_a_time = threading.Lock()
-"""Kernels load one after another: they compete for the same GIL, so loading two at once only slows the steps."""
+    function: Callable | None
+    error: str
+    seconds: float
 
 
-def _after_fork_in_child() -> None:
-    """A forked child has none of its parent's loading threads: a lock one of them held would never be released."""
-    global _one_load_at_a_time
-    _one_load_at_a_time = threading.Lock()
+def load(path: Path, options: dict, before: Callable[[], None] | None = None) -> Loaded:
+    """Load the saved kernel at ``path`` in the calling thread: the training thread, between two steps' kernels.
 
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class Loading:
-    """A saved kernel being loaded in a daemon thread of this process; :meth:`result` once :meth:`done`.
+    Not in a thread of its own beside the steps: loading imports modules and runs Python's compiler (inductor's
+    generated wrapper, dynamo's guards), and a thread doing that beside the user's broke the user's process
+    (``dictionary changed size during iteration`` in a loop over ``sys.modules``, and Python 3.11's AST validation,
+    which is not thread-safe, aborting a pytest session); a second runnable thread also made every OpenMP barrier of
+    the steps beside it wait for a core (steps 10-40x slower while it loaded). Here it costs the step that loads
+    once: about 0.2 s per kernel where dynamo and inductor are imported already (any Trainer run), plus their
+    import, 2-4 s, in a plain script (docs/guide/backends.md#when-the-cpu-kernels-compile).
 
     ``options``: the inductor settings it was compiled with. Loading builds the kernel's C++ library again unless it
     finds it in inductor's cache under the same build settings (a cold cache's first load took 16.8 s instead of
-    1.6 s without them). They are patched process-wide while it loads; a compilation of the user's own elsewhere in
-    the process meanwhile would only compile with them too (one compile thread, no precompiled header)."""
+    1.6 s without them); they are patched while it loads. ``before``: run first (imports the load needs)."""
+    started = time.perf_counter()
+    function, error = None, ""
+    try:
+        if before is not None:
+            before()
+        from torch._inductor import config
 
-    def __init__(self, path: Path, options: dict, background: float | None = None,
-                 before: Callable[[], None] | None = None):
-        self.path, self.options, self._before = path, options, before
-        self.background = background
-        """Seconds the background worker took to compile it, when this process queued it (for the log line)."""
-        self.started = time.perf_counter()
-        self.seconds = 0.0
-        self._function: Callable | None = None
-        self.error = ""
-        self._thread = threading.Thread(target=self._load, name=f"hf_optim load {path.stem[:8]}", daemon=True)
-        self._thread.start()
-
-    def _load(self) -> None:
-        with _one_load_at_a_time:
-            interval = sys.getswitchinterval()
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
-            try:
-                if self._before is not None:  # in this thread too: it may import what the load needs
-                    self._before()
-                from torch._inductor import config
-
-                with config.patch(self.options), open(self.path, "rb") as file:
-                    self._function = torch.compiler.load_compiled_function(file)
-            except Exception as error:  # an unreadable or incompatible file: the caller compiles the kernel itself
-                self.error = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
-            finally:
-                sys.setswitchinterval(interval)
-        self.seconds = time.perf_counter() - self.started
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self._thread.join(timeout)
-        return self.done()
-
-    def result(self) -> Callable | None:
-        """The loaded kernel, or None when loading failed (:attr:`error` says why)."""
-        return self._function
+        with config.patch(options), open(path, "rb") as file:
+            function = torch.compiler.load_compiled_function(file)
+    except Exception as failure:  # an unreadable or incompatible file: the caller compiles the kernel itself
+        error = f"{type(failure).__name__}: {(str(failure).strip().splitlines() or [''])[0][:300]}"
+    return Loaded(function, error, time.perf_counter() - started)

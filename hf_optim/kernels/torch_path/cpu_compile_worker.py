@@ -5,7 +5,7 @@
 ``hf_optim`` would import torch before the lock is taken). First, before importing torch, it takes the queue's lock
 (``LOCK_FD``: the lock its starter took and handed over) and exits at once if another process holds it. Then it
 compiles the queued kernels one after another, oldest first, at a lower priority (``nice`` +10) than the training it
-works beside, each exactly as the requesting process compiles it (:func:`cpu_compile._run_probe`: the same compiled
+works beside, each exactly as the requesting process compiles it (:func:`cpu_kernel.run_probe`: the same compiled
 function, probe inputs, dynamic marks, options and thread count), so that process's own compilation afterwards is a
 cache hit. After each kernel it writes the kernel's warm marker (done), or the error's type and first line for each
 requester (failed). It exits when no queued kernel has a live requester (:mod:`compile_queue`).
@@ -45,21 +45,21 @@ def main(argv: list[str]) -> int:
 
     import pickle
 
-    from hf_optim.kernels.torch_path import compile_queue, compiled_artifact, cpu_compile
+    from hf_optim.kernels.torch_path import compile_queue, compile_requests, compiled_artifact, cpu_kernel
 
     queue = compile_queue.Queue(argv[2])
     queue.recover()
     while (key := queue.next_job()) is not None:
         try:
             kernel, hyper, rounding_key, threads = pickle.loads(queue.claim(key))
-            marker = cpu_compile.marker_of(key)
+            marker = compile_requests.marker_of(key)
             if not marker.exists():  # else compiled since it was queued (by an earlier job of the same kernel)
-                entry = cpu_compile._Entry(kernel.rule)
-                entry.probe = cpu_compile._probe_factory(kernel, hyper, rounding_key)
-                if compiled_artifact.supported():
-                    cpu_compile.save_kernel(kernel, entry, threads, marker)  # compiles it (one compilation)
+                probe = cpu_kernel.probe_factory(kernel, hyper, rounding_key)
+                compiled = cpu_kernel.twin(kernel.rule)
+                if compiled_artifact.supported():  # compiles it (one compilation) and saves it beside the marker
+                    cpu_kernel.save(kernel, compiled, probe, threads, compiled_artifact.path_beside(marker))
                 else:
-                    cpu_compile._run_probe(kernel, entry, threads)
+                    cpu_kernel.run_probe(kernel, compiled, probe, threads)
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.touch()  # its requesters, and later processes, now compile it from the cache
         except Exception as error:
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
             queue.fail(key, f"{type(error).__name__}: {first_line}")
         else:
             queue.done(key)
-        cpu_compile.release_compiled()  # what dynamo and inductor keep of the kernel: the worker stays small
+        cpu_kernel.release_compiled()  # what dynamo and inductor keep of the kernel: the worker stays small
     return 0
 
 

@@ -8,13 +8,14 @@ barrier waits for a thread the scheduler is not running, and libgomp's waiting t
 (spinning); on an idle machine 2 threads are about 1.3x faster than 1. Neither is right everywhere, so each kernel
 measures both:
 
-- it starts with torch's thread count (:func:`torch.get_num_threads`), timing every step's chunks per element;
+- it starts with torch's thread count (:func:`torch.get_num_threads`), timing every step's chunks per element from
+  the second run on (the first pays one-time costs);
 - once it has seen a few steps, it asks for the one-thread variant of its kernel (a second compiled graph: the
   thread count is part of a graph's guards) when the machine is busy: other processes kept at least :data:`BUSY`
-  cores busy over the last quarter second (:class:`OtherLoad`: the cores' busy time from ``/proc/stat`` less this
-  process's own CPU time, not counting niced processes such as the background compiler; the 1-minute load average
-  used before lagged a minute behind the load), or its own time per element has grown to :data:`SLOWDOWN` times its
-  best;
+  cores busy over each of the last two quarter seconds (:class:`OtherLoad`: the cores' busy time from ``/proc/stat``
+  less this process's own CPU time and its children's, not counting niced processes such as the background compiler;
+  the 1-minute load average used before lagged a minute behind the load), or its own time per element has grown to
+  :data:`SLOWDOWN` times its best;
 - with both variants compiled it runs the one that measured faster and tries the other again now and then, after
   :data:`FIRST_PROBE` runs, twice as long after each try that confirms the choice (at most :data:`LAST_PROBE`),
   and soon again when the chosen variant's own time per element says the load changed (all threads 1.5x slower:
@@ -186,19 +187,23 @@ def _own_niceness() -> int:
 
 
 def own_seconds() -> float:
-    """CPU seconds this process (all its threads, not its children) has used."""
+    """CPU seconds this process (all its threads) and its children it has waited for have used: a child is this
+    process's own work (the test programs torch runs when it first loads a compiled kernel took half a second of a
+    core, and read as other processes' load they made an idle machine look busy)."""
     times = os.times()
-    return times.user + times.system
+    return times.user + times.system + times.children_user + times.children_system
 
 
 class OtherLoad:
-    """How many of this process's cores other processes kept busy over the last :data:`WINDOW` seconds or more:
-    the cores' busy time (``/proc/stat``) minus this process's own CPU time, over the same wall time.
+    """How many of this process's cores other processes kept busy over each of the last two windows of
+    :data:`WINDOW` seconds or more (the lesser of the two figures): the cores' busy time (``/proc/stat``) minus this
+    process's own CPU time (:func:`own_seconds`), over the same wall time.
 
     Unlike the load average (a 1-minute average, which stays high for a minute after the load stops) it follows
-    the machine within a window, and unlike a run-queue sample it averages over the window. It is read only when a
-    thread choice asks, at most once per window (one ``/proc/stat`` read); in between, and before the first window
-    is complete, it answers its last figure (None at first).
+    the machine within two windows, and unlike a run-queue sample it averages over them. A burst shorter than a
+    window (a program starting, a compiler's test run) does not make the machine busy; load that stops shows at the
+    next window. It is read only when a thread choice asks, at most once per window (one ``/proc/stat`` read); in
+    between, and before two windows are complete, it answers its last figure (None at first).
 
     Args:
         busy (Callable[[], float | None], default: :func:`busy_seconds` of :func:`usable_cores`): busy CPU seconds
@@ -214,6 +219,7 @@ class OtherLoad:
         self._own = own
         self._clock = clock
         self._last: tuple[float, float, float] | None = None  # (wall, busy, own) at the window's start
+        self._previous: float | None = None  # the figure of the window before the last
         self.cores: float | None = None
 
     def __call__(self) -> float | None:
@@ -226,7 +232,10 @@ class OtherLoad:
         own = self._own()
         if self._last is not None:
             wall, busy_before, own_before = self._last
-            self.cores = max(0.0, (busy - busy_before) - (own - own_before)) / (now - wall)
+            window = max(0.0, (busy - busy_before) - (own - own_before)) / (now - wall)
+            if self._previous is not None:
+                self.cores = min(window, self._previous)
+            self._previous = window
         self._last = (now, busy, own)
         return self.cores
 
@@ -250,6 +259,7 @@ class ThreadChoice:
         self.many = many
         self._load = load
         self.cost: dict[int, float] = {}  # running seconds per element, per thread count
+        self.warmed: set[int] = set()  # thread counts whose first run (not timed) is done
         self.best_many = math.inf  # the lowest single measurement with `many` threads
         self.runs_many = 0
         self.wants_one = False  # whether the one-thread variant should be compiled
@@ -281,6 +291,12 @@ class ThreadChoice:
     def record(self, count: int, seconds: float, elements: int) -> None:
         """Account a run of ``elements`` elements with ``count`` threads that took ``seconds``."""
         if elements <= 0 or count not in (1, self.many):
+            return
+        if count not in self.warmed:
+            # A kernel's first run pays once for what later runs find ready (a loaded kernel's first call, the first
+            # touches of its temporaries): timed, it made an idle machine's kernel look 1.5x slower than its best
+            # and compile a one-thread variant beside the steps.
+            self.warmed.add(count)
             return
         sample = seconds / elements
         previous = self.cost.get(count)

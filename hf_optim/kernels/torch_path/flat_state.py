@@ -24,7 +24,7 @@ from hf_optim.core.state_store import StateSpec, slot_shape
 from hf_optim.formats import SlotLayout
 from hf_optim.formats.base import zeroed_buffer
 from hf_optim.formats.quant8 import num_blocks
-from hf_optim.kernels.torch_path.cpu_compile import canonical
+from hf_optim.kernels.torch_path.cpu_kernel import canonical
 from hf_optim.numerics import BLOCK_SIZE
 
 
@@ -108,7 +108,7 @@ class FlatState:
     def chunk(self, start: int, stop: int) -> list[torch.Tensor]:
         """The raw slot tensors of flat elements ``[start, stop)`` (whole blocks), in the order and the block
         form ``(rows, blocks, 256)`` that ``elementwise.update`` takes; on the CPU as aliases that are not views
-        (``cpu_compile.canonical``: what the compiled kernels take), made once."""
+        (``cpu_kernel.canonical``: what the compiled kernels take), made once."""
         cached = self._chunks.get((start, stop))
         if cached is None:
             alias = canonical if self.device.type == "cpu" else (lambda tensor: tensor)

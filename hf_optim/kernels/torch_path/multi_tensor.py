@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_optim.formats import SlotLayout
-from hf_optim.kernels.torch_path import compile_guard, cpu_compile, cpu_threads, elementwise
+from hf_optim.kernels.torch_path import compile_guard, cpu_compile, cpu_kernel, cpu_threads, elementwise
 from hf_optim.kernels.torch_path.cpu_compile import (  # noqa: F401 (this module's API before)
     COMPILE_ENV,
     compile_enabled,
@@ -76,14 +76,14 @@ def compiled_update(rule: Callable, layouts: Sequence[SlotLayout], has_out: bool
 
 
 def run_update(rule, layouts, param, grad, out, tensors, hyper, stochastic=None,
-               kernel: cpu_compile.Kernel | None = None
+               kernel: cpu_kernel.Kernel | None = None
                ) -> bool:
     """:func:`elementwise.update` on one chunk, compiled when it can be, eagerly otherwise; returns whether the
     compiled kernel ran.
 
     - CPU: compiled when the chunk is in block form of at least 2 blocks and its compiled kernel is ready
       (:mod:`hf_optim.kernels.torch_path.cpu_compile`, which starts compiling it otherwise, as ``HF_OPTIM_COMPILE``
-      says). ``kernel``: the chunk's :class:`~hf_optim.kernels.torch_path.cpu_compile.Kernel`, when the caller knows it.
+      says). ``kernel``: the chunk's :class:`~hf_optim.kernels.torch_path.cpu_kernel.Kernel`, when the caller knows it.
     - CUDA (the PyTorch path there: Triton missing or a kernel configuration that fell back): compiled in this
       process unless ``HF_OPTIM_COMPILE=0``, compiling failed on that device (:mod:`compile_guard`) or the chunk is
       a single element, which dynamo would specialize.
@@ -237,7 +237,7 @@ class Scratch:
 
     def buffer(self, role: str, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
         """The first ``numel`` elements of the ``role`` buffer (grown as needed), on the CPU as an alias that is not
-        a view (``cpu_compile.canonical``: what the compiled kernels take), made once per length."""
+        a view (``cpu_kernel.canonical``: what the compiled kernels take), made once per length."""
         key = (role, dtype, device)
         found = self._buffers.get(key)
         if found is None or found.numel() < numel:
@@ -246,7 +246,7 @@ class Scratch:
         prefix = self._prefixes.get((key, numel))
         if prefix is None:
             prefix = found[:numel]
-            prefix = self._prefixes[key, numel] = cpu_compile.canonical(prefix) if device.type == "cpu" else prefix
+            prefix = self._prefixes[key, numel] = cpu_kernel.canonical(prefix) if device.type == "cpu" else prefix
         return prefix
 
     def zeros(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -305,8 +305,11 @@ def step_run(
     p_zeros, g_zeros = scratch.zeros(p_dtype, device), scratch.zeros(g_dtype, device)
     kernel = threads = None
     if device.type == "cpu" and compile_enabled():
-        kernel = cpu_compile.Kernel(rule, tuple(flat.layouts), tuple(spec.rows for spec in flat.specs),
-                                    out is not None, p_dtype, g_dtype, stream is not None and out is None)
+        # A stacked slot's chunks are slices of longer rows unless one chunk is the whole buffer (then it is the only
+        # chunk): the first chunk's layout is every chunk's.
+        spread = cpu_kernel.spread_slots(flat.layouts, flat.chunk(chunks[0].start, chunks[0].stop))
+        kernel = cpu_kernel.Kernel(rule, tuple(flat.layouts), tuple(spec.rows for spec in flat.specs),
+                                   out is not None, p_dtype, g_dtype, stream is not None and out is None, spread)
         cpu_compile.prepare(kernel, hyper_t, stream.key if kernel.stochastic else None,
                             sum(chunk.stop - chunk.start for chunk in chunks))
         threads = cpu_compile.threads_for(kernel)
@@ -364,11 +367,14 @@ def step_tensor(
                           stream.key)
         elementwise.update(rule, layouts, param, grad, out, tensors, hyper_t, stochastic)
         return
-    if whole >= 2 * BLOCK_SIZE and param.device.type == "cpu" and compile_enabled():
-        kernel = cpu_compile.Kernel(rule, tuple(layouts), tuple(raw[0].shape[0] for raw in raws), out is not None,
-                                    param.dtype, grad.dtype, stream is not None and out is None)
-        cpu_compile.prepare(kernel, hyper_t, stream.key if kernel.stochastic else None, whole)
     chunk_elements = CHUNK if param.device.type == "cpu" else DEVICE_CHUNK
+    if whole >= 2 * BLOCK_SIZE and param.device.type == "cpu" and compile_enabled():
+        first = [t for layout, raw in zip(layouts, raws)
+                 for t in layout.format.slice_raw(raw, 0, min(chunk_elements, whole), True)]
+        kernel = cpu_kernel.Kernel(rule, tuple(layouts), tuple(raw[0].shape[0] for raw in raws), out is not None,
+                                   param.dtype, grad.dtype, stream is not None and out is None,
+                                   cpu_kernel.spread_slots(layouts, first))
+        cpu_compile.prepare(kernel, hyper_t, stream.key if kernel.stochastic else None, whole)
     for start in [*range(0, whole, chunk_elements), *([whole] if whole < n else [])]:
         block_form = start < whole
         stop = min(start + chunk_elements, whole) if block_form else n

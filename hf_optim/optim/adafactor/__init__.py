@@ -384,8 +384,11 @@ class Adafactor(HfOptimizer):
         eps = group["eps"]
         if not isinstance(eps, (tuple, list)) or len(eps) != 2:
             raise ValueError(f"eps must be a tuple of two floats (eps1, eps2), got {eps!r}")
-        check_eps(eps[0], "eps[0]", "epsilon1")
-        check_eps(eps[1], "eps[1]", "epsilon2")
+        for index, value in enumerate(eps):
+            if isinstance(value, (int, float)) and value < 0:  # torch.optim.Adafactor's words for what it refuses
+                raise ValueError(f"epsilon{index + 1} should be >= 0 but is: {value} (eps[{index}]); expected a value "
+                                 "in (0.0, inf)")
+            check_eps(value, f"eps[{index}]", f"epsilon{index + 1}")
         check_real("clip_threshold", group["clip_threshold"], low=0.0, low_open=True)
         check_real("decay_rate", group["decay_rate"], high=0.0, high_open=True)
         if group["beta1"] is not None:
