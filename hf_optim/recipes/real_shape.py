@@ -44,7 +44,6 @@ import copy
 import json
 import logging
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from hf_optim.notices import native_lines_hidden
 from hf_optim.recipes.errors import RecipeError, RecipeIssue
 from hf_optim.recipes.loading import COMMAND_LINE, RawRecipe, deep_merge
 from hf_optim.recipes.schema import Recipe
@@ -409,19 +409,13 @@ def _profiler_peak(prof) -> int:
     return peak
 
 
-@contextlib.contextmanager
-def _native_stderr_muted():
-    """File descriptor 2 sent to /dev/null: the profiler's C++ side prints two lines (``USDT: ... profiler_start``)
-    at every start and stop, which no setting turns off."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+# The profiler's C++ side prints a line at every start and stop (``USDT:<time> <pid>:<tid>
+# SyncActivityProfilerHandler.cpp:52] profiler_start``), straight to file descriptor 2; no setting turns it off.
+_PROFILER_LINE = r"USDT:.*\] profiler_(start|stop)"
+
+
+def _profiler_lines_hidden():
+    return native_lines_hidden(_PROFILER_LINE)
 
 
 def _trainer_callback_base():
@@ -538,7 +532,7 @@ class ComponentProbe:
             total, _ = self._state_bytes()
             self._baseline = self.weights + self.adapters + total + _gradient_bytes(self.model)
             self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            with _native_stderr_muted():
+            with _profiler_lines_hidden():
                 self._profile.start()
         self._t_step = time.perf_counter()
 
@@ -557,7 +551,7 @@ class ComponentProbe:
         seconds = time.perf_counter() - self._t_step
         record = {"step": state.global_step, "seconds": seconds, "optimizer_seconds": self._opt_seconds}
         if self._profile is not None:
-            with _native_stderr_muted():
+            with _profiler_lines_hidden():
                 self._profile.stop()
             record["peak_bytes"] = self._baseline + _profiler_peak(self._profile)
             record["baseline_bytes"] = self._baseline

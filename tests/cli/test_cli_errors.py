@@ -8,7 +8,6 @@ real processes, as a user meets them.
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -247,27 +246,6 @@ def test_fit_table_keeps_optimizer_names_whole_at_100_columns(monkeypatch, capsy
     assert {"paged_adamw_4bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_torch"} <= set(names)
     assert not any("…" in name for name in names)
     assert max(len(line) for line in out.splitlines() if line.startswith(("│", "┃"))) <= 100
-
-
-def test_optional_kernel_notice_is_hidden_after_import_unless_asked(caplog):
-    import hf_optim  # noqa: F401  (installs the filter)
-    from hf_optim.notices import show_optional_kernel_notices
-
-    notices = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    text = "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'."
-    with caplog.at_level(logging.WARNING):
-        notices.warning(text)
-        notices.warning("another bitsandbytes warning")
-    assert [r.getMessage() for r in caplog.records] == ["another bitsandbytes warning"]
-    caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="bitsandbytes"):  # asking bitsandbytes for its debug output shows it
-        notices.warning(text)
-    show_optional_kernel_notices(True)  # hf-optim train -v
-    try:
-        notices.warning(text)
-    finally:
-        show_optional_kernel_notices(False)
-    assert [r.getMessage() for r in caplog.records] == [text, text]
 
 
 def test_available_optimizers_prints_as_a_table():
