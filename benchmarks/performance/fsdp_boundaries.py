@@ -18,7 +18,9 @@ Each tree runs in its own ``torchrun`` (``--ranks`` processes, one thread each, 
 ``HF_OPTIM_COMPILE=0``): FSDP2 (``fully_shard``) over the tensors, fixed gradients, ``--warmup`` steps, then
 ``--repeats`` rounds of ``--steps`` steps. Prints per optimizer and tree: ms per step on rank 0 (median round; wall
 clock, and the thread's CPU time, which on a busy machine leaves out time other processes had the core; ``--runs``
-runs per tree, alternating, the median of their medians), the collectives per step (all-reduces and point-to-point
+runs per tree, alternating, the median of their medians); in this tree, the part of it spent on the boundary work
+(the path choice, split blocks stepped apart, the scales' reduction and the encoding that waited for it, timed
+around those functions); the collectives per step (all-reduces and point-to-point
 batches hf_optim called), the tensors that step apart (a split block, or rank-1's column scales), and whether each
 tree's parameters after the run equal, bit for bit, what one process reaches with the same steps.
 """
@@ -115,6 +117,7 @@ def worker(args) -> None:
         return batch(*a, **k)
 
     dist.all_reduce, dist.batch_isend_irecv = counted_all_reduce, counted_batch
+    spent = timed_boundary_work()
     results = {"hf_optim": str(Path(hf_optim.__file__).parent)}
     for name in args.optimizers.split(","):
         module, whole_grads = tensors_and_grads(shapes)
@@ -127,6 +130,7 @@ def worker(args) -> None:
             optimizer.step()
         walls, cpus = [], []
         calls.update(all_reduce=0, p2p=0)
+        spent.update(wall=0.0, cpu=0.0)
         for _ in range(args.repeats):
             dist.barrier()
             wall, cpu = 0.0, 0.0
@@ -152,12 +156,47 @@ def worker(args) -> None:
         params = [p.full_tensor() for p in module]
         if dist.get_rank() == 0:
             results[name] = {"wall_ms": statistics.median(walls), "cpu_ms": statistics.median(cpus),
-                             "calls": per_step, "apart": split, "tensors": len(shapes)}
+                             "calls": per_step, "apart": split, "tensors": len(shapes),
+                             "boundary_ms": spent["wall"] / (args.repeats * args.steps) * 1e3,
+                             "boundary_cpu_ms": spent["cpu"] / (args.repeats * args.steps) * 1e3}
             torch.save(params, f"{args.worker}.{name}.pt")
     if dist.get_rank() == 0:
         Path(args.worker).write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def timed_boundary_work() -> dict:
+    """Time (wall and thread CPU) spent in what this tree adds for sharded parameters: choosing the path
+    (``Runner.part_apart``), stepping split blocks apart, and reducing and encoding their scales (the flush, and the
+    per-tensor reduction of rank-1's columns). Nothing in a tree without them (the baseline)."""
+    spent = {"wall": 0.0, "cpu": 0.0, "depth": 0}
+    try:
+        from hf_optim.optim import runner, sharded_blocks
+    except ImportError:
+        return spent
+
+    def timed(owner, name):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            spent["depth"] += 1
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent["depth"] -= 1
+                if not spent["depth"]:  # the outermost timed call only
+                    spent["wall"] += time.perf_counter() - start
+                    spent["cpu"] += time.thread_time() - start_cpu
+
+        setattr(owner, name, wrapper)
+
+    timed(runner.Runner, "part_apart")
+    timed(sharded_blocks, "_step_split_run")
+    timed(sharded_blocks.PendingScales, "flush")
+    timed(sharded_blocks, "reduce_whole")
+    return spent
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -191,7 +230,7 @@ def merged(runs: list[dict]) -> dict:
     for name, first in runs[0].items():
         if isinstance(first, dict):
             out[name] = {**first, **{key: statistics.median(run[name][key] for run in runs)
-                                     for key in ("wall_ms", "cpu_ms")}}
+                                     for key in ("wall_ms", "cpu_ms", "boundary_ms", "boundary_cpu_ms")}}
     return out
 
 
@@ -217,7 +256,7 @@ def main() -> None:
               f"each {args.repeats} rounds of {args.steps} steps: median; ms per optimizer step on rank 0")
         print(f"  baseline: {base['hf_optim']}\n  this tree: {ours['hf_optim']}")
         header = ("optimizer", "baseline wall", "this wall", "ratio", "baseline cpu", "this cpu", "ratio",
-                  "collectives/step", "tensors apart", "= one process (baseline, this)")
+                  "boundary work (wall, cpu)", "collectives/step", "tensors apart", "= one process (baseline, this)")
         rows = [header]
         for name in args.optimizers.split(","):
             b, o = base[name], ours[name]
@@ -227,7 +266,8 @@ def main() -> None:
                      for tree in ("base", "ours")]
             calls = " + ".join(f"{count:g} {kind}" for kind, count in o["calls"].items() if count) or "0"
             rows.append((name, f"{b['wall_ms']:.2f}", f"{o['wall_ms']:.2f}", f"{o['wall_ms'] / b['wall_ms']:.2f}",
-                         f"{b['cpu_ms']:.2f}", f"{o['cpu_ms']:.2f}", f"{o['cpu_ms'] / b['cpu_ms']:.2f}", calls,
+                         f"{b['cpu_ms']:.2f}", f"{o['cpu_ms']:.2f}", f"{o['cpu_ms'] / b['cpu_ms']:.2f}",
+                         f"{o['boundary_ms']:.2f}, {o['boundary_cpu_ms']:.2f}", calls,
                          f"{o['apart']}/{o['tensors']}", ", ".join(exact)))
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
         for row in rows:
