@@ -40,12 +40,14 @@ CONFIGS = {f"{algorithm}_{precision}": _config(algorithm, precision)
            for algorithm in ELEMENTWISE for precision in QUANTIZED}
 CONFIGS.update({
     "adamw_rank1": _config("adamw", "rank1"),
+    "ademamix_rank1": _config("ademamix", "rank1"),
     "lamb_8bit": _config("lamb", "8bit"),
     "adafactor_8bit": (hf_optim.Adafactor, dict(beta1=0.9, weight_decay=0.01, optim_bits=8)),
     "muon_4bit": _config("muon", "4bit"),
 })
 """Every case runs at 2, 3 and 4 ranks, and resumes from 2 ranks in one process: every algorithm, every format (fp32
-state too: the small vector keeps it in every case)."""
+state too: the small vector keeps it in every case). Rank-1 4-bit with each elementwise algorithm that takes it (it
+quantizes second moments: AdamW and AdEMAMix; Lion and RMSprop have none)."""
 FEW = ("adamw_8bit", "adamw_fp8", "adamw_4bit", "adamw_rank1", "ademamix_4bit", "lamb_8bit", "adafactor_8bit",
        "muon_4bit")
 """The cases of the other resumes (1 -> 4, 4 -> 2, 2 -> 3, 2 -> HSDP): one per format, and the algorithms whose state
