@@ -277,29 +277,45 @@ def resumed_runs(path: str, wrap, names) -> dict:
 def accelerate_elastic_runs(checkpoint_dir: str) -> dict:
     """accelerate's save_fsdp_optimizer at 2 ranks and load_fsdp_optimizer at 3 (what the Trainer calls under FSDP),
     sharded (DCP) and full: the loading twin trains the first steps itself (the optimizer checkpoint holds no
-    weights), loads the optimizer and trains on."""
+    weights), loads the optimizer and trains on. The test process loads the same checkpoints at 1 rank."""
     from accelerate import PartialState
-    from accelerate.utils import FullyShardedDataParallelPlugin
-    from accelerate.utils.fsdp_utils import load_fsdp_optimizer, save_fsdp_optimizer
 
     state = PartialState(cpu=True)
     results = {}
     for kind in ACCELERATE_KINDS:
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind)
         for name in ACCELERATE_NAMES:
             path = f"{checkpoint_dir}/accelerate-elastic-{kind}/{name}"
-            module = fsdp2(elastic.model())
-            optimizer = elastic.build(name, module)
-            elastic.train(module, optimizer, range(elastic.SAVE_AT))
             if dist.get_world_size() == 2:
-                save_fsdp_optimizer(plugin, state, optimizer, module, path)
-                continue
-            module.zero_grad(set_to_none=True)
-            resumed = elastic.build(name, module)
-            load_fsdp_optimizer(plugin, state, resumed, module, path)
-            elastic.train(module, resumed, range(elastic.SAVE_AT, elastic.STEPS))
-            results[f"{name} {kind}"] = elastic.whole_params(module)
+                accelerate_saved(kind, name, state, path)
+            else:
+                results[f"{name} {kind}"] = accelerate_resumed(kind, name, state, path)
     return results
+
+
+def accelerate_saved(kind: str, name: str, state, path: str) -> None:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import save_fsdp_optimizer
+
+    module = fsdp2(elastic.model())
+    optimizer = elastic.build(name, module)
+    elastic.train(module, optimizer, range(elastic.SAVE_AT))
+    save_fsdp_optimizer(FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind), state, optimizer,
+                        module, path)
+
+
+def accelerate_resumed(kind: str, name: str, state, path: str) -> dict[str, torch.Tensor]:
+    """The whole parameters after SAVE_AT steps of its own, the optimizer loaded from ``path``, and the rest."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import load_fsdp_optimizer
+
+    module = fsdp2(elastic.model())
+    elastic.train(module, elastic.build(name, module), range(elastic.SAVE_AT))
+    module.zero_grad(set_to_none=True)
+    resumed = elastic.build(name, module)
+    load_fsdp_optimizer(FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind), state, resumed, module,
+                        path)
+    elastic.train(module, resumed, range(elastic.SAVE_AT, elastic.STEPS))
+    return elastic.whole_params(module)
 
 
 def gathered_8bit_state() -> dict:

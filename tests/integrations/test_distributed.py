@@ -341,6 +341,32 @@ def test_accelerate_fsdp_optimizer_checkpoint_moves_from_2_to_3_ranks(world3, si
     assert_like_single_process(world3["accelerate_elastic"][run], run.split()[0], single, run)
 
 
+@pytest.fixture(scope="module")
+def accelerate_one_rank(results, workspace):
+    """load_fsdp_optimizer of the 2-rank checkpoints at 1 rank: FSDP2 over a one-process gloo group in this process
+    (as the Trainer's FSDP run on one GPU shards over one rank)."""
+    import torch.distributed as dist
+    from accelerate import PartialState
+    from distributed_worker import ACCELERATE_KINDS, ACCELERATE_NAMES, accelerate_resumed
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(workspace / "one-rank-store"), 1), rank=0, world_size=1)
+    try:
+        with one_thread():
+            state = PartialState(cpu=True)
+            return {f"{name} {kind}": accelerate_resumed(
+                        kind, name, state, str(workspace / "checkpoints" / f"accelerate-elastic-{kind}" / name))
+                    for kind in ACCELERATE_KINDS for name in ACCELERATE_NAMES}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("run", ACCELERATE_ELASTIC)
+def test_accelerate_fsdp_optimizer_checkpoint_moves_from_2_ranks_to_1(accelerate_one_rank, single, run):
+    """accelerate's save_fsdp_optimizer at 2 ranks, load_fsdp_optimizer at 1 (FSDP2 over one rank)."""
+    assert_like_single_process(accelerate_one_rank[run], run.split()[0], single, run)
+
+
 def index_keyed(full: dict) -> dict:
     """A gathered optimizer state dict (keyed by parameter names, as get_optimizer_state_dict gives it) keyed by
     parameter index, as ``optimizer.state_dict()`` is (what bitsandbytes' and hf_optim's load_state_dict read)."""
