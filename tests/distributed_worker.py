@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from distributed_cases import OPTIMIZERS, RESUME_AT, Net, batches, build_optimizer, half, loss_fn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 import hf_optim
@@ -318,6 +319,53 @@ def accelerate_resumed(kind: str, name: str, state, path: str) -> dict[str, torc
     return elastic.whole_params(module)
 
 
+COUNTED = ("adamw_8bit", "adamw_fp8", "adamw_4bit", "adamw_rank1")
+ALIGNED = {"rows": (12, 256), "narrow": (24, 128), "bias": (33,)}
+"""Matrices whose shard boundaries fall on block boundaries at 2, 3 and 4 ranks (parts of 6, 4 or 3 rows of 256, and
+12, 8 or 6 rows of 128: whole blocks of 256 and 128), and a vector with fp32 state."""
+
+
+def collectives_per_step() -> dict:
+    """The all-reduces and point-to-point batches (torch.distributed's functions, counted where hf_optim calls them)
+    of one optimizer step after the first, for AdamW in each quantized format: on ``ALIGNED`` (no block split by a
+    shard boundary) and on the world-size cases' model (split blocks in several tensors)."""
+    calls = {"all_reduce": 0, "p2p": 0}
+    all_reduce, batch = dist.all_reduce, dist.batch_isend_irecv
+
+    def counted_all_reduce(*args, **kwargs):
+        calls["all_reduce"] += 1
+        return all_reduce(*args, **kwargs)
+
+    def counted_batch(*args, **kwargs):
+        calls["p2p"] += 1
+        return batch(*args, **kwargs)
+
+    def aligned_model() -> torch.nn.Module:
+        gen = torch.Generator().manual_seed(0)
+        module = torch.nn.Module()
+        for name, shape in ALIGNED.items():
+            setattr(module, name, torch.nn.Parameter(torch.randn(*shape, generator=gen)))
+        return module
+
+    results = {}
+    for model_name, make in (("aligned", aligned_model), ("split", elastic.model)):
+        for name in COUNTED:
+            module = fsdp2(make())
+            optimizer = elastic.build(name, module)
+            for step in range(2):
+                for p in module.parameters():
+                    p.grad = distribute_tensor(torch.full(p.shape, 0.01 * (step + 1)), p.device_mesh, p.placements,
+                                               src_data_rank=None)
+                calls.update(all_reduce=0, p2p=0)
+                dist.all_reduce, dist.batch_isend_irecv = counted_all_reduce, counted_batch
+                try:
+                    optimizer.step()
+                finally:
+                    dist.all_reduce, dist.batch_isend_irecv = all_reduce, batch
+            results[f"{model_name} {name}"] = dict(calls)
+    return results
+
+
 def gathered_8bit_state() -> dict:
     """The full (gathered) optimizer state dict of AdamW8bit after SAVE_AT steps at this world size."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -461,6 +509,7 @@ def main(out_file: str, checkpoint_dir: str) -> None:
     else:
         results = {}
     results["elastic"] = elastic_runs(checkpoint_dir)
+    results["collectives"] = collectives_per_step()
     if world in (2, 3):
         results["accelerate_elastic"] = accelerate_elastic_runs(checkpoint_dir)
     if world in (2, 3):

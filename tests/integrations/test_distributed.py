@@ -309,6 +309,19 @@ def test_fsdp2_state_does_not_depend_on_the_world_size(request, single, world_si
     assert run["dtypes"][name] == single[name]["dtypes"]
 
 
+@pytest.mark.parametrize("world_size", elastic.WORLD_SIZES)
+def test_collectives_run_only_for_blocks_a_shard_boundary_splits(request, world_size):
+    """One optimizer step of AdamW (after the first) calls no collective where every shard boundary falls on a block
+    boundary, and one all-reduce for the shard group where some tensors' blocks are split, however many: the scales
+    of every split block travel together. Rank-1 4-bit's column scales span all rows, so each of its sharded
+    matrices takes one all-reduce (distributed_worker.ALIGNED has two)."""
+    counted = request.getfixturevalue(WORLDS[world_size])["collectives"]
+    for name in ("adamw_8bit", "adamw_fp8", "adamw_4bit"):
+        assert counted[f"aligned {name}"] == {"all_reduce": 0, "p2p": 0}, name
+        assert counted[f"split {name}"] == {"all_reduce": 1, "p2p": 0}, name
+    assert counted["aligned adamw_rank1"] == {"all_reduce": 2, "p2p": 0}
+
+
 OTHER_RESUMES = (("1", "4"), ("4", "2"), ("2", "3"), ("2", "hsdp"))
 RESUMES = [("2", "1", name) for name in elastic.CONFIGS] + [
     (saved, loaded, name) for saved, loaded in OTHER_RESUMES for name in elastic.FEW]
