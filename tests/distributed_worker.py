@@ -205,6 +205,10 @@ LOADS = {4: 1, 2: 4, 3: 2}
 """The world size whose checkpoint each world size loads (1: the test process's single-process checkpoint)."""
 SAVES = {4: elastic.FEW, 2: tuple(elastic.CONFIGS), 3: ()}
 """The cases each world size saves for a later one (2 -> 1, in the test process, takes every case)."""
+HSDP = {2: (1, 2), 4: (2, 1)}
+"""HSDP meshes of 2 replicas: world size -> (shards per replica, the world size whose checkpoint it loads). At 2 ranks
+the 2-shard checkpoint loads into shards of 1; at 4 the 1-process checkpoint into 2 replicas of 2 shards (the split
+blocks' scales reduced over each replica's shard group, not the world)."""
 ACCELERATE_NAMES = ["adamw_8bit", "adamw_4bit"]
 ACCELERATE_KINDS = ["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
 
@@ -242,11 +246,13 @@ def elastic_runs(checkpoint_dir: str) -> dict:
                "dtypes": {name: state_dtypes(module, optimizer) for name, (module, optimizer) in straight.items()}}
     results[f"from {LOADS[world]}"] = resumed_runs(elastic_checkpoint(checkpoint_dir, LOADS[world]), fsdp2,
                                                    elastic.FEW)
-    if world == 2:  # HSDP: two replicas of one shard; the 2-shard checkpoint loads into shards of 1
+    if world in HSDP:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-        results["hsdp from 2"] = resumed_runs(elastic_checkpoint(checkpoint_dir, 2), fsdp2_on(mesh), elastic.FEW)
+        shards, saved = HSDP[world]
+        mesh = init_device_mesh("cpu", (2, shards), mesh_dim_names=("replicate", "shard"))
+        results[f"hsdp2x{shards} from {saved}"] = resumed_runs(elastic_checkpoint(checkpoint_dir, saved),
+                                                               fsdp2_on(mesh), elastic.FEW)
     return results
 
 

@@ -322,7 +322,7 @@ def test_collectives_run_only_for_blocks_a_shard_boundary_splits(request, world_
     assert counted["aligned adamw_rank1"] == {"all_reduce": 2, "p2p": 0}
 
 
-OTHER_RESUMES = (("1", "4"), ("4", "2"), ("2", "3"), ("2", "hsdp"))
+OTHER_RESUMES = (("1", "4"), ("4", "2"), ("2", "3"), ("2", "hsdp2x1"), ("1", "hsdp2x2"))
 RESUMES = [("2", "1", name) for name in elastic.CONFIGS] + [
     (saved, loaded, name) for saved, loaded in OTHER_RESUMES for name in elastic.FEW]
 
@@ -331,13 +331,14 @@ RESUMES = [("2", "1", name) for name in elastic.CONFIGS] + [
 def test_dcp_checkpoint_resumes_at_another_world_size(request, single, saved, loaded, name):
     """Trained SAVE_AT steps at N ranks and saved with DCP (get_state_dict + dcp.save); a model of other weights and a
     fresh optimizer at M ranks load it (dcp.load + set_state_dict) and train the remaining steps: the run that trained
-    every step at M (one process's, by the test above). M = 1 is a plain optimizer without FSDP; "hsdp" is 2 ranks
-    as 2 replicas of 1 shard. Every case from 2 ranks to 1; one per format and the non-elementwise algorithms for the
-    others (elastic_cases.FEW)."""
+    every step at M (one process's, by the test above). M = 1 is a plain optimizer without FSDP; "hsdp2xS" is 2
+    replicas of S shards (2 or 4 ranks). Every case from 2 ranks to 1; one per format and the non-elementwise
+    algorithms for the others (elastic_cases.FEW)."""
     if loaded == "1":
         run = request.getfixturevalue("single_resumed")[name]
-    elif loaded == "hsdp":
-        run = request.getfixturevalue("results")["elastic"]["hsdp from 2"][name]
+    elif loaded.startswith("hsdp"):
+        world = {"hsdp2x1": "results", "hsdp2x2": "world4"}[loaded]
+        run = request.getfixturevalue(world)["elastic"][f"{loaded} from {saved}"][name]
     else:
         run = request.getfixturevalue(WORLDS[int(loaded)])["elastic"][f"from {saved}"][name]
     assert run["loaded_steps"] == [elastic.SAVE_AT]
