@@ -20,7 +20,8 @@ BATCH = 8  # global batch; each rank takes its half
 OPTIMIZERS = {
     "adamw_32bit": (hf_optim.AdamW32bit, dict(lr=1e-2)),
     "adamw_8bit": (hf_optim.AdamW8bit, dict(lr=1e-2)),
-    "adamw_4bit": (hf_optim.AdamW4bit, dict(lr=1e-2)),
+    # blockwise4: the default 4-bit (stochastic4) declares no scales yet and is refused on FSDP2-sharded tensors
+    "adamw_4bit": (hf_optim.AdamW4bitBlockwise, dict(lr=1e-2)),
     "ademamix_32bit": (hf_optim.AdEMAMix32bit, dict(lr=1e-2, t_alpha=3, t_beta3=3)),
     "ademamix_8bit": (hf_optim.AdEMAMix8bit, dict(lr=1e-2, t_alpha=3, t_beta3=3)),
     "lamb_32bit": (hf_optim.LAMB32bit, dict(lr=1e-2, weight_decay=0.1)),

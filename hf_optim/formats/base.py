@@ -16,6 +16,26 @@ class StateDictError(ValueError):
     """A state dict that cannot be loaded into this optimizer (another algorithm, layout or block size)."""
 
 
+@dataclass(frozen=True)
+class Scales:
+    """One scale tensor of a quantized slot, and which elements share each of its scales.
+
+    A slot row's elements are cut into runs of :attr:`run` consecutive elements (the last run may be shorter: it
+    is quantized as if zero-padded). With :attr:`across` False, scale ``j`` covers run ``j`` (a block's absmax, a
+    rank-1 row scale); with :attr:`across` True, scale ``j`` covers element ``j`` of every run (a rank-1 column
+    scale). Every scale is the maximum of what its elements give (:meth:`StateFormat.scales_of`), so the scales of
+    a whole tensor are the element-wise maxima of the scales of its parts, each zero-padded to whole runs: what
+    lets a rank that holds part of a tensor (FSDP2) quantize with the whole tensor's scales
+    (``hf_optim.optim.sharded_blocks``)."""
+
+    key: str
+    """The slot's state key holding the scales (``absmax1``)."""
+    run: int
+    """Elements per run."""
+    across: bool = False
+    """Whether a scale covers one element of every run (a column) instead of one run."""
+
+
 class StateFormat:
     """How one state slot is stored. Subclasses are stateless singletons, registered with :func:`register_format`.
 
@@ -96,6 +116,33 @@ class StateFormat:
         """Entries per row of the main tensor for ``numel`` elements (a packed format's bytes)."""
         return numel
 
+    # -- scales: what a part of a tensor (an FSDP2 shard) needs to quantize as the whole tensor does --------------
+    def scales(self, spec, shape: tuple[int, ...]) -> tuple[Scales, ...]:
+        """The scale tensors of slot ``spec`` for a parameter of ``shape`` (the whole tensor's), in the order
+        :meth:`scales_of` returns them; every one has the same :attr:`Scales.run`. None for unscaled state."""
+        return ()
+
+    def span_shape(self, spec, shape: tuple[int, ...], runs: int) -> tuple[int, ...]:
+        """The shape to allocate (:meth:`init_slot`) a slot for ``runs`` whole runs of a ``shape`` parameter's
+        scales: ``runs * run`` elements by default; a format whose geometry follows the parameter's shape (rank-1's
+        columns) keeps it."""
+        return (runs * self.scales(spec, shape)[0].run,)
+
+    def scales_of(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> list[torch.Tensor]:
+        """The scales :meth:`store` would compute for fp32 ``values`` (flat ``(rows, n)``, ``n`` whole runs), one
+        tensor per :meth:`scales` entry, each ``(rows, count)``; ``raw``: the slot's raw tensors for those
+        elements (shapes that tell the geometry)."""
+        raise NotImplementedError(f"state format {self.name!r} has no scales")
+
+    def unpack_codes(self, main: torch.Tensor, n: int) -> torch.Tensor:
+        """A packed format's per-element codes (uint8 ``(rows, n)``) of main tensor bytes ``(rows, ...)``."""
+        raise NotImplementedError(f"state format {self.name!r} is not packed")
+
+    def pack_codes(self, codes: torch.Tensor, signed: bool) -> torch.Tensor:
+        """Inverse of :meth:`unpack_codes`: uint8 bytes ``(rows, ceil(n / 2))`` of codes ``(rows, n)``, a last
+        odd element padded with the code a zero value gets."""
+        raise NotImplementedError(f"state format {self.name!r} is not packed")
+
     # -- allocation -------------------------------------------------------------------------------------------
     def init_slot(self, state: dict, spec, param: torch.Tensor, allocate: Callable) -> None:
         """Create the zeroed slot ``spec`` for ``param`` (a local tensor) in ``state``. ``allocate(shape, *, dtype,
@@ -151,8 +198,11 @@ class StateFormat:
         elements per row of the flat form (packed formats cannot tell an odd count from their bytes)."""
         raise NotImplementedError
 
-    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:
-        """Write fp32 ``values`` (same form as ``raw``) into the raw tensors, re-quantizing."""
+    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool,
+              scales: Sequence[torch.Tensor] | None = None) -> None:
+        """Write fp32 ``values`` (same form as ``raw``) into the raw tensors, re-quantizing. ``scales`` (flat form
+        only): the scales to quantize against instead of those of ``values`` (:meth:`scales_of`), each at least
+        as large as its elements' (the whole tensor's, for a part of it); they are stored as the slot's scales."""
         raise NotImplementedError
 
     # -- size and checkpoints ---------------------------------------------------------------------------------

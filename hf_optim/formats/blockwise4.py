@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hf_optim.formats import quant4
-from hf_optim.formats.base import StateDictError, StateFormat, in_blocks, register_format
+from hf_optim.formats.base import Scales, StateDictError, StateFormat, in_blocks, register_format
 from hf_optim.formats.quant4 import BLOCK_SIZE, encoder_thresholds, packed_length, qmap4
 from hf_optim.numerics import BLOCK_SIZE as CHUNK_BLOCK
 
@@ -105,9 +105,23 @@ class Blockwise4(StateFormat):
             return values.reshape(rows, blocks, CHUNK_BLOCK)
         return quant4.dequantize(codes, absmax, signed, n)
 
-    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:
+    def scales(self, spec, shape):
+        return (Scales(spec.absmax_key, BLOCK_SIZE),)
+
+    def scales_of(self, values, raw, signed):
+        return [quant4.block_scales(values)]
+
+    def unpack_codes(self, main: torch.Tensor, n: int) -> torch.Tensor:
+        return quant4.unpack_codes(main, n)
+
+    def pack_codes(self, codes: torch.Tensor, signed: bool) -> torch.Tensor:
+        return quant4.pack_codes(codes, signed)
+
+    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool, scales=None) -> None:
         codes, absmax, _, thresholds = raw
-        if values.dim() == 3:
+        if scales is not None:
+            quant4.quantize_into(values, thresholds, codes, absmax, scales[0])
+        elif values.dim() == 3:
             rows, blocks = values.shape[0], values.shape[1]
             quant4.quantize_into(values.reshape(rows, 2 * blocks, BLOCK_SIZE), thresholds,
                                      codes.reshape(rows, 2 * blocks, BLOCK_SIZE // 2), absmax)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from hf_optim.formats import quant8
-from hf_optim.formats.base import StateDictError, StateFormat, in_blocks, register_format
+from hf_optim.formats.base import Scales, StateDictError, StateFormat, in_blocks, register_format
 from hf_optim.formats.dynamic_map import ZERO_CODE_SIGNED, dynamic_map, encoder_table
 from hf_optim.formats.quant8 import num_blocks
 from hf_optim.numerics import BLOCK_SIZE
@@ -101,9 +101,15 @@ class Blockwise8(StateFormat):
         codes, absmax, qmap = raw[:3]
         return quant8.dequantize(codes, absmax, qmap)
 
-    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:
+    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool, scales=None) -> None:
         codes, absmax, _, table = raw
-        quant8.quantize_into(values, table, signed, codes, absmax)
+        quant8.quantize_into(values, table, signed, codes, absmax, None if scales is None else scales[0])
+
+    def scales(self, spec, shape):
+        return (Scales(spec.absmax_key, BLOCK_SIZE),)
+
+    def scales_of(self, values, raw, signed):
+        return [quant8.block_absmax(values)]
 
     def state_bytes(self, numel: int, rows: int = 1) -> int:
         return rows * (numel + 4 * num_blocks(numel)) + 4 * 256

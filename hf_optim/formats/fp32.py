@@ -47,7 +47,7 @@ class Fp32(StateFormat):
     def dequantize(self, raw: Sequence[torch.Tensor], signed: bool, n: int | None = None) -> torch.Tensor:
         return raw[0]
 
-    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:
+    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool, scales=None) -> None:
         raw[0].copy_(values)
 
     def state_bytes(self, numel: int, rows: int = 1) -> int:

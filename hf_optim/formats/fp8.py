@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from hf_optim.formats.base import StateDictError, StateFormat, in_blocks, register_format
+from hf_optim.formats.base import Scales, StateDictError, StateFormat, in_blocks, register_format
 from hf_optim.numerics import BLOCK_SIZE as CHUNK_BLOCK
 from hf_optim.numerics import exact_math, rounding
 
@@ -176,13 +176,23 @@ class Fp8(StateFormat):
             values = values * values
         return _unblocked(values, codes.shape)
 
-    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:
+    def _stored_values(self, values: torch.Tensor, signed: bool) -> torch.Tensor:
+        if self.stores_root(signed):
+            return torch.sqrt(values.clamp_min(0.0))  # v >= 0 always; clamp keeps -0.0 and rounding noise out
+        return values
+
+    def scales(self, spec, shape):
+        return (Scales(spec.absmax_key, self.block_size),)
+
+    def scales_of(self, values, raw, signed):
+        return [_blocked(self._stored_values(values, signed), self.block_size).abs().amax(dim=-1)]
+
+    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool, scales=None) -> None:
         codes, absmax = raw[:2]
         fmax = FMAX[codes.dtype]
-        if self.stores_root(signed):
-            values = torch.sqrt(values.clamp_min(0.0))  # v >= 0 always; clamp keeps -0.0 and rounding noise out
+        values = self._stored_values(values, signed)
         blocked = _blocked(values, self.block_size)
-        block_max = blocked.abs().amax(dim=-1)
+        block_max = blocked.abs().amax(dim=-1) if scales is None else scales[0]
         # x * (FMAX / absmax): the largest magnitude maps to FMAX (within an ulp; the clamp saturates it). One
         # division (exact_math.div), as Triton's div_rn: ``fmax / tensor`` would be ``reciprocal() * fmax``, an ulp
         # off for some absmax, which moves values exactly halfway between two float8 numbers (common with bf16

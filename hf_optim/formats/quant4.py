@@ -193,10 +193,18 @@ def _check_2d_or_3d(x: torch.Tensor, what: str) -> None:
         )
 
 
-def _quantized_blocks(values: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed int8 codes (rows, blocks, 64), scale (rows, blocks)) of fp32 ``values``."""
+def block_scales(values: torch.Tensor) -> torch.Tensor:
+    """The scale (rows, blocks) :func:`quantize` stores for fp32 ``values``: each 128-block's largest magnitude."""
+    return _blocked(values).abs().amax(dim=-1)
+
+
+def _quantized_blocks(values: torch.Tensor, thresholds: torch.Tensor, scale: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed int8 codes (rows, blocks, 64), scale (rows, blocks)) of fp32 ``values``; ``scale``: the blocks' own
+    (computed) when None."""
     blocks = _blocked(values)
-    scale = blocks.abs().amax(dim=-1)
+    if scale is None:
+        scale = blocks.abs().amax(dim=-1)
     # An all-zero block has scale 0: divide by 1 so it encodes the code of 0.0, which dequantizes to exact 0.
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
     return pack(_encode(blocks / divisor, thresholds)), scale
@@ -217,12 +225,34 @@ def quantize(values: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tens
     return _trimmed(packed, values).contiguous().view(torch.uint8), scale  # contiguous: callers keep it as state
 
 
-def quantize_into(values: torch.Tensor, thresholds: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+def quantize_into(values: torch.Tensor, thresholds: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                  scales: torch.Tensor | None = None) -> None:
     """:func:`quantize` written into ``codes`` (uint8, or the int8 view kernels pass: a dtype view inside a
-    compiled graph is a slow bitcast, outside it is free) and ``scale``."""
-    packed, new_scale = _quantized_blocks(values, thresholds)
+    compiled graph is a slow bitcast, outside it is free) and ``scale``; ``scales``: the scale to encode against
+    (a whole tensor's, for part of it) instead of the blocks' own."""
+    packed, new_scale = _quantized_blocks(values, thresholds, scales)
     codes.view(torch.int8).copy_(_trimmed(packed, values))
     scale.copy_(new_scale)
+
+
+def zero_code(signed: bool) -> int:
+    """The code a zero value encodes to (what pads an odd last nibble): the signed map's 0, the unsigned map's
+    smallest value (it has no 0)."""
+    return int((_THRESHOLDS[signed] <= 0).sum())
+
+
+def pack_codes(codes: torch.Tensor, signed: bool) -> torch.Tensor:
+    """uint8 bytes ``(rows, ceil(n / 2))`` of per-element codes ``(rows, n)`` (0..15), an odd last element's pair
+    padded with :func:`zero_code`, as :func:`quantize` pads it."""
+    codes = codes.int()
+    if codes.shape[-1] % 2:
+        codes = F.pad(codes, (0, 1), value=zero_code(signed))
+    return pack(codes).view(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` per-element codes (uint8 ``(rows, n)``) of packed bytes ``(rows, bytes)``."""
+    return unpack(packed)[..., :n].to(torch.uint8)
 
 
 def decode(codes: torch.Tensor, signed: bool) -> torch.Tensor:

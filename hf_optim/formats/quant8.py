@@ -67,10 +67,17 @@ def encode(normalized: torch.Tensor, table: torch.Tensor, signed: bool) -> torch
     return encode_int8(normalized, table, signed).view(torch.uint8)
 
 
-def _normalized_blocks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values / their block's absmax as (rows, blocks, 256), absmax (rows, blocks))."""
+def block_absmax(values: torch.Tensor) -> torch.Tensor:
+    """The absmax (rows, blocks) of fp32 ``values`` (rows, n) or (rows, blocks, 256): what :func:`quantize` stores."""
+    return _blocked(values).abs().amax(dim=-1)
+
+
+def _normalized_blocks(values: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values / their block's absmax as (rows, blocks, 256), absmax (rows, blocks)); ``absmax``: the blocks' own
+    (computed) when None."""
     blocks = _blocked(values)
-    absmax = blocks.abs().amax(dim=-1)
+    if absmax is None:
+        absmax = blocks.abs().amax(dim=-1)
     # An all-zero block has absmax 0: divide by 1 so it encodes as exact zeros, not NaN.
     divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax)).unsqueeze(-1)
     return blocks / divisor, absmax
@@ -84,11 +91,12 @@ def quantize(values: torch.Tensor, table: torch.Tensor, signed: bool) -> tuple[t
 
 
 def quantize_into(values: torch.Tensor, table: torch.Tensor, signed: bool, codes: torch.Tensor,
-                  absmax: torch.Tensor) -> None:
+                  absmax: torch.Tensor, scales: torch.Tensor | None = None) -> None:
     """:func:`quantize` written into ``codes`` and fp32 ``absmax``. The kernels pass ``codes`` as an int8 view of
     the uint8 state (``state_store.slot_tensors``): inside a compiled graph a dtype view of an input becomes a slow
-    element-by-element bitcast, while outside it is free; uint8 ``codes`` work too (viewed here)."""
-    normalized, new_absmax = _normalized_blocks(values)
+    element-by-element bitcast, while outside it is free; uint8 ``codes`` work too (viewed here). ``scales``: the
+    absmax to encode against (a whole tensor's, for part of it), instead of the blocks' own."""
+    normalized, new_absmax = _normalized_blocks(values, scales)
     encoded = encode_int8(normalized, table, signed)
     codes.view(torch.int8).copy_(encoded if codes.dim() == 3 else encoded.flatten(1)[:, : values.shape[-1]])
     absmax.copy_(new_absmax)

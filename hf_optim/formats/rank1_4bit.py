@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hf_optim.formats import rank1_quant4
-from hf_optim.formats.base import StateDictError, StateFormat, register_format
+from hf_optim.formats import quant4, rank1_quant4
+from hf_optim.formats.base import Scales, StateDictError, StateFormat, register_format
 from hf_optim.formats.blockwise4 import BLOCKWISE4
 from hf_optim.formats.quant4 import BLOCK_SIZE, encoder_thresholds, packed_length, qmap4
 from hf_optim.formats.rank1_quant4 import matrix_shape
@@ -117,12 +117,36 @@ class Rank1Blockwise4(StateFormat):
             return BLOCKWISE4.dequantize([codes, scale_a, qmap], True, n)
         return rank1_quant4.dequantize(codes, scale_a, scale_b, qmap, n)
 
-    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool) -> None:
+    def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool, scales=None) -> None:
         codes, scale_a, scale_b, qmap, thresholds = raw
         if signed:
-            BLOCKWISE4.store(values, [codes, scale_a, qmap, thresholds], True)
+            BLOCKWISE4.store(values, [codes, scale_a, qmap, thresholds], True, scales)
         else:
-            rank1_quant4.quantize_into(values, thresholds, codes, scale_a, scale_b)
+            rank1_quant4.quantize_into(values, thresholds, codes, scale_a, scale_b,
+                                       None if scales is None else tuple(scales))
+
+    # -- scales: a row scale per matrix row (a run of its columns), a column scale across the rows ------------
+    def scales(self, spec, shape):
+        if spec.signed:
+            return BLOCKWISE4.scales(spec, shape)
+        cols = matrix_shape(shape)[1]
+        return (Scales(spec.absmax_key, cols), Scales(col_key(spec), cols, across=True))
+
+    def span_shape(self, spec, shape, runs):
+        if spec.signed:
+            return BLOCKWISE4.span_shape(spec, shape, runs)
+        return (runs, matrix_shape(shape)[1])  # whole matrix rows: the matrix keeps its columns
+
+    def scales_of(self, values, raw, signed):
+        if signed:
+            return BLOCKWISE4.scales_of(values, raw, signed)
+        return list(rank1_quant4.scales(values, raw[1].shape[-1], raw[2].shape[-1]))
+
+    def unpack_codes(self, main: torch.Tensor, n: int) -> torch.Tensor:
+        return quant4.unpack_codes(main, n)
+
+    def pack_codes(self, codes: torch.Tensor, signed: bool) -> torch.Tensor:
+        return quant4.pack_codes(codes, signed)
 
     # -- size and checkpoints ---------------------------------------------------------------------------------
     def state_bytes(self, numel: int, rows: int = 1, signed: bool = False,

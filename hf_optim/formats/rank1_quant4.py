@@ -41,8 +41,8 @@ def matrix_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
     :data:`LINE` elements, ``(ceil(n / 128), 128)``, the last row zero-padded (or ``(1, n)`` when ``n <= 128``).
     """
     numel = math.prod(shape)
-    if len(shape) >= 2 and shape[0] > 0:
-        return int(shape[0]), numel // int(shape[0])
+    if len(shape) >= 2:  # no rows (an empty shard of a matrix) keeps the matrix's columns
+        return int(shape[0]), math.prod(shape[1:])
     if numel <= LINE:
         return 1, numel
     return -(-numel // LINE), LINE
@@ -64,21 +64,29 @@ def _element_scale(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
     return torch.minimum(row.unsqueeze(-1), col.unsqueeze(-2))
 
 
-def quantize(values: torch.Tensor, rows: int, cols: int, thresholds: torch.Tensor
+def scales(values: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row scales ``(slots, rows)``, column scales ``(slots, cols)``) of fp32 ``values`` ``(slots, n)``: what
+    :func:`quantize` stores."""
+    magnitude = _as_matrix(values, rows, cols).abs()
+    return magnitude.amax(dim=2), magnitude.amax(dim=1)
+
+
+def quantize(values: torch.Tensor, rows: int, cols: int, thresholds: torch.Tensor,
+             given: tuple[torch.Tensor, torch.Tensor] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed uint8 codes ``(slots, ceil(n / 2))``, row scales ``(slots, rows)``, column scales
     ``(slots, cols)``) of non-negative fp32 ``values`` ``(slots, n)``, ``n <= rows * cols``.
 
     ``thresholds``: the map's encoder thresholds (:func:`hf_optim.formats.quant4.encoder_thresholds` of the
-    unsigned map)."""
+    unsigned map). ``given``: the (row, column) scales to encode against (a whole matrix's, for part of it)
+    instead of the values' own."""
     if values.dim() != 2:
         raise ValueError(f"rank-1 4-bit values must be (slots, n), got shape {tuple(values.shape)}")
     n = values.shape[-1]
     if n and not (rows - 1) * cols < n <= rows * cols:  # every row but the last is full
         raise ValueError(f"{n} values do not fill a {rows} x {cols} matrix up to its last row")
     matrix = _as_matrix(values, rows, cols)
-    magnitude = matrix.abs()
-    row, col = magnitude.amax(dim=2), magnitude.amax(dim=1)
+    row, col = scales(values, rows, cols) if given is None else given
     scale = _element_scale(row, col)
     normalized = (matrix / torch.where(scale > 0, scale, torch.ones_like(scale))).flatten(1)[:, :n]
     codes = encode_eager(normalized, thresholds)
@@ -88,10 +96,10 @@ def quantize(values: torch.Tensor, rows: int, cols: int, thresholds: torch.Tenso
 
 
 def quantize_into(values: torch.Tensor, thresholds: torch.Tensor, codes: torch.Tensor, row: torch.Tensor,
-                  col: torch.Tensor) -> None:
+                  col: torch.Tensor, given: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """:func:`quantize` written into ``codes`` (uint8 or its int8 view), ``row`` and ``col`` (their shapes give
-    the matrix)."""
-    packed, new_row, new_col = quantize(values, row.shape[-1], col.shape[-1], thresholds)
+    the matrix); ``given``: as :func:`quantize`."""
+    packed, new_row, new_col = quantize(values, row.shape[-1], col.shape[-1], thresholds, given)
     codes.view(torch.uint8).copy_(packed)
     row.copy_(new_row)
     col.copy_(new_col)

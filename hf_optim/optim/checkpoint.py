@@ -19,7 +19,7 @@ import torch
 from hf_optim.core.state_store import QUANT_KEYS, QUANT_STATE_KEY
 from hf_optim.formats import FORMATS, format_for_bits, loaded_format
 from hf_optim.formats.base import StateDictError
-from hf_optim.optim import sharding
+from hf_optim.optim import shard_layout, sharded_state, sharding
 from hf_optim.optim.sharding import local_tensor
 from hf_optim.paging import on_host
 
@@ -59,13 +59,14 @@ def state_dict(opt) -> dict[str, Any]:
 
 def _nested(opt, param_state: Mapping, param) -> dict:
     param_state = dict(param_state)
+    dtensors = sharding.is_dtensor(param)
+    if dtensors:  # for torch.distributed.checkpoint: DTensors of the whole tensor's state (sharded_state)
+        # (on the parameter's device mesh, paged or not: DCP moves the local shards itself)
+        param_state = sharded_state.export_state(opt._rules, param_state, param)
     quant = {k: param_state.pop(k) for k in list(param_state) if k in QUANT_KEYS}
     if quant:
         param_state[QUANT_STATE_KEY] = quant
-    if sharding.is_dtensor(param):  # for torch.distributed.checkpoint: DTensors like the param
-        # (on the parameter's device mesh, paged or not: DCP moves the local shards itself)
-        return sharding.export_state(param_state, param, functools.partial(opt._rules.state_dims, state=param_state))
-    if opt.is_paged:  # a paged optimizer's state dict holds CPU tensors: loading needs no GPU memory
+    if opt.is_paged and not dtensors:  # a paged optimizer's state dict holds CPU tensors: loading needs no GPU memory
         return on_host(param_state)
     return param_state
 
@@ -112,10 +113,16 @@ def loaded_states(opt, state_dict: Mapping) -> dict:
             continue
         p = id_map[saved_id]
         local = local_tensor(p)
-        flat = sharding.import_state(dict(param_state), p, local,
-                                     functools.partial(opt._rules.state_dims, state=param_state))
+        flat = dict(param_state)
         flat.update(flat.pop(QUANT_STATE_KEY, {}))
-        check_loaded(opt, local, flat, saved_id)
+        part = shard_layout.part_of(p)
+        if isinstance(part, shard_layout.Part):  # the whole tensor's state, checked whole
+            flat = sharded_state.import_state(opt, flat, p, saved_id, check_loaded)
+        else:
+            if part is None:  # one process: a checkpoint in the old per-shard layout cannot load here
+                sharded_state.refuse_per_shard_state(opt, flat, p, saved_id, shards=1)
+            flat = sharding.import_state(flat, p, local, functools.partial(opt._rules.state_dims, state=flat))
+            check_loaded(opt, local, flat, saved_id)
         # Copy: the loaded optimizer must never share (and mutate) the caller's tensors.
         new_state[p] = {
             k: (opt._store.allocate.copy_of(v, local.device, local.numel()) if k in slots

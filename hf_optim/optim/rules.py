@@ -102,6 +102,7 @@ class Rules:
                 for label, members in by_label.items():
                     if members:
                         self.runners[label].update_group(effective, group_index, members)
+        self.store.pending.flush()  # sharded parameters' split runs: one all-reduce per shard group
 
     # Slots
     def all_slots(self) -> tuple[StateSpec, ...]:
@@ -140,7 +141,8 @@ class Rules:
     # Checkpoints
     def state_dims(self, key: str, ndim: int, state: Mapping | None = None):
         """How state ``key`` of an ``ndim``-dim parameter is laid out, for sharded checkpoints (see
-        :func:`hf_optim.optim.sharding.export_state`): the parameter dimension of each state dimension, a
+        :func:`hf_optim.optim.sharding.export_state`; a slot of a parameter with a contiguous part is laid out by its
+        format instead, :mod:`hf_optim.optim.sharded_state`): the parameter dimension of each state dimension, a
         ``sharding.PerShard`` for state counted on the local shard (absmax vectors, packed 4-bit codes), or None
         for state that is the same on every rank. ``state`` (the parameter's state, nested or not) tells the
         slot's format."""

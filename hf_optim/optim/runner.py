@@ -16,13 +16,14 @@ import functools
 
 import torch
 
+from hf_optim.core import state_store
 from hf_optim.core.algorithm import Algorithm
 from hf_optim.core.state_store import StateSpec, slot_layouts, slot_tensors
 from hf_optim.kernels import backend as kernel_backend
 from hf_optim.kernels.torch_path import multi_tensor
 from hf_optim.kernels.torch_path.flat_state import FlatState
 from hf_optim.numerics import rounding
-from hf_optim.optim import fast_paths
+from hf_optim.optim import fast_paths, shard_layout, sharded_blocks
 from hf_optim.optim.states import StateStore
 from hf_optim.optim.step_plan import SR_KEY, StepPlan
 
@@ -67,9 +68,15 @@ class Runner:
         return multi_tensor.Scratch()
 
     def run_rule(self, param, grad, state, hyper, out: torch.Tensor | None = None,
-                 stream: rounding.Stream | None = None) -> None:
+                 stream: rounding.Stream | None = None, full: torch.Tensor | None = None) -> None:
         """Apply the elementwise rule to one parameter, in place, on its device (``out``: write the rule's output
-        there instead; ``stream``: round a bf16 result stochastically)."""
+        there instead; ``stream``: round a bf16 result stochastically; ``full``: the parameter, when ``param`` is a
+        sharded one's local tensor: its quantized state then takes the whole tensor's scales, and every rank of
+        its shard group must step it, also with an empty part)."""
+        part = self.part_apart(full, param, state)
+        if part is not None:
+            sharded_blocks.step(self.rule, self.slots, part, param, grad, state, hyper, out, stream, self.store.pending)
+            return
         if param.numel() == 0:  # an empty local shard of a sharded parameter
             return
         flat_param = param.view(-1) if param.is_contiguous() else param.contiguous().view(-1)
@@ -79,6 +86,34 @@ class Runner:
                                  stream=stream)
         if not param.is_contiguous():
             param.copy_(flat_param.view_as(param))
+
+    def part_apart(self, full, param, state: dict, slots: tuple[StateSpec, ...] | None = None):
+        """The :class:`~hf_optim.optim.shard_layout.Part` of a sharded parameter whose quantized state (``slots``:
+        the rule's by default) needs the sharded step (:func:`hf_optim.optim.sharded_blocks.steps_apart`), else
+        None."""
+        if full is None or full is param:
+            return None
+        part = shard_layout.part_of(full)
+        if isinstance(part, shard_layout.Part) and sharded_blocks.steps_apart(part, state, slots or self.slots):
+            return part
+        return None
+
+    def read_slot(self, state: dict, spec: StateSpec, n: int, full: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 values ``(rows, n)`` of slot ``spec`` of a parameter's state (``full``: the parameter, for a
+        sharded one's part)."""
+        part = self.part_apart(full, None, state, (spec,))
+        if part is not None:
+            return sharded_blocks.read_part(part, state, spec)
+        return state_store.read_slot(state, spec, n)
+
+    def write_slot(self, state: dict, spec: StateSpec, values: torch.Tensor, full: torch.Tensor | None = None) -> None:
+        """Store fp32 ``values`` ``(rows, n)`` into slot ``spec`` (``full``: as :meth:`read_slot`; every rank of a
+        sharded parameter's group must write, also an empty part)."""
+        part = self.part_apart(full, None, state, (spec,))
+        if part is not None:
+            sharded_blocks.write_part(part, state, spec, values, self.store.pending)
+        else:
+            state_store.write_slot(state, spec, values)
 
     # State
     def view(self, group: dict) -> dict:
@@ -154,7 +189,8 @@ class Runner:
             if restricted and self.fast_paths.off(state, restricted, triton_devices[device], device):
                 self.update_tensor(param, grad, state, group, full)  # a whole-tensor format, or one without Triton
                 continue
-            (on_triton if triton_devices[device] else rest).append(item)
+            on_this_triton = triton_devices[device] and self.part_apart(full, param, state) is None
+            (on_triton if on_this_triton else rest).append(item)
         if on_triton:
             triton = self.triton_plans.prepare(group_index, on_triton, stochastic=bool(group[SR_KEY]))
             rest.extend(triton.unsupported)
@@ -170,7 +206,8 @@ class Runner:
         if self.update is not None and self.update.tensor is not None:
             self.update.tensor(self, param, grad, state, group, full)
             return
-        self.run_rule(param, grad, state, self.hyper(group, state["step"]), stream=self.stream(group, state, param))
+        self.run_rule(param, grad, state, self.hyper(group, state["step"]), stream=self.stream(group, state, param),
+                      full=full)
 
     def update_fallback(self, group: dict, items: list) -> None:
         """The PyTorch path for items whose Triton kernels failed: the multi-tensor path where it applies (their

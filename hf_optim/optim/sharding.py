@@ -9,9 +9,12 @@ every function here is a no-op.
 
 State lives on local shards as plain tensors. For torch.distributed.checkpoint, :func:`distribute_state` wraps a
 state tensor as a DTensor laid out like its parameter (``state_dims`` says which parameter dimension each state
-dimension follows), and 8-bit ``absmax`` vectors, which count the 256-element blocks of the LOCAL shard, are
-padded to the largest shard's block count and stacked one row per shard (:func:`distribute_absmax`), so a sharded
-checkpoint saves every rank's blocks and resumes on the same world size and mesh.
+dimension follows). Quantized state normally takes the whole tensor's blocks and checkpoint layout
+(:mod:`hf_optim.optim.sharded_blocks`, :mod:`hf_optim.optim.sharded_state`). The per-shard layout below is for the
+parameters that cannot (a local tensor that is not one contiguous range, :mod:`hf_optim.optim.shard_layout`), and
+the layout earlier checkpoints have: ``absmax`` vectors and packed 4-bit codes, which count the blocks of the LOCAL
+shard, padded to the largest shard's count and stacked one row per shard (:func:`distribute_absmax`), so such a
+checkpoint saves every rank's blocks and resumes on the same world size and mesh only.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from hf_optim.core.state_store import StateSpec, init_slot
+from hf_optim.core.state_store import StateSpec
 from hf_optim.formats import FP32, SlotLayout, StateFormat, settings_format, with_overrides
 from hf_optim.kernels.torch_path.flat_state import FlatStates
+from hf_optim.optim import shard_layout, sharded_blocks
 from hf_optim.optim.sharding import local_tensor
 from hf_optim.paging import paging_unavailable_reason, state_allocator
 
@@ -26,6 +27,8 @@ class StateStore:
         self.allocate = state_allocator(is_paged, owner)
         self.flats: dict[str, FlatStates] = {}
         self._replaced: list[Callable[[], None]] = []
+        self.pending = sharded_blocks.PendingScales()
+        """Split runs of sharded parameters waiting for the whole tensor's scales, reduced at the end of a step."""
 
     def flat(self, label: str) -> FlatStates:
         """The flat buffers of the rule ``label`` (``""``: a single-rule optimizer's)."""
@@ -72,7 +75,19 @@ class StateStore:
         state["step"] = 0
         fmt = self.format_of(full, group)
         for spec in slots:
-            init_slot(state, spec, local_tensor(full), fmt, self.allocate)
+            self.init_slot(state, spec, full, fmt)
+
+    def init_slot(self, state: dict, spec: StateSpec, full: torch.Tensor, fmt: StateFormat) -> None:
+        """Create slot ``spec`` of parameter ``full`` in format ``fmt``: on its local tensor, or, for a sharded
+        parameter's quantized slot, on the whole runs of its scales the local part touches
+        (:mod:`hf_optim.optim.sharded_blocks`)."""
+        local = local_tensor(full)
+        part = shard_layout.part_of(full) if local is not full else None
+        if isinstance(part, shard_layout.Part):
+            local = sharded_blocks.stand_in(part, fmt, spec, local)
+        elif part is not None and fmt.quantized:
+            shard_layout.note_per_shard(full, part)
+        fmt.init_slot(state, spec, local, self.allocate)
 
     def create(self, runner, group: dict, fresh: list, states: dict) -> None:
         """Create the state of ``fresh`` = ``[(param, local param, per-parameter overrides)]`` for ``runner``'s

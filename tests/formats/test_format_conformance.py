@@ -24,7 +24,8 @@ from hf_optim.core.state_store import StateSpec
 from hf_optim.formats import FORMATS, StateFormat, formats_by_rank, loaded_format
 from hf_optim.formats.base import StateDictError
 from hf_optim.kernels.triton_path.configs import fused_configs
-from hf_optim.optim import fast_paths, registry
+from hf_optim.optim import fast_paths, registry, sharded_blocks
+from hf_optim.optim.shard_layout import Part
 from hf_optim.paging import is_paged_tensor, state_allocator
 
 REGISTERED = [fmt.name for fmt in formats_by_rank()]
@@ -145,6 +146,61 @@ def test_allocation_dtypes_zero_values_and_state_bytes(fmt, spec, paged):
     decoded = fmt.dequantize(fmt.raw(state, spec), spec.signed, n)
     assert decoded.shape == (spec.rows, n) and torch.all(decoded == 0), "a new slot must decode to zeros"
     assert loaded_format(state, spec) is fmt.stored_as(spec)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Parts of a tensor (FSDP2's shards) quantize as the whole tensor does
+PART_BOUNDS = (0, 300, 301, 700, 1025)
+"""Parts of the 1025 elements: boundaries inside blocks of 128 and 256 and inside rows of the (25, 41) matrix, odd
+(inside a packed byte), and a part of one element."""
+
+
+@pytest.mark.parametrize("spec", SLOTS, ids=slot_id)
+def test_parts_with_max_combined_scales_store_the_whole_tensors_state(fmt, spec):
+    """The contract ``hf_optim.optim.sharded_blocks`` builds on: each part of a tensor, zero-padded to the whole runs
+    of its format's scales (:meth:`StateFormat.scales`), gives partial scales (:meth:`StateFormat.scales_of`) whose
+    element-wise maxima over the parts are the whole tensor's; stored against them, every part's elements decode
+    to what the whole tensor's state decodes them to, bit for bit, and its scales are the whole tensor's."""
+    if not fmt.quantized:
+        assert fmt.scales(spec, SHAPE) == ()
+        return
+    if not fmt.scales(spec, SHAPE):  # a quantized format without the declaration is refused on a sharded tensor
+        part = Part(0, 300, 1025, 0, (0, 300, 1025), SHAPE, 0, None)
+        with pytest.raises(ValueError, match=f"{fmt.name} state of a tensor sharded over 2 ranks.*blockwise4"):
+            sharded_blocks.geometry(part, fmt, spec)
+        return
+    n = torch.Size(SHAPE).numel()
+    values = probe_values(spec, n)
+    whole = allocate_slot(fmt, spec, paged=False)
+    fmt.store(values, fmt.raw(whole, spec), spec.signed)
+    expected = fmt.dequantize(fmt.raw(whole, spec), spec.signed, n)
+    scales = fmt.scales(spec, SHAPE)
+    run = scales[0].run
+    assert all(scale.run == run for scale in scales)
+    parts = []
+    for lo, hi in zip(PART_BOUNDS[:-1], PART_BOUNDS[1:]):
+        first, runs = lo // run, -(-hi // run) - lo // run
+        state: dict = {}
+        fmt.init_slot(state, spec, torch.zeros(fmt.span_shape(spec, SHAPE, runs)), state_allocator(False, "Test"))
+        placed = torch.zeros(spec.rows, runs * run)
+        placed[:, lo - first * run : hi - first * run] = values[:, lo:hi]
+        partial = fmt.scales_of(placed, fmt.raw(state, spec), spec.signed)
+        parts.append((lo, hi, first, runs, state, placed, partial))
+    combined = [torch.zeros(spec.rows, run if scale.across else -(-n // run)) for scale in scales]
+    for _, _, first, runs, _, _, partial in parts:
+        for scale, total, mine in zip(scales, combined, partial):
+            window = total if scale.across else total[:, first : first + runs]
+            window.copy_(torch.maximum(window, mine))
+    for lo, hi, first, runs, state, placed, _ in parts:
+        given = [total if scale.across else total[:, first : first + runs] for scale, total in zip(scales, combined)]
+        fmt.store(placed, fmt.raw(state, spec), spec.signed, given)
+        decoded = fmt.dequantize(fmt.raw(state, spec), spec.signed, runs * run)[:, lo - first * run : hi - first * run]
+        assert torch.equal(decoded.view(torch.int32), expected[:, lo:hi].view(torch.int32)), (lo, hi)
+        for scale, total in zip(scales, combined):
+            mine = state[scale.key].reshape(spec.rows, -1)
+            assert torch.equal(mine, total if scale.across else total[:, first : first + runs]), scale.key
+            wanted = whole[scale.key].reshape(spec.rows, -1)
+            assert torch.equal(mine, wanted if scale.across else wanted[:, first : first + runs]), scale.key
 
 
 # --------------------------------------------------------------------------------------------------------------

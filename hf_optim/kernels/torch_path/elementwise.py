@@ -56,6 +56,32 @@ def update(
     :mod:`hf_optim.numerics.rounding`, which then rounds the new parameter into bf16 stochastically instead of
     to nearest.
     """
+    raws, olds, index = [], [], 0
+    for layout in layouts:
+        raw = tensors[index : index + layout.width]
+        raws.append(raw)
+        olds.append(layout.format.dequantize(raw, layout.signed, None if param.dim() > 1 else param.shape[-1]))
+        index += layout.width
+
+    news = update_values(rule, param, grad, out, olds, hyper, stochastic)
+
+    for layout, raw, new in zip(layouts, raws, news):
+        layout.format.store(new, raw, layout.signed)
+
+
+def update_values(
+    rule: Rule,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    out: torch.Tensor | None,
+    olds: Sequence[torch.Tensor],
+    hyper: tuple,
+    stochastic: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """The middle of :func:`update`, for callers that read and store the state themselves (a sharded
+    parameter's part, ``hf_optim.optim.sharded_blocks``): runs ``rule`` on ``param``/``grad`` and the fp32 state
+    values ``olds`` (same form), writes the parameter (or ``out``) in place, and returns the new state values, an
+    element whose gradient is not finite keeping its old ones."""
     # Scalars enter the rule as fp32 0-d tensors on every path, so any scalar arithmetic inside a rule rounds
     # the same way eagerly and compiled (a Python float would be combined in double precision).
     hyper = scalar_tensors(hyper)
@@ -64,17 +90,8 @@ def update(
     finite = torch.isfinite(g32)
     g32 = torch.where(finite, g32, torch.zeros_like(g32))
 
-    raws, olds, index = [], [], 0
-    for layout in layouts:
-        raw = tensors[index : index + layout.width]
-        raws.append(raw)
-        olds.append(layout.format.dequantize(raw, layout.signed, None if param.dim() > 1 else param.shape[-1]))
-        index += layout.width
-
     result, news = rule(p32, g32, olds, hyper)
-
-    for layout, raw, old, new in zip(layouts, raws, olds, news):
-        layout.format.store(torch.where(finite, new, old), raw, layout.signed)
+    news = [torch.where(finite, new, old) for old, new in zip(olds, news)]
 
     if out is None:
         new_param = torch.where(finite, result, p32)[0]
@@ -84,3 +101,4 @@ def update(
         param.copy_(new_param)
     else:
         out.copy_(torch.where(finite, result, torch.zeros_like(result))[0])
+    return news

@@ -345,10 +345,12 @@ def step_tensor(
     tensors: Sequence[torch.Tensor],
     hyper: tuple,
     stream: rounding.Stream | None = None,
+    index_offset: int = 0,
 ) -> None:
     """Run ``rule`` over one tensor's own state (``state_store.slot_tensors``): its whole blocks chunk by chunk
     in the kernels' block form, a last partial block as it is. ``stream`` (a bf16 ``param``): round the new
-    values stochastically, with counters of the element's index in ``param`` and ``stream.ordinal``."""
+    values stochastically, with counters of the element's index in ``param`` (plus ``index_offset``, for a range
+    of a larger tensor) and ``stream.ordinal``."""
     hyper_t = hyper_tensors(hyper)
     n = param.numel()
     whole = n - n % BLOCK_SIZE
@@ -361,7 +363,8 @@ def step_tensor(
         # update over the flat tensor and its (rows, n) raw tensors.
         stochastic = None
         if stream is not None and out is None:
-            stochastic = (rounding.tensor_bases(stream.ordinal, 0, n, False, param.device), stream.key)
+            stochastic = (rounding.tensor_bases(stream.ordinal, index_offset, index_offset + n, False, param.device),
+                          stream.key)
         elementwise.update(rule, layouts, param, grad, out, tensors, hyper_t, stochastic)
         return
     chunk_elements = CHUNK if param.device.type == "cpu" else DEVICE_CHUNK
@@ -380,6 +383,8 @@ def step_tensor(
         o = None if out is None else out[start:stop].view(shape)
         stochastic = None
         if stream is not None and out is None:
-            stochastic = (rounding.tensor_bases(stream.ordinal, start, stop, start < whole, param.device), stream.key)
+            bases = rounding.tensor_bases(stream.ordinal, index_offset + start, index_offset + stop, start < whole,
+                                          param.device)
+            stochastic = (bases, stream.key)
         run_update(rule, layouts, param[start:stop].view(shape), grad[start:stop].view(shape), o, chunk, hyper_t,
                    stochastic)

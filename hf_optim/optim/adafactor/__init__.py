@@ -19,7 +19,7 @@ import torch
 
 from hf_optim.core.algorithm import Algorithm, TritonPlan, fp32_reciprocal
 from hf_optim.core.own_update import OwnUpdate
-from hf_optim.core.state_store import StateSpec, init_slot, read_slot, slot_bytes, write_slot
+from hf_optim.core.state_store import StateSpec, slot_bytes
 from hf_optim.formats import FP32, StateFormat, loaded_format
 from hf_optim.numerics import rounding
 from hf_optim.optim import sharding
@@ -181,7 +181,7 @@ def init_adafactor_state(ctx, full: torch.Tensor, group: dict, state: dict) -> N
     else:
         state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
     if group["beta1"] is not None:
-        init_slot(state, FIRST_MOMENT, param, ctx.store.format_of(full, group), ctx.store.allocate)
+        ctx.store.init_slot(state, FIRST_MOMENT, full, ctx.store.format_of(full, group))
 
 
 def learning_rate(group: dict, step: int, param_rms: torch.Tensor) -> torch.Tensor:
@@ -218,15 +218,15 @@ def adafactor_update(ctx, param: torch.Tensor, grad: torch.Tensor, state: dict, 
         update = sq.rsqrt() * grad
     update = update / (reduce.rms(update) / group["clip_threshold"]).clamp(min=1.0)
     update = update * lr
-    if param.numel() == 0:  # an empty shard has joined every reduction; nothing of its own to update
-        return
-    if group["beta1"] is not None:
-        old = read_slot(state, FIRST_MOMENT, update.numel()).view_as(update)
+    if group["beta1"] is not None:  # an empty shard too: a sharded 8-bit slot's split runs wait for every rank
+        old = ctx.read_slot(state, FIRST_MOMENT, update.numel(), full).view_as(update)
         exp_avg = old * group["beta1"] + update * (1.0 - group["beta1"])
         if finite is not None:
             exp_avg = torch.where(finite, exp_avg, old)
-        write_slot(state, FIRST_MOMENT, exp_avg.reshape(1, -1))  # reshape: a transposed param is not contiguous
-        update = exp_avg
+        ctx.write_slot(state, FIRST_MOMENT, exp_avg.reshape(1, -1), full)  # reshape: a transposed param is not
+        update = exp_avg  # contiguous
+    if param.numel() == 0:  # an empty shard has joined every reduction; nothing of its own to update
+        return
     _apply(ctx, param, p32, update, lr, finite, state, group)
 
 

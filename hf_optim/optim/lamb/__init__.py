@@ -124,7 +124,7 @@ def lamb_tensor_update(ctx, param: torch.Tensor, grad: torch.Tensor, state: dict
     """LAMB on one tensor: the direction, the trust ratio of the whole tensor, then ``p -= lr * ratio * u``."""
     # Pass 1 writes the direction to scratch and leaves the parameter untouched, so its norm is "before".
     direction = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-    ctx.run_rule(param, grad, state, ctx.hyper(group, state["step"]), out=direction.view(-1))
+    ctx.run_rule(param, grad, state, ctx.hyper(group, state["step"]), out=direction.view(-1), full=full)
     weight_norm, update_norm = _norms(param, direction, full)
     adapt = group["weight_decay"] != 0 or group["use_nvlamb"]
     ratio = trust_ratio(weight_norm, update_norm, adapt=adapt, max_trust_ratio=group["max_trust_ratio"],

@@ -132,7 +132,7 @@ def _muon_batch(ctx, group: dict, shape: tuple[int, ...], batch: list) -> None:
         hyper = ctx.hyper(group, state["step"])
         if split:
             local = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-            ctx.run_rule(param, grad, state, hyper, out=local.view(-1))
+            ctx.run_rule(param, grad, state, hyper, out=local.view(-1), full=full)
             row.copy_(sharding.gathered(local, full))
         else:
             ctx.run_rule(param, grad, state, hyper, out=row.view(-1))
