@@ -14,8 +14,10 @@ measures both:
   thread count is part of a graph's guards) when the machine is busy: other processes kept at least :data:`BUSY`
   cores busy over each of the last two quarter seconds (:class:`OtherLoad`: the cores' busy time from ``/proc/stat``
   less this process's own CPU time and its children's, not counting niced processes such as the background compiler;
-  the 1-minute load average used before lagged a minute behind the load), or its own time per element has grown to
-  :data:`SLOWDOWN` times its best;
+  the 1-minute load average used before lagged a minute behind the load), or, where that meter does not read quiet,
+  its own time per element has been :data:`SLOWDOWN` times its best or more in :data:`SLOW_RUNS` runs in a row (on an
+  idle machine a step's time varies by 2x from run to run: a warm run of the Llama-3.2-1B LoRA set took 31 or 55 ms
+  per step, both often);
 - with both variants compiled it runs the one that measured faster and tries the other again now and then, after
   :data:`FIRST_PROBE` runs, twice as long after each try that confirms the choice (at most :data:`LAST_PROBE`),
   and soon again when the chosen variant's own time per element says the load changed (all threads 1.5x slower:
@@ -63,6 +65,12 @@ noise and compiled it beside the training (18 s of a core). Smaller runs are jud
 (:meth:`ThreadChoice.busy`) only."""
 WARMUP = 3
 """Measured runs with torch's thread count before the machine is judged."""
+SLOW_RUNS = 3
+"""Consecutive runs, each :data:`SLOWDOWN` times the best or slower, that judge a slowdown by the kernel's own time
+(where the other processes' load is not measured quiet). A slow run alone is noise on an idle machine (warm steps of
+the Llama-3.2-1B LoRA set took 31 ms or 52-61 ms with nothing else running); judged from such runs, warm runs
+compiled the one-thread variant beside their steps, which took 0.3-3 s each meanwhile. Load from other processes
+lasts: it slows every run."""
 FIRST_PROBE, LAST_PROBE = 8, 256
 """Runs between two tries of the variant not chosen: the first interval, and the most it doubles to."""
 SMOOTHING = 0.5
@@ -221,6 +229,7 @@ class OtherLoad:
         self._last: tuple[float, float, float] | None = None  # (wall, busy, own) at the window's start
         self._previous: float | None = None  # the figure of the window before the last
         self.cores: float | None = None
+        self.pending = True  # no figure yet, on a machine that has one (False where none can be measured)
 
     def __call__(self) -> float | None:
         now = self._clock()
@@ -228,6 +237,7 @@ class OtherLoad:
             return self.cores
         busy = self._busy()
         if busy is None:
+            self.pending = False
             return None
         own = self._own()
         if self._last is not None:
@@ -235,6 +245,7 @@ class OtherLoad:
             window = max(0.0, (busy - busy_before) - (own - own_before)) / (now - wall)
             if self._previous is not None:
                 self.cores = min(window, self._previous)
+                self.pending = False
             self._previous = window
         self._last = (now, busy, own)
         return self.cores
@@ -262,6 +273,7 @@ class ThreadChoice:
         self.warmed: set[int] = set()  # thread counts whose first run (not timed) is done
         self.best_many = math.inf  # the lowest single measurement with `many` threads
         self.runs_many = 0
+        self.slow_runs = 0  # consecutive measured runs with `many` threads at SLOWDOWN times the best or slower
         self.wants_one = False  # whether the one-thread variant should be compiled
         self.chosen = many
         self.runs_since_probe = 0
@@ -306,11 +318,17 @@ class ThreadChoice:
         if count == self.many:
             self.runs_many += 1
             self.best_many = min(self.best_many, sample)
+            timed = elements >= TIMED_ELEMENTS
+            self.slow_runs = self.slow_runs + 1 if timed and sample >= SLOWDOWN * self.best_many else 0
             if not self.wants_one and self.many > 1:
                 busy = self.busy()  # read from the first run on: the meter's first window ends meanwhile
                 if self.runs_many >= WARMUP:
-                    slower = elements >= TIMED_ELEMENTS and self.cost[self.many] >= SLOWDOWN * self.best_many
-                    self.wants_one = slower or busy is True
+                    # The kernel's own time judges only where the meter cannot: with other processes measured
+                    # quiet, a slower run is this process's own noise, which one thread would not cure.
+                    # Nor before the meter's first figure (its first two windows, half a second): the first runs of a
+                    # kernel just loaded are the slowest.
+                    measuring = getattr(self._load, "pending", False)
+                    self.wants_one = busy is True or (busy is None and not measuring and self.slow_runs >= SLOW_RUNS)
         if 1 not in self.cost or self.many not in self.cost:
             return
         best = min((self.many, 1), key=lambda c: self.cost[c])
