@@ -266,24 +266,10 @@ class SimOptimizer(torch.optim.Optimizer):
 
 # -- problems (quality4.py's) ---------------------------------------------------------------------------------------
 def mlp_loss(factory: Callable, seed: int, steps: int = 400) -> float:
-    torch.manual_seed(seed)
-    x = torch.randn(8192, 32)
-    features = torch.randn(32, 64) / 32**0.5
-    y = torch.sin(1.5 * x @ features).sum(1, keepdim=True)
-    y = (y - y.mean()) / y.std()
-    torch.manual_seed(seed + 100)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
-                                torch.nn.Linear(256, 1))
-    optimizer = factory(model.parameters())
-    batches = torch.Generator().manual_seed(seed + 200)
-    for _ in range(steps):
-        index = torch.randint(0, x.shape[0], (256,), generator=batches)
-        loss = F.mse_loss(model(x[index]), y[index])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    with torch.no_grad():
-        return F.mse_loss(model(x), y).item()
+    """quality4.py's MLP problem (the same data, model, batches and steps), with the optimizer ``factory`` builds."""
+    from quality4 import mlp_loss as quality4_mlp
+
+    return quality4_mlp("", lambda params, _lr: factory(params), seed, steps)
 
 
 def llama_loss(factory: Callable, seed: int, steps: int = 120) -> float:

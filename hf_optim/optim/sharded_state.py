@@ -178,7 +178,7 @@ def import_slot(fmt: StateFormat, spec: StateSpec, loaded: dict, param, part: Pa
         target = fresh[key].view(rows, -1) if key in scales or key == spec.key else None
         if key == spec.key and (geo is None or not fmt.packed):
             element_dims = (None,) * (rows > 1) + tuple(range(param.dim()))
-            tensor, whole = _whole_or_local(value, param, part, _element_placements(param, element_dims))
+            tensor, whole = _whole_or_local(value, param, part, sharding.element_placements(param, element_dims))
             mine = tensor.reshape(rows, -1)[:, part.start : part.stop] if whole else tensor.reshape(rows, -1)
             _part_of_slot(target, rows, geo, part).copy_(mine)
         elif key == spec.key:
@@ -210,19 +210,6 @@ def _spans(part: Part, run: int):
     """Every shard's span of ``run``-element runs (what each holds of a per-run scale)."""
     return [Part(lo, hi, part.total, i, part.bounds, part.shape, part.mesh_dim, part.group).span(run)
             for i, (lo, hi) in enumerate(part.parts())]
-
-
-def _element_placements(param, dims) -> tuple:
-    from torch.distributed.tensor import Replicate, Shard
-
-    dims = list(dims)
-    placements = []
-    for placement in param.placements:
-        if isinstance(placement, Shard) and placement.dim % param.dim() in dims:
-            placements.append(Shard(dims.index(placement.dim % param.dim())))
-        else:
-            placements.append(Replicate())
-    return tuple(placements)
 
 
 def meta_of(param) -> torch.Tensor:
@@ -349,7 +336,7 @@ def _local_slice(whole: torch.Tensor, param, dims) -> torch.Tensor:
     """This rank's piece of a whole state tensor laid out like ``param`` (``dims``: as ``distribute_state``)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    placements = _element_placements(param, dims)
+    placements = sharding.element_placements(param, dims)
     shape, offset = compute_local_shape_and_global_offset(whole.shape, param.device_mesh, placements)
     return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 

@@ -120,14 +120,10 @@ def local_part(whole: torch.Tensor, param) -> torch.Tensor:
 # Distributed views of the state, for torch.distributed.checkpoint
 
 
-def distribute_state(local: torch.Tensor, param, dims: Sequence[int | None]):
-    """Wrap a local state tensor as a DTensor laid out like ``param``.
-
-    ``dims[i]`` is the parameter dimension state dimension ``i`` follows (None: a dimension of its own, e.g.
-    AdEMAMix's stacked EMAs). A parameter dimension the state has reduced over is replicated: the algorithm
-    keeps that state identical on every rank of the shard group.
-    """
-    DTensor, Replicate, Shard = _dtensor_types()
+def element_placements(param, dims: Sequence[int | None]) -> tuple:
+    """The placements of a state whose dimension ``i`` follows parameter dimension ``dims[i]``: sharded where the
+    parameter is sharded along a dimension the state follows, replicated elsewhere."""
+    _, Replicate, Shard = _dtensor_types()
     dims = list(dims)
     placements = []
     for placement in param.placements:
@@ -135,6 +131,18 @@ def distribute_state(local: torch.Tensor, param, dims: Sequence[int | None]):
             placements.append(Shard(dims.index(placement.dim % param.dim())))
         else:
             placements.append(Replicate())
+    return tuple(placements)
+
+
+def distribute_state(local: torch.Tensor, param, dims: Sequence[int | None]):
+    """Wrap a local state tensor as a DTensor laid out like ``param``.
+
+    ``dims[i]`` is the parameter dimension state dimension ``i`` follows (None: a dimension of its own, e.g.
+    AdEMAMix's stacked EMAs). A parameter dimension the state has reduced over is replicated: the algorithm
+    keeps that state identical on every rank of the shard group.
+    """
+    DTensor, _, _ = _dtensor_types()
+    placements = element_placements(param, dims)
     shape = [param.shape[d] if d is not None else local.shape[i] for i, d in enumerate(dims)]
     return DTensor.from_local(local, param.device_mesh, placements, run_check=False, shape=torch.Size(shape),
                               stride=_contiguous_stride(shape))
