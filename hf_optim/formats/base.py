@@ -69,6 +69,9 @@ class StateFormat:
     """How many raw tensors a slot passes to the kernels."""
     packed: ClassVar[bool] = False
     """Whether the main tensor is not shaped like the parameter (several codes per byte)."""
+    crosses_threads: ClassVar[bool] = False
+    """Whether its Triton encoder moves values between the threads of a tile (a code byte or a scale made of elements
+    other threads hold), which Triton does through shared memory: the static check expects it there."""
     whole_tensor: ClassVar[bool] = False
     """Whether a slot's scales span the whole tensor, so that it cannot be quantized in independent chunks: such a
     format has no flat-buffer (multi-tensor) form, and its tensors step one by one on the PyTorch path."""

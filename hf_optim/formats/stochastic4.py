@@ -38,6 +38,9 @@ def format_key(spec) -> str:
 
 class Stochastic4(StateFormat):
     name, bits, code, width, block_size, packed = "stochastic4", 4, 5, 2, GROUP, True
+    # A byte holds elements i and 128 + i of a 256-element block, and a group's maximum reduces over a reshaped
+    # tile: both exchange values between threads (shared memory on the GPU; counted in gpu_static's occupancy).
+    crosses_threads = True
     class_suffix, optim_suffix, label, rank, optim_bits = "4bit", "4bit", "4-bit stochastic", 2.75, 4
     triton_rows = "hf_optim.kernels.triton_path.stochastic4:STOCHASTIC4_ROWS"
     ahead_of = "blockwise8"  # whose recognises() accepts any uint8 slot without a 16-entry map, this one's too
