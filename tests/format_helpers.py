@@ -10,9 +10,9 @@ import torch
 import hf_optim
 from hf_optim.core.state_store import StateSpec
 from hf_optim.formats import StateFormat
-from hf_optim.formats import quant8 as blockwise
 from hf_optim.formats.dynamic_map import dynamic_map
 from hf_optim.formats.rank1_quant4 import matrix_shape
+from hf_optim.numerics import padded_blocks
 
 
 def round_trip_bound(state: dict, spec: StateSpec, fmt: StateFormat) -> float:
@@ -88,7 +88,7 @@ def build(cls, params, **kwargs):
 def reference_codes(values: torch.Tensor, signed: bool) -> torch.Tensor:
     """Brute force: nearest map value to value/absmax (exact ties to the code nearer zero), then the sign fix."""
     qmap = dynamic_map(signed).double()
-    blocks = blockwise._blocked(values.view(1, -1))
+    blocks = padded_blocks(values.view(1, -1))
     absmax = blocks.abs().amax(-1, keepdim=True)
     y = (blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))).double().flatten()[: values.numel()]
     mids = ((qmap[1:].float() + qmap[:-1].float()) * 0.5).double()

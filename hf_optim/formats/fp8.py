@@ -39,11 +39,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from hf_optim.formats.base import Scales, StateDictError, StateFormat, in_blocks, register_format
 from hf_optim.numerics import BLOCK_SIZE as CHUNK_BLOCK
-from hf_optim.numerics import exact_math, rounding
+from hf_optim.numerics import exact_math, padded_blocks, rounding
 
 BLOCK_SIZE = 256
 """Elements per scale block: the multi-tensor chunks' block, so block form needs no reshaping (128 measured no
@@ -56,14 +55,6 @@ SECOND_MOMENT = "e4m3_sr"
 """How the registered format stores non-negative slots: ``"e4m3_sr"`` (``v`` itself, rounded stochastically), or,
 for measurement only (:func:`variant`), ``"e4m3"`` (rounded to nearest), ``"sqrt_e4m3"`` (``sqrt(v)`` in e4m3,
 nearest) or ``"e5m2"`` (nearest)."""
-
-
-def _blocked(values: torch.Tensor, block: int) -> torch.Tensor:
-    """``(rows, n)`` or block form ``(rows, B, 256)`` as ``(rows, blocks, block)``, zero-padded."""
-    if values.dim() == 3:
-        return values.reshape(values.shape[0], -1, block)
-    pad = -values.shape[-1] % block
-    return (F.pad(values, (0, pad)) if pad else values).view(values.shape[0], -1, block)
 
 
 SR_SALT = 0x2545F491
@@ -171,7 +162,7 @@ class Fp8(StateFormat):
     def dequantize(self, raw: Sequence[torch.Tensor], signed: bool, n: int | None = None) -> torch.Tensor:
         codes, absmax = raw[:2]
         fmax = FMAX[codes.dtype]
-        values = _blocked(codes.float(), self.block_size) * exact_math.div(absmax, fmax).unsqueeze(-1)
+        values = padded_blocks(codes.float(), self.block_size) * exact_math.div(absmax, fmax).unsqueeze(-1)
         if self.stores_root(signed):
             values = values * values
         return _unblocked(values, codes.shape)
@@ -185,13 +176,13 @@ class Fp8(StateFormat):
         return (Scales(spec.absmax_key, self.block_size),)
 
     def scales_of(self, values, raw, signed):
-        return [_blocked(self._stored_values(values, signed), self.block_size).abs().amax(dim=-1)]
+        return [padded_blocks(self._stored_values(values, signed), self.block_size).abs().amax(dim=-1)]
 
     def store(self, values: torch.Tensor, raw: Sequence[torch.Tensor], signed: bool, scales=None) -> None:
         codes, absmax = raw[:2]
         fmax = FMAX[codes.dtype]
         values = self._stored_values(values, signed)
-        blocked = _blocked(values, self.block_size)
+        blocked = padded_blocks(values, self.block_size)
         block_max = blocked.abs().amax(dim=-1) if scales is None else scales[0]
         # x * (FMAX / absmax): the largest magnitude maps to FMAX (within an ulp; the clamp saturates it). One
         # division (exact_math.div), as Triton's div_rn: ``fmax / tensor`` would be ``reciprocal() * fmax``, an ulp

@@ -56,9 +56,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
-from hf_optim.numerics import BLOCK_SIZE, exact_math
+from hf_optim.numerics import BLOCK_SIZE, exact_math, padded_blocks
 
 HALF = BLOCK_SIZE // 2
 """Elements per nibble plane of a 256-element block (its codes are ``HALF`` bytes)."""
@@ -174,17 +173,6 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0, :] | (codes[..., 1, :] << 4)).to(torch.int8)
 
 
-def _blocks(values: torch.Tensor) -> torch.Tensor:
-    """Block form ``(rows, B, 256)`` or flat ``(rows, n)`` (zero-padded) as ``(rows, blocks, 256)``."""
-    if values.dim() == 3:
-        return values
-    rows, n = values.shape
-    pad = num_blocks(n) * BLOCK_SIZE - n
-    if pad:
-        values = F.pad(values, (0, pad))
-    return values.view(rows, -1, BLOCK_SIZE)
-
-
 def quantize_blocks(values: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 packed codes ``(rows, B, 128)``, scales ``(rows, B, 4)``) of fp32 ``(rows, B, 256)`` values."""
     rows, blocks = values.shape[:2]
@@ -201,7 +189,7 @@ def quantize_blocks(values: torch.Tensor, signed: bool) -> tuple[torch.Tensor, t
 def quantize_into(values: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> None:
     """Quantize fp32 ``values`` (flat ``(rows, n)`` or block form ``(rows, B, 256)``) into ``codes`` (uint8 or int8,
     ``(rows, 128 * blocks)`` or ``(rows, B, 128)``) and ``scale`` (``(rows, 4 * blocks)``)."""
-    packed, new_scale = quantize_blocks(_blocks(values), signed)
+    packed, new_scale = quantize_blocks(padded_blocks(values), signed)
     codes.view(torch.int8).view(packed.shape).copy_(packed)
     scale.view(new_scale.shape).copy_(new_scale)
 

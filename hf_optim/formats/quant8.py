@@ -16,27 +16,14 @@ separate absmax rows, goes through the same code as every other state.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hf_optim.formats.dynamic_map import KEY_SHIFT, LOW_MASK, encoder_keys
-from hf_optim.numerics import BLOCK_SIZE
+from hf_optim.numerics import BLOCK_SIZE, padded_blocks
 
 
 def num_blocks(numel: int) -> int:
     """Number of 256-element blocks that cover ``numel`` elements."""
     return -(-numel // BLOCK_SIZE)
-
-
-def _blocked(x: torch.Tensor) -> torch.Tensor:
-    """View ``(rows, n)`` as ``(rows, blocks, 256)``, zero-padding the last block; a tensor already shaped
-    ``(rows, blocks, 256)`` (the multi-tensor kernels' form) is returned as it is."""
-    if x.dim() == 3:
-        return x
-    rows, n = x.shape
-    pad = num_blocks(n) * BLOCK_SIZE - n
-    if pad:
-        x = F.pad(x, (0, pad))
-    return x.view(rows, -1, BLOCK_SIZE)
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
@@ -45,7 +32,7 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) ->
     # Codes may come as uint8 or as the int8 view the kernels pass (see quantize_into); & 255 makes either 0..255,
     # which always indexes the 256-entry map.
     values = torch.ops.aten._unsafe_index(qmap, [codes.int() & 255])
-    scaled = _blocked(values) * absmax.unsqueeze(-1)
+    scaled = padded_blocks(values) * absmax.unsqueeze(-1)
     return scaled if codes.dim() == 3 else scaled.flatten(1)[:, :n]
 
 
@@ -69,13 +56,13 @@ def encode(normalized: torch.Tensor, table: torch.Tensor, signed: bool) -> torch
 
 def block_absmax(values: torch.Tensor) -> torch.Tensor:
     """The absmax (rows, blocks) of fp32 ``values`` (rows, n) or (rows, blocks, 256): what :func:`quantize` stores."""
-    return _blocked(values).abs().amax(dim=-1)
+    return padded_blocks(values).abs().amax(dim=-1)
 
 
 def _normalized_blocks(values: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(values / their block's absmax as (rows, blocks, 256), absmax (rows, blocks)); ``absmax``: the blocks' own
     (computed) when None."""
-    blocks = _blocked(values)
+    blocks = padded_blocks(values)
     if absmax is None:
         absmax = blocks.abs().amax(dim=-1)
     # An all-zero block has absmax 0: divide by 1 so it encodes as exact zeros, not NaN.
